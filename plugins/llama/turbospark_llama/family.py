@@ -1,0 +1,205 @@
+# Copyright 2026 the turbospark authors. Apache-2.0.
+"""The Llama-style decoder: GQA + RoPE attention, dense SwiGLU or routed-expert MoE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import KVCache
+from turbospark_core.rope import Rope
+from turbospark_core.weights import WeightStore
+
+QK_NORMS = (None, "head", "full")
+SCORINGS = ("softmax", "sigmoid")
+
+
+@attrs.frozen(kw_only=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = attrs.field(eq=False)
+    max_position_embeddings: int
+    qk_norm: str | None
+    moe: MoEArgs | None
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        moe = arch.get("moe")
+        return cls(
+            model_type=arch["model_type"],
+            hidden_size=arch["hidden_size"],
+            num_hidden_layers=arch["num_hidden_layers"],
+            num_attention_heads=arch["num_attention_heads"],
+            num_key_value_heads=arch["num_key_value_heads"],
+            head_dim=arch["head_dim"],
+            rotary_dim=arch.get("rotary_dim") or arch["head_dim"],
+            vocab_size=arch["vocab_size"],
+            rms_norm_eps=float(arch["rms_norm_eps"]),
+            rope_theta=float(arch["rope_theta"]),
+            rope_scaling=arch.get("rope_scaling"),
+            max_position_embeddings=arch.get("max_position_embeddings") or 4096,
+            qk_norm=arch.get("qk_norm"),
+            moe=MoEArgs(**moe) if moe else None,
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        out = []
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"):
+            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0:
+                out.append(f"{key!r} must be positive (got {arch.get(key)!r})")
+        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+            out.append(
+                f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={arch['num_key_value_heads']}"
+            )
+        if arch.get("qk_norm") not in QK_NORMS:
+            out.append(f"qk_norm={arch.get('qk_norm')!r} is not one of {QK_NORMS}")
+        moe = arch.get("moe")
+        if moe and moe.get("scoring") not in SCORINGS:
+            out.append(f"moe scoring {moe.get('scoring')!r} is not one of {SCORINGS}")
+        if moe and not 0 < moe.get("top_k", 0) <= moe.get("num_experts", 0):
+            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
+        return out
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.eps = args.rms_norm_eps
+        self.qk_norm = args.qk_norm
+        self.q_proj = w.linear(f"{prefix}.q_proj")
+        self.k_proj = w.linear(f"{prefix}.k_proj")
+        self.v_proj = w.linear(f"{prefix}.v_proj")
+        self.o_proj = w.linear(f"{prefix}.o_proj")
+        self.q_norm = w.tensor(f"{prefix}.q_norm.weight") if args.qk_norm else None
+        self.k_norm = w.tensor(f"{prefix}.k_norm.weight") if args.qk_norm else None
+        self.rope = Rope.from_config(
+            dims=args.rotary_dim,
+            theta=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_positions=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.qk_norm == "head":
+            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = "causal" if L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP:
+    def __init__(self, w: WeightStore, prefix: str) -> None:
+        self.gate_proj = w.linear(f"{prefix}.gate_proj")
+        self.up_proj = w.linear(f"{prefix}.up_proj")
+        self.down_proj = w.linear(f"{prefix}.down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+class MoE:
+    def __init__(self, args: MoEArgs, w: WeightStore, prefix: str) -> None:
+        self.args = args
+        self.gate = w.linear(f"{prefix}.gate")
+        self.e_score_correction_bias = w.optional(f"{prefix}.e_score_correction_bias")
+        self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.args.top_k
+        logits = self.gate(x).astype(mx.float32)
+        if self.args.scoring == "softmax":
+            scores = mx.softmax(logits, axis=-1, precise=True)
+            choice = scores
+        else:
+            scores = mx.sigmoid(logits)
+            bias = self.e_score_correction_bias
+            choice = scores if bias is None else scores + bias
+        inds = mx.stop_gradient(mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k])
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if self.args.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = self.experts.glu(x, inds, swiglu)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.eps = args.rms_norm_eps
+        self.self_attn = Attention(args, w, f"{prefix}.self_attn")
+        sparse = args.moe is not None and i in args.moe.sparse_layers
+        self.mlp = MoE(args.moe, w, f"{prefix}.mlp") if sparse else MLP(w, f"{prefix}.mlp")
+        self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
+        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embed_tokens = w.embedding("model.embed_tokens")
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.norm = w.tensor("model.norm.weight")
+        # Tied head unless the install carries its own lm_head
+        self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if cache is None else cache[i])
+        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(mx.float32)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks

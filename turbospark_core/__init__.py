@@ -1,0 +1,42 @@
+"""turbospark: an LLM inference runtime on MLX whose model families are plugins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import pluggy
+
+from turbospark_core.errors import TurbosparkError
+from turbospark_core.names import NAME
+
+__version__ = "0.1.0"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+hookimpl: Callable[[_F], _F] = pluggy.HookimplMarker(NAME)
+
+
+def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's name
+    """Open a turbospark install and return a :class:`Runner`.
+
+    Args:
+        path: The install directory (made by ``turbospark convert``).
+        **options: ``max_context`` (tokens), ``expert_slots`` (positive int or
+            ``"auto"``), ``residency`` (``"resident"``/``"auto"``),
+            ``memory_budget`` (bytes or ``"8GB"``; default 80% of free RAM),
+            ``kv_quant`` (``None``), ``warmup`` (bool).
+
+    Raises:
+        TurbosparkError: A subclass naming what is wrong and how to fix it.
+    """
+    from turbospark_core.loader import open_install
+    from turbospark_core.tokenizer import Tokenizer
+
+    opened = open_install(path, **options)
+    tokenizer = Tokenizer.from_install(opened.manifest.root, opened.generation_config)
+    return Runner(opened, tokenizer)
+
+
+from turbospark_core.runner import Generation, Runner  # noqa: E402
+
+__all__ = ["Generation", "Runner", "TurbosparkError", "hookimpl", "open", "__version__"]

@@ -1,0 +1,44 @@
+"""Compute policy: how weights are held and multiplied, chosen by the core per backend."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+
+
+@attrs.frozen(kw_only=True)
+class ComputePolicy:
+    """How the core holds weights for the families' linear/embedding/expert objects.
+
+    Attributes:
+        unpack: Dequantize quantized matrices and widen half floats to
+            ``compute_dtype`` at open (the CPU's fast path: MLX's CPU
+            quantized/half kernels are slow and ``gather_mm`` is float32-only).
+        compute_dtype: Activation dtype (and weight dtype when unpacking).
+        reason: One line saying why, for ``turbospark inspect``.
+    """
+
+    unpack: bool
+    compute_dtype: mx.Dtype = attrs.field(eq=False)
+    reason: str
+
+    @classmethod
+    def choose(cls, *, unpacked_bytes: int, stored_bytes: int, budget: int) -> ComputePolicy:
+        """Pick the policy for the default device within ``budget`` bytes."""
+        on_cpu = mx.default_device() == mx.cpu
+        if not on_cpu:
+            return cls(unpack=False, compute_dtype=mx.float16, reason="gpu: quantized kernels")
+        if unpacked_bytes <= budget:
+            return cls(
+                unpack=True,
+                compute_dtype=mx.float32,
+                reason=f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget",
+            )
+        return cls(
+            unpack=False,
+            compute_dtype=mx.float32,
+            reason=(
+                f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed the budget; "
+                f"keeping stored form ({stored_bytes / 1e9:.2f} GB)"
+            ),
+        )

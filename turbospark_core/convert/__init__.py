@@ -1,0 +1,110 @@
+"""``turbospark convert``: make an install from a Hugging Face, mlx-lm or GGUF source."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core import __version__, plugins
+from turbospark_core.convert import hf
+from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
+from turbospark_core.convert.writer import finish, prepare_destination, write_install
+from turbospark_core.errors import ConversionError, UnknownFamilyError
+from turbospark_core.manifest import Manifest, load_manifest
+from turbospark_core.progress import progress
+
+__all__ = ["ConvertOptions", "convert"]
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    group_size: int = 64,
+    dequantize: bool = False,
+    force: bool = False,
+    show_progress: bool = False,
+) -> Manifest:
+    """Make an install at ``dst`` from ``src``.
+
+    Args:
+        src: A Hugging Face / mlx-lm checkpoint directory, or a ``.gguf`` file.
+        dst: The install directory to create.
+        dtype: Cast float tensors to ``bfloat16``/``float16``/``float32``.
+        quantize: ``q4`` or ``q8``: quantize float matrices (MLX affine).
+        group_size: Quantization group size (32, 64, 128).
+        dequantize: GGUF only: dequantize block types with no exact MLX mapping.
+        force: Replace a non-empty ``dst``.
+        show_progress: Draw a progress bar on stderr.
+
+    Raises:
+        ConversionError: The source is unreadable or has something unsupported.
+        UnknownFamilyError: No installed plugin serves the source's model type.
+    """
+    options = ConvertOptions(dtype=dtype, quantize=quantize, group_size=group_size, dequantize=dequantize)
+    src, dst = Path(src), Path(dst)
+    if src.is_file() and src.suffix == ".gguf":
+        from turbospark_core.convert.gguf import gguf_source
+
+        arch, items, texts, total = gguf_source(src, options)
+    elif src.is_dir():
+        arch, items, texts, total = _hf_source(src)
+    else:
+        msg = f"{src} is neither a checkpoint directory nor a .gguf file"
+        raise ConversionError(msg)
+    hooks = plugins.family_hooks(arch["model_type"])
+    staging = prepare_destination(dst, force=force)
+    assembler = Assembler(options)
+    map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
+    tensors, quantization = assembler.finish()
+    _evaluate(tensors, show_progress)
+    write_install(
+        staging,
+        arch=arch,
+        tensors=tensors,
+        quantization=quantization,
+        text_files=texts,
+        family=hooks.spec.name,
+        distribution=hooks.spec.distribution,
+        provenance=_provenance(src, options),
+    )
+    finish(staging, dst)
+    return load_manifest(dst)
+
+
+def _hf_source(src: Path) -> tuple[dict[str, Any], Any, dict[str, str], int]:
+    config = hf.read_config(src)
+    arch = plugins.arch_from_hf_config(config)
+    if arch is None:
+        reg = plugins.registry()
+        raise UnknownFamilyError(reg.refusal(config["model_type"]))
+    hooks = plugins.family_hooks(arch["model_type"])
+    texts = hf.text_files(src)
+    total = sum(len(mx.load(str(p))) for p in hf.weight_files(src))
+
+    def items() -> Any:
+        for tensor, quant in hf.tensors(src, config):
+            yield hooks.hf_tensor_target(arch, tensor.name), tensor, quant
+
+    return arch, items(), texts, total
+
+
+def _evaluate(tensors: dict[str, mx.array], show: bool) -> None:
+    for name in progress(sorted(tensors), len(tensors), "converting", enabled=show):
+        mx.eval(tensors[name])
+
+
+def _provenance(src: Path, options: ConvertOptions) -> dict[str, Any]:
+    return {
+        "source": str(src.resolve()),
+        "source_kind": "gguf" if src.suffix == ".gguf" else "checkpoint",
+        "converter": f"turbospark {__version__}",
+        "options": attrs.asdict(options),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -1,0 +1,541 @@
+"""Read GGUF files as Hugging Face-oriented tensors, mapping legacy quants onto MLX affine groups."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from turbospark_core.convert.records import AffineQuantized, SourceTensor
+from turbospark_core.errors import ConversionError
+
+_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4
+_GROUP_SIZE = 32
+
+# GGUF metadata value types: scalar numpy dtypes (little-endian), then string and array.
+_SCALAR_DTYPES: dict[int, np.dtype] = {
+    0: np.dtype("<u1"),
+    1: np.dtype("<i1"),
+    2: np.dtype("<u2"),
+    3: np.dtype("<i2"),
+    4: np.dtype("<u4"),
+    5: np.dtype("<i4"),
+    6: np.dtype("<f4"),
+    7: np.dtype("?"),
+    10: np.dtype("<u8"),
+    11: np.dtype("<i8"),
+    12: np.dtype("<f8"),
+}
+_STRING = 8
+_ARRAY = 9
+
+_T = TypeVar("_T", np.ndarray, mx.array, AffineQuantized)
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------
+# Header parsing
+# ---------------------------------------------------------------------------
+
+
+class _Cursor:
+    """A bounds-checked little-endian reader over the file's bytes."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.path = path
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> int:
+        """Reserve ``n`` bytes at the cursor and return their start offset."""
+        if n < 0 or self.pos + n > len(self.buf):
+            msg = (
+                f"GGUF file {self.path} is truncated or corrupt: {what} needs {n} bytes at "
+                f"offset {self.pos} but the file has {len(self.buf)}; re-download or re-export it"
+            )
+            raise ConversionError(msg)
+        start = self.pos
+        self.pos += n
+        return start
+
+    def scalar(self, dtype: np.dtype, what: str) -> object:
+        """Read one scalar of ``dtype`` as a plain Python value."""
+        start = self.take(dtype.itemsize, what)
+        return np.frombuffer(self.buf[start : start + dtype.itemsize], dtype=dtype)[0].item()
+
+    def u32(self, what: str) -> int:
+        """Read a uint32."""
+        return int(struct.unpack_from("<I", self.buf, self.take(4, what))[0])
+
+    def u64(self, what: str) -> int:
+        """Read a uint64."""
+        return int(struct.unpack_from("<Q", self.buf, self.take(8, what))[0])
+
+    def string(self, what: str) -> str:
+        """Read a length-prefixed UTF-8 string."""
+        n = self.u64(what)
+        start = self.take(n, what)
+        try:
+            return self.buf[start : start + n].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            msg = f"GGUF file {self.path}: {what} at offset {start} is not valid UTF-8 ({exc}); the file is corrupt"
+            raise ConversionError(msg) from exc
+
+    def value(self, vtype: int, what: str) -> object:
+        """Read one metadata value of GGUF value type ``vtype``."""
+        if vtype in _SCALAR_DTYPES:
+            return self.scalar(_SCALAR_DTYPES[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            return self.array(what)
+        msg = f"GGUF file {self.path}: {what} has unknown value type {vtype}; the file is corrupt or too new"
+        raise ConversionError(msg)
+
+    def array(self, what: str) -> list[object]:
+        """Read a typed array; numeric arrays are decoded in one vectorised step."""
+        vtype = self.u32(what)
+        count = self.u64(what)
+        if vtype in _SCALAR_DTYPES:
+            dtype = _SCALAR_DTYPES[vtype]
+            start = self.take(count * dtype.itemsize, what)
+            raw = self.buf[start : start + count * dtype.itemsize]
+            return np.frombuffer(raw, dtype=dtype).tolist()
+        # Every string or nested array takes at least 8 bytes: bound the count first.
+        return [self.value(vtype, what) for _ in self.bounded_range(count, 8, what)]
+
+    def bounded_range(self, count: int, min_size: int, what: str) -> range:
+        """range(count), once the rest of the file can hold ``count`` items of ``min_size`` bytes."""
+        self.take(count * min_size, what)
+        self.pos -= count * min_size
+        return range(count)
+
+
+@attrs.frozen(kw_only=True)
+class _TensorInfo:
+    """Where a tensor lives in the file and how it is encoded."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]  # ggml order: dims[0] is the contiguous one
+    offset: int  # absolute byte offset in the file
+
+    @property
+    def type_name(self) -> str:
+        """The GGML type name, e.g. ``"Q4_1"``."""
+        try:
+            return GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"UNKNOWN_{self.ggml_type}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The numpy (row-major, Hugging Face) shape."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def n_bytes(self) -> int | None:
+        """Bytes of data, or None when the type is unknown."""
+        sizes = _quant_sizes(self.ggml_type)
+        if sizes is None:
+            return None
+        block, type_size = sizes
+        return math.prod(self.dims) // block * type_size
+
+
+def _quant_sizes(ggml_type: int) -> tuple[int, int] | None:
+    """(block size, bytes per block) of a GGML type, or None if unknown."""
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        return None
+
+
+def _read_header(cur: _Cursor) -> tuple[dict[str, object], list[tuple[str, int, tuple[int, ...], int]]]:
+    """Parse magic, version, metadata and tensor infos (offsets relative to the data section)."""
+    if len(cur.buf) < 4 or cur.buf[:4] != _MAGIC:
+        msg = f"{cur.path} is not a GGUF file (no 'GGUF' magic); pass a .gguf file"
+        raise ConversionError(msg)
+    cur.pos = 4
+    version = cur.u32("the version")
+    if version not in _SUPPORTED_VERSIONS:
+        msg = f"GGUF file {cur.path} has version {version}; only versions 2 and 3 (little-endian) are supported"
+        raise ConversionError(msg)
+    n_tensors = cur.u64("the tensor count")
+    n_kv = cur.u64("the metadata count")
+    metadata = _read_metadata(cur, n_kv)
+    infos = [_read_tensor_info(cur, i) for i in cur.bounded_range(n_tensors, 24, "tensor infos")]
+    return metadata, infos
+
+
+def _read_metadata(cur: _Cursor, count: int) -> dict[str, object]:
+    """Read ``count`` key/value pairs."""
+    metadata: dict[str, object] = {}
+    for _ in cur.bounded_range(count, 12, "metadata"):
+        key = cur.string("a metadata key")
+        if key in metadata:
+            msg = f"GGUF file {cur.path} repeats metadata key {key!r}; the file is corrupt"
+            raise ConversionError(msg)
+        metadata[key] = cur.value(cur.u32(f"metadata {key!r}"), f"metadata {key!r}")
+    return metadata
+
+
+def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, int, tuple[int, ...], int]:
+    """Read one tensor info: (name, ggml type, ggml dims, relative offset)."""
+    name = cur.string(f"tensor info #{index}")
+    n_dims = cur.u32(f"tensor {name!r}")
+    if not 1 <= n_dims <= _MAX_DIMS:
+        msg = f"GGUF file {cur.path}: tensor {name!r} claims {n_dims} dimensions (1..{_MAX_DIMS} allowed); the file is corrupt"
+        raise ConversionError(msg)
+    dims = tuple(cur.u64(f"tensor {name!r}") for _ in range(n_dims))
+    return name, cur.u32(f"tensor {name!r}"), dims, cur.u64(f"tensor {name!r}")
+
+
+def _data_start(cur: _Cursor, metadata: dict[str, object]) -> int:
+    """Offset of the tensor data section (the header end, aligned)."""
+    align = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        msg = f"GGUF file {cur.path} has general.alignment={align!r}; it must be a positive power of two"
+        raise ConversionError(msg)
+    return -(-cur.pos // align) * align
+
+
+def _check_extent(info: _TensorInfo, path: Path, file_size: int) -> None:
+    """Refuse a tensor whose data would run past the end of the file."""
+    sizes = _quant_sizes(info.ggml_type)
+    if sizes is not None and info.dims[0] % sizes[0]:
+        msg = f"GGUF file {path}: tensor {info.name!r} ({info.type_name}) has row length {info.dims[0]}, not a multiple of its block size {sizes[0]}"
+        raise ConversionError(msg)
+    n_bytes = info.n_bytes
+    if n_bytes is not None and info.offset + n_bytes > file_size:
+        msg = (
+            f"GGUF file {path} is truncated: tensor {info.name!r} ends at byte {info.offset + n_bytes} "
+            f"but the file has {file_size} bytes; re-download or re-export it"
+        )
+        raise ConversionError(msg)
+
+
+# ---------------------------------------------------------------------------
+# Public source
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class GGUFSource:
+    """An opened GGUF file: its metadata, and its tensors read on demand.
+
+    Attributes:
+        path: The file.
+        architecture: ``general.architecture``; arch-scoped keys are prefixed with it.
+        metadata: Every key/value field as plain Python values (lists for arrays).
+    """
+
+    path: Path
+    architecture: str
+    metadata: dict[str, object] = attrs.field(repr=False)
+    _infos: dict[str, _TensorInfo] = attrs.field(repr=False)
+
+    def arch_value(self, key: str, default: object = _MISSING) -> object:
+        """Return ``metadata[f"{architecture}.{key}"]``.
+
+        Args:
+            key: The key without the architecture prefix, e.g. ``"block_count"``.
+            default: Returned when the key is absent; without it, absence raises.
+
+        Returns:
+            The metadata value.
+
+        Raises:
+            ConversionError: The key is absent and no default was given.
+        """
+        full = f"{self.architecture}.{key}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if default is _MISSING:
+            msg = f"GGUF file {self.path} lacks metadata key {full!r}; re-export it with a newer llama.cpp converter"
+            raise ConversionError(msg)
+        return default
+
+    def tensor_names(self) -> list[str]:
+        """Tensor names in file order."""
+        return list(self._infos)
+
+    def tensor_types(self) -> dict[str, str]:
+        """Map each tensor name to its GGML type name (e.g. ``"Q4_1"``)."""
+        return {name: info.type_name for name, info in self._infos.items()}
+
+    def read_tensor(self, name: str, *, dequantize: bool = False) -> SourceTensor:
+        """Read one tensor in Hugging Face orientation (ggml ``[ne0, ne1]`` -> ``(ne1, ne0)``).
+
+        Args:
+            name: The GGUF tensor name.
+            dequantize: Convert types with no exact MLX equivalent to float32
+                instead of refusing them.
+
+        Returns:
+            F32/F16 as numpy arrays, BF16 as an ``mx.array``, Q8_0/Q4_0/Q4_1
+            matrices as exact :class:`AffineQuantized`, others (with
+            ``dequantize``) as float32 numpy arrays.
+
+        Raises:
+            ConversionError: Unknown name, unreadable data, or a type that needs
+                ``dequantize``.
+        """
+        info = self._infos.get(name)
+        if info is None:
+            msg = f"GGUF file {self.path} has no tensor {name!r}; see tensor_names() for what it holds"
+            raise ConversionError(msg)
+        return SourceTensor(name=name, data=_decode(info, self._read_raw(info), self.path, dequantize))
+
+    def tensors(self, *, dequantize: bool = False) -> Iterator[SourceTensor]:
+        """Yield every tensor in file order (see :meth:`read_tensor`).
+
+        Args:
+            dequantize: Passed to :meth:`read_tensor`.
+
+        Yields:
+            One :class:`SourceTensor` per tensor.
+        """
+        for name in self._infos:
+            yield self.read_tensor(name, dequantize=dequantize)
+
+    def _read_raw(self, info: _TensorInfo) -> np.ndarray:
+        """The tensor's bytes as a flat uint8 array."""
+        n_bytes = info.n_bytes
+        if n_bytes is None:
+            msg = f"GGUF tensor {info.name!r} in {self.path} has GGML type {info.ggml_type}, unknown to this gguf library; it cannot be converted"
+            raise ConversionError(msg)
+        buf = np.empty(n_bytes, dtype=np.uint8)
+        with self.path.open("rb") as fh:
+            fh.seek(info.offset)
+            got = fh.readinto(buf.data)
+        if got != n_bytes:
+            msg = (
+                f"GGUF file {self.path} is truncated: tensor {info.name!r} has {got} of {n_bytes} bytes; re-download it"
+            )
+            raise ConversionError(msg)
+        return buf
+
+
+def open_gguf(path: str | Path) -> GGUFSource:
+    """Open a GGUF file and parse its header (tensor data is read lazily).
+
+    Args:
+        path: The ``.gguf`` file.
+
+    Returns:
+        The parsed source.
+
+    Raises:
+        ConversionError: The path is missing, not a GGUF file, truncated or corrupt.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            size = path.stat().st_size
+            if size < 4:
+                msg = f"{path} is not a GGUF file ({size} bytes); pass a .gguf file"
+                raise ConversionError(msg)
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse(_Cursor(buf, path), size)
+    except OSError as exc:
+        msg = f"cannot read GGUF file {path}: {exc}"
+        raise ConversionError(msg) from exc
+
+
+def _parse(cur: _Cursor, size: int) -> GGUFSource:
+    """Build a GGUFSource from the header at ``cur``."""
+    metadata, raw_infos = _read_header(cur)
+    start = _data_start(cur, metadata)
+    infos: dict[str, _TensorInfo] = {}
+    for name, ggml_type, dims, rel in raw_infos:
+        if name in infos:
+            msg = f"GGUF file {cur.path} has two tensors named {name!r}; the file is corrupt"
+            raise ConversionError(msg)
+        infos[name] = _TensorInfo(name=name, ggml_type=ggml_type, dims=dims, offset=start + rel)
+        _check_extent(infos[name], cur.path, size)
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        msg = f"GGUF file {cur.path} lacks a string general.architecture; it cannot be converted"
+        raise ConversionError(msg)
+    return GGUFSource(path=cur.path, architecture=arch, metadata=metadata, infos=infos)
+
+
+# ---------------------------------------------------------------------------
+# Tensor decoding
+# ---------------------------------------------------------------------------
+
+_NUMPY_TYPES: dict[str, str] = {
+    "F64": "<f8",
+    "I8": "<i1",
+    "I16": "<i2",
+    "I32": "<i4",
+    "I64": "<i8",
+}
+
+
+def _decode(
+    info: _TensorInfo, raw: np.ndarray, path: Path, dequantize: bool
+) -> np.ndarray | mx.array | AffineQuantized:
+    """Turn a tensor's raw bytes into its SourceTensor payload."""
+    kind = info.type_name
+    if kind in _FLOAT_DECODERS:
+        return _FLOAT_DECODERS[kind](raw, info.shape)
+    if kind in _AFFINE_DECODERS:  # a quantized vector reads as its exact float32 values
+        return _AFFINE_DECODERS[kind](_blocks(info, raw)) if len(info.shape) >= 2 else _dequantize(info, raw, path)
+    if not dequantize:
+        msg = (
+            f"GGUF tensor {info.name!r} in {path} is stored as {kind}, which has no exact MLX "
+            f"equivalent; pass --dequantize to convert it to float"
+        )
+        raise ConversionError(msg)
+    if kind in _NUMPY_TYPES:
+        return raw.view(_NUMPY_TYPES[kind]).astype(np.float32).reshape(info.shape)
+    return _dequantize(info, raw, path)
+
+
+def _from_f32(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """F32 bytes as a float32 array."""
+    return raw.view("<f4").astype(np.float32, copy=False).reshape(shape)
+
+
+def _from_f16(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """F16 bytes as a float16 array."""
+    return raw.view("<f2").astype(np.float16, copy=False).reshape(shape)
+
+
+def _from_bf16(raw: np.ndarray, shape: tuple[int, ...]) -> mx.array:
+    """BF16 bytes as an MLX bfloat16 array (numpy has no bfloat16)."""
+    return mx.array(raw.view("<u2").astype(np.uint16, copy=False).reshape(shape)).view(mx.bfloat16)
+
+
+_FLOAT_DECODERS: dict[str, Callable[[np.ndarray, tuple[int, ...]], np.ndarray | mx.array]] = {
+    "F32": _from_f32,
+    "F16": _from_f16,
+    "BF16": _from_bf16,
+}
+
+
+def _dequantize(info: _TensorInfo, raw: np.ndarray, path: Path) -> np.ndarray:
+    """Float32 values of a block-quantized tensor via gguf.quants."""
+    qtype = GGMLQuantizationType(info.ggml_type)
+    try:
+        values = quants.dequantize(raw.reshape(_byte_shape(info)), qtype)
+    except NotImplementedError as exc:
+        msg = f"GGUF tensor {info.name!r} in {path} is stored as {info.type_name}, which the installed gguf library cannot dequantize; upgrade gguf"
+        raise ConversionError(msg) from exc
+    return np.asarray(values, dtype=np.float32).reshape(info.shape)
+
+
+def _byte_shape(info: _TensorInfo) -> tuple[int, ...]:
+    """Numpy shape of the raw bytes: rows of whole blocks."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    return (*info.shape[:-1], info.shape[-1] // block * type_size)
+
+
+def _blocks(info: _TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """Raw bytes as ``(..., rows, blocks_per_row, bytes_per_block)``."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    return raw.reshape(*info.shape[:-1], info.shape[-1] // block, type_size)
+
+
+def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 stored at byte ``start`` of every block, shape ``(..., blocks)``."""
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view("<f2")[..., 0].astype(np.float16, copy=False)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """GGML 4-bit block order: byte j low nibble = element j, high nibble = element j + 16."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack ``(..., rows, blocks, 32)`` codes into MLX uint32 words (element i at bits i * bits)."""
+    flat = q.reshape(*q.shape[:-2], -1)
+    if bits == 4:
+        flat = flat[..., 0::2] | (flat[..., 1::2] << 4)
+    return np.ascontiguousarray(flat).view("<u4").astype(np.uint32, copy=False)
+
+
+def _affine(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> AffineQuantized:
+    """Assemble an AffineQuantized, widening scales/biases to float32 if float16 is inexact."""
+    scales: np.ndarray
+    biases: np.ndarray
+    bias32 = bias.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bias16 = bias32.astype(np.float16)
+    if np.array_equal(bias16.astype(np.float32), bias32):
+        scales, biases = scale.astype(np.float16), bias16
+    else:
+        scales, biases = scale.astype(np.float32), bias32
+    return AffineQuantized(weight=_pack(q, bits), scales=scales, biases=biases, bits=bits, group_size=_GROUP_SIZE)
+
+
+def _from_q8_0(blocks: np.ndarray) -> AffineQuantized:
+    """Q8_0 (d, 32 x int8): value = d * q  ->  8-bit, q + 128, scale d, bias -128 d."""
+    d = _f16_field(blocks, 0)
+    return _affine(blocks[..., 2:] ^ np.uint8(0x80), d, d.astype(np.float32) * -128, bits=8)
+
+
+def _from_q4_0(blocks: np.ndarray) -> AffineQuantized:
+    """Q4_0 (d, 16 bytes of nibbles): value = d * (q - 8)  ->  4-bit, scale d, bias -8 d."""
+    d = _f16_field(blocks, 0)
+    return _affine(_nibbles(blocks[..., 2:]), d, d.astype(np.float32) * -8, bits=4)
+
+
+def _from_q4_1(blocks: np.ndarray) -> AffineQuantized:
+    """Q4_1 (d, m, 16 bytes of nibbles): value = d * q + m  ->  4-bit, scale d, bias m."""
+    return _affine(_nibbles(blocks[..., 4:]), _f16_field(blocks, 0), _f16_field(blocks, 2), bits=4)
+
+
+_AFFINE_DECODERS: dict[str, Callable[[np.ndarray], AffineQuantized]] = {
+    "Q8_0": _from_q8_0,
+    "Q4_0": _from_q4_0,
+    "Q4_1": _from_q4_1,
+}
+
+
+# ---------------------------------------------------------------------------
+# Rotary row order
+# ---------------------------------------------------------------------------
+
+
+def unpermute_rotary_rows(t: _T, n_heads: int) -> _T:
+    """Undo the GGUF converters' rotary row permutation of a q/k projection.
+
+    GGUF exporters reorder each head's rows from the Hugging Face "rotate half"
+    layout (first half, second half) into interleaved pairs; this restores the
+    Hugging Face order. Rows are the first axis.
+
+    Args:
+        t: The projection weight (or bias) as read from the GGUF file.
+        n_heads: Heads sharing the rows (query heads for q, KV heads for k).
+
+    Returns:
+        The same kind of object with its rows in Hugging Face order.
+
+    Raises:
+        ConversionError: The row count does not split into ``n_heads`` even halves.
+    """
+    rows = t.shape[0]
+    if n_heads <= 0 or rows % (2 * n_heads):
+        msg = f"cannot unpermute rotary rows: {rows} rows do not split into {n_heads} heads of even size; check the head count"
+        raise ConversionError(msg)
+    order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    if isinstance(t, AffineQuantized):
+        return t.take_rows(order)
+    if isinstance(t, mx.array):
+        return t[mx.array(order)]
+    return t[order]

@@ -1,0 +1,182 @@
+"""Hook specifications that turbospark_core fires while converting and opening a model.
+
+A family plugin is a module registered under the ``turbospark`` entry-point
+group (``[project.entry-points.turbospark]``) whose functions carry
+``@turbospark_core.hookimpl``. Every hook receives the arch config (a plain
+dict with at least ``model_type``) and must return ``None`` for a model type
+its plugin does not serve, so plugins never answer for each other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+from turbospark_core.names import NAME
+
+if TYPE_CHECKING:
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.context import FamilyContext, FamilyModel
+    from turbospark_core.convert.records import TensorTarget
+    from turbospark_core.registry import FamilySpec
+
+hookspec = pluggy.HookspecMarker(NAME)
+
+Arch = dict[str, Any]
+
+# ----------------------------------------------------------- registration
+
+
+@hookspec
+def register_families(register: Callable[[FamilySpec], None]) -> None:
+    """Declare the families this plugin serves.
+
+    Fires once, when plugins are loaded. Call ``register(FamilySpec(...))``
+    once per family; two plugins claiming one model type is an error naming
+    both.
+
+    Args:
+        register: Callback taking a :class:`~turbospark_core.registry.FamilySpec`.
+    """
+
+
+# ------------------------------------------------------------ conversion
+
+
+@hookspec(firstresult=True)
+def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
+    """Map a Hugging Face ``config.json`` onto the install's arch config.
+
+    Fires during ``turbospark convert`` of a Hugging Face or mlx-lm directory.
+    Return ``None`` if ``hf_config["model_type"]`` is not yours. Stops at first
+    non-None result. The returned dict must keep ``model_type``.
+
+    Args:
+        hf_config: The parsed ``config.json``.
+    """
+
+
+@hookspec(firstresult=True)
+def arch_from_gguf(architecture: str, metadata: dict[str, Any]) -> Arch | None:
+    """Map GGUF metadata onto the install's arch config.
+
+    Fires during ``turbospark convert`` of a GGUF file. Return ``None`` if
+    ``architecture`` (``general.architecture``) is not yours. Stops at first
+    non-None result.
+
+    Args:
+        architecture: The GGUF ``general.architecture`` value.
+        metadata: Every GGUF key/value as plain Python values.
+    """
+
+
+@hookspec(firstresult=True)
+def hf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
+    """Say where a Hugging Face tensor goes in the install.
+
+    Fires once per source tensor during conversion from a Hugging Face or
+    mlx-lm directory. Return ``None`` if ``arch`` is not yours,
+    ``TensorTarget.drop()`` for a tensor to ignore (a vision tower), or the
+    install name (and expert index for per-expert tensors to stack). Stops at
+    first non-None result.
+
+    Args:
+        arch: The arch config from :func:`arch_from_hf_config`.
+        name: The tensor's Hugging Face name.
+    """
+
+
+@hookspec(firstresult=True)
+def gguf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
+    """Say where a GGUF tensor goes in the install (and how its rows are laid out).
+
+    Fires once per tensor during conversion from a GGUF file. Return ``None``
+    if ``arch`` is not yours. Stops at first non-None result.
+
+    Args:
+        arch: The arch config from :func:`arch_from_gguf`.
+        name: The GGUF tensor name (``blk.0.attn_q.weight``).
+    """
+
+
+# ------------------------------------------------------------ open: probes
+
+
+@hookspec(firstresult=True)
+def arch_problems(arch: Arch) -> list[str] | None:
+    """Check an arch config with the family's own rules.
+
+    Fires at open (step 3), after the core's generic checks. Return ``None`` if
+    ``arch`` is not yours, else the list of problems (empty when valid), each
+    naming the key and what the flow supports. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def kv_quant_unsupported_reason(arch: Arch, kv_quant: str) -> str | None:
+    """Say why this family cannot use quantized KV ``kv_quant``.
+
+    Fires at open (step 4) when ``kv_quant`` is requested. Return ``None`` when
+    it is supported or ``arch`` is not yours; otherwise the reason. Stops at
+    first non-None result.
+
+    Args:
+        arch: The install's arch config.
+        kv_quant: The requested KV quantization (``"q8"``, ``"q4"``).
+    """
+
+
+@hookspec(firstresult=True)
+def accepts_hadamard(arch: Arch) -> bool | None:
+    """Whether the family can serve a hadamard-folded install.
+
+    Fires at open (step 6) when the manifest has a ``hadamard`` section.
+    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def steering_supported(arch: Arch) -> bool | None:
+    """Whether the family's flow can apply steering directions.
+
+    Asked once at open; the answer is kept in the family's capability record.
+    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def cache_layout(arch: Arch) -> list[CacheSpec] | None:
+    """Describe the per-layer cache the family needs (full or sliding KV).
+
+    Fires at open before memory estimation and cache allocation. Return
+    ``None`` if ``arch`` is not yours. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+# ------------------------------------------------------------ open: build
+
+
+@hookspec(firstresult=True)
+def build_family_state(context: FamilyContext) -> FamilyModel | None:
+    """Build the layer graph for the family that owns ``context.arch``.
+
+    Fires at open (step 11), after weights are mapped and caches planned.
+    Return ``None`` if the arch is not yours. Stops at first non-None result.
+
+    Args:
+        context: Arch config, the core's weight store (linear, embedding,
+            norm and expert objects) and the cache layout.
+    """

@@ -1,0 +1,255 @@
+"""The open sequence: from an install path to a ready model, each step a named refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core import plugins
+from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.compute import ComputePolicy
+from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
+from turbospark_core.errors import (
+    ArchConfigError,
+    FamilyRefusalError,
+    InstallError,
+    NotAnInstallError,
+    OptionError,
+)
+from turbospark_core.kv_cache import KVCache, make_caches
+from turbospark_core.manifest import (
+    HADAMARD,
+    MANIFEST,
+    WEIGHTS,
+    Manifest,
+    check_files,
+    load_manifest,
+)
+from turbospark_core.memory import MemoryEstimate
+from turbospark_core.options import OpenOptions
+from turbospark_core.stats import PhaseTimer, StartupStats
+from turbospark_core.tensor_index import TensorIndex, build_index
+from turbospark_core.weights import WeightStore
+
+DEFAULT_MAX_CONTEXT = 8192
+_REQUIRED_ARCH = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+@attrs.frozen(kw_only=True)
+class OpenedModel:
+    """Everything :class:`~turbospark_core.runner.Runner` needs, built by :func:`open_install`."""
+
+    manifest: Manifest
+    index: TensorIndex
+    options: OpenOptions
+    policy: ComputePolicy
+    capabilities: Capabilities
+    model: Any = attrs.field(eq=False)
+    cache_layout: tuple[CacheSpec, ...]
+    max_context: int
+    estimate: MemoryEstimate
+    startup_stats: StartupStats
+    generation_config: dict[str, Any]
+
+    def new_cache(self) -> list[KVCache]:
+        """Fresh per-layer caches for one sequence."""
+        return make_caches(list(self.cache_layout), self.max_context, self.policy.compute_dtype)
+
+
+def _refuse_non_install(path: Path) -> None:
+    """Step 1: vision sidecars, checkpoints and GGUF files are not installs."""
+    if not path.exists():
+        msg = f"{path} does not exist; pass an install directory made by `turbospark convert`"
+        raise InstallError(msg)
+    if path.is_file():
+        kind = "a GGUF file" if path.suffix == ".gguf" else "a file"
+        sidecar = "mmproj" in path.name.lower()
+        what = "a vision sidecar (mmproj), not a language model" if sidecar else kind
+        msg = f"{path} is {what}, not a turbospark install; convert it with `turbospark convert {path} DST`"
+        if sidecar:
+            msg = f"{path} is {what}; pass the text model's install instead"
+        raise NotAnInstallError(msg)
+    _refuse_vision_sidecar(path)
+    if not (path / MANIFEST).exists() and (path / "config.json").exists():
+        msg = (
+            f"{path} is a Hugging Face / mlx-lm checkpoint, not a turbospark install; "
+            f"make one with `turbospark convert {path} DST` and open DST"
+        )
+        raise NotAnInstallError(msg)
+
+
+def _refuse_vision_sidecar(path: Path) -> None:
+    manifest = path / MANIFEST
+    if manifest.is_file() and manifest.stat().st_size < 1 << 20:
+        try:
+            raw = json.loads(manifest.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return  # the manifest step reports it
+        if isinstance(raw, dict) and (raw.get("sidecar") == "vision" or "vision" in str(raw.get("format", ""))):
+            msg = f"{path} is a vision sidecar, not a language model install; open the text model's install (the sidecar is passed separately)"
+            raise NotAnInstallError(msg)
+    config = path / "config.json"
+    if not manifest.exists() and config.is_file() and config.stat().st_size < 1 << 20:
+        try:
+            model_type = str(json.loads(config.read_bytes()).get("model_type", ""))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return
+        if "vision" in model_type or (path / "preprocessor_config.json").exists() and not model_type:
+            msg = f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; open the text model's install instead"
+            raise NotAnInstallError(msg)
+
+
+def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
+    """Step 3: the core's generic checks, then the family's."""
+    problems = [
+        f"{key!r} must be a positive integer (got {arch.get(key)!r})"
+        for key in _REQUIRED_ARCH
+        if not isinstance(arch.get(key), int) or arch.get(key) <= 0
+    ]
+    problems += hooks.arch_problems(arch)
+    if problems:
+        msg = f"arch config of model type {arch['model_type']!r} is invalid: " + "; ".join(problems)
+        raise ArchConfigError(msg)
+
+
+def _check_kv_quant(arch: dict[str, Any], hooks: plugins.FamilyHooks, kv_quant: str | None) -> None:
+    """Step 4."""
+    if kv_quant is None:
+        return
+    reason = hooks.kv_quant_unsupported_reason(arch, kv_quant)
+    if reason:
+        msg = f"kv_quant={kv_quant!r} refused by family {hooks.spec.name!r}: {reason}"
+        raise FamilyRefusalError(msg)
+    msg = f"kv_quant={kv_quant!r} is not available in this turbospark version; open with kv_quant=None"
+    raise OptionError(msg)
+
+
+def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks) -> None:
+    """Step 6: the section's file is bounded and sized; the family must accept it."""
+    section = manifest.hadamard
+    if section is None:
+        return
+    path = manifest.path(HADAMARD)
+    expected = section.get("size") if isinstance(section, dict) else None
+    if expected is not None and expected != manifest.files[HADAMARD].size:
+        msg = f"{path}: hadamard section says {expected} bytes, file table says {manifest.files[HADAMARD].size}"
+        raise InstallError(msg)
+    if not hooks.accepts_hadamard(manifest.arch):
+        msg = (
+            f"{manifest.root} is hadamard-folded, and family {hooks.spec.name!r} "
+            f"(model type {manifest.model_type!r}) does not accept hadamard-folded installs; "
+            f"re-convert without hadamard folding"
+        )
+        raise FamilyRefusalError(msg)
+
+
+def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
+    name = "generation_config.json"
+    if name not in manifest.files:
+        return {}
+    raw = json.loads((root / name).read_bytes()[: manifest.files[name].size])
+    return raw if isinstance(raw, dict) else {}
+
+
+def open_install(path: str | Path, **options: Any) -> OpenedModel:
+    """Open an install: steps 1-15 of the design, each timed and each a named refusal."""
+    root = Path(path)
+    timer = PhaseTimer()
+    _refuse_non_install(root)  # 1
+    opts = OpenOptions.from_kwargs(options)  # 2
+    with timer.phase("manifest_index"):
+        manifest = load_manifest(root)  # 5 (read before 3: the arch lives in it)
+        hooks = plugins.family_hooks(manifest.model_type, distribution=manifest.distribution)
+        _check_arch(manifest.arch, hooks)  # 3
+        _check_kv_quant(manifest.arch, hooks, opts.kv_quant)  # 4
+        check_files(manifest)
+        _check_hadamard(manifest, hooks)  # 6
+        index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
+        layout = tuple(hooks.cache_layout(manifest.arch) or ())
+    max_context = _max_context(manifest.arch, opts)
+    kv_bytes = sum(spec.bytes_at(max_context, 4) for spec in layout)
+    policy = ComputePolicy.choose(
+        unpacked_bytes=index.float_bytes(4),
+        stored_bytes=index.stored_bytes(),
+        budget=max(0, opts.memory_budget - kv_bytes),
+    )
+    weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
+    estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes)
+    estimate.check(opts.memory_budget, max_context=max_context, slots=1)
+    with timer.phase("weights_mapping"):
+        weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
+    with timer.phase("kv_scratch"):
+        pass  # 9: caches are preallocated per sequence in steps (OpenedModel.new_cache)
+    with timer.phase("expert_setup"):
+        pass  # 10: experts are resident, held by the weight store's ExpertBank objects
+    with timer.phase("family_state"):
+        model = _build_family(manifest, hooks, weights, layout, policy)  # 11
+    with timer.phase("weights_mapping"):
+        weights.materialize()
+    capabilities = Capabilities(
+        family=hooks.spec.name,
+        distribution=hooks.spec.distribution,
+        steering=hooks.steering_supported(manifest.arch),
+        hadamard=manifest.hadamard is not None,
+    )
+    opened = OpenedModel(
+        manifest=manifest,
+        index=index,
+        options=opts,
+        policy=policy,
+        capabilities=capabilities,
+        model=model,
+        cache_layout=layout,
+        max_context=max_context,
+        estimate=estimate,
+        startup_stats=StartupStats(),
+        generation_config=_generation_config(root, manifest),
+    )
+    if opts.warmup:
+        with timer.phase("family_state"):
+            _warmup(opened)  # 15
+    return attrs.evolve(opened, startup_stats=timer.finish())
+
+
+def _max_context(arch: dict[str, Any], opts: OpenOptions) -> int:
+    limit = arch.get("max_position_embeddings")
+    if opts.max_context is not None:
+        return opts.max_context
+    return min(int(limit), DEFAULT_MAX_CONTEXT) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_CONTEXT
+
+
+def _build_family(
+    manifest: Manifest,
+    hooks: plugins.FamilyHooks,
+    weights: WeightStore,
+    layout: tuple[CacheSpec, ...],
+    policy: ComputePolicy,
+) -> FamilyModel:
+    context = FamilyContext(
+        arch=manifest.arch, weights=weights, cache_layout=layout, compute_dtype=policy.compute_dtype
+    )
+    model = hooks.build_family_state(context)
+    if model is None:
+        msg = (
+            f"plugin for family {hooks.spec.name!r} ({hooks.spec.distribution}) returned no "
+            f"model for model type {manifest.model_type!r}; the plugin is broken, reinstall it"
+        )
+        raise InstallError(msg)
+    unused = weights.unused()
+    if unused:
+        msg = (
+            f"{manifest.root}: {len(unused)} tensor(s) are not used by family "
+            f"{hooks.spec.name!r}, first {unused[0]!r}; the install does not match its arch "
+            f"config, re-run `turbospark convert`"
+        )
+        raise InstallError(msg)
+    return model
+
+
+def _warmup(opened: OpenedModel) -> None:
+    cache = opened.new_cache()
+    mx.eval(opened.model(mx.array([[0]]), cache))

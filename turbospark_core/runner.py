@@ -1,0 +1,223 @@
+"""The Runner: logits, generate, stream and chat over an opened install."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from turbospark_core.errors import ContextOverflowError, OptionError
+from turbospark_core.kv_cache import KVCache
+from turbospark_core.loader import OpenedModel
+from turbospark_core.sampling import Sampler, SamplingParams
+from turbospark_core.stats import GenerationStats, StartupStats
+from turbospark_core.stop import StopMatcher
+from turbospark_core.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 512
+
+
+@attrs.frozen(kw_only=True)
+class Generation:
+    """A finished generation."""
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        """``"stop"`` (EOS or stop string) or ``"length"`` (max_tokens)."""
+        return self.stats.finish_reason
+
+
+@attrs.define
+class _Progress:
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    tokens: list[int] = attrs.Factory(list)
+    decode_s: float = 0.0
+    finish_reason: str = "length"
+
+    def stats(self) -> GenerationStats:
+        n = len(self.tokens)
+        return GenerationStats(
+            prompt_tokens=self.prompt_tokens,
+            prompt_tps=self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0,
+            generation_tokens=n,
+            generation_tps=n / self.decode_s if self.decode_s else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=self.finish_reason,
+        )
+
+
+class Runner:
+    """An opened model: the Python API (built by :func:`turbospark_core.open`)."""
+
+    def __init__(self, opened: OpenedModel, tokenizer: Tokenizer) -> None:
+        self._opened = opened
+        self.tokenizer = tokenizer
+        self.model = opened.model
+        eos = opened.generation_config.get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
+
+    # ------------------------------------------------------------- facts
+    @property
+    def startup_stats(self) -> StartupStats:
+        """Milliseconds per open phase."""
+        return self._opened.startup_stats
+
+    @property
+    def manifest(self) -> Any:
+        """The install's manifest."""
+        return self._opened.manifest
+
+    @property
+    def opened(self) -> OpenedModel:
+        """Everything the open sequence built (policy, capabilities, estimate)."""
+        return self._opened
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens a sequence may hold."""
+        return self._opened.max_context
+
+    # ------------------------------------------------------------- logits
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context."""
+        ids = self._check_ids(token_ids)
+        cache = self._opened.new_cache()
+        out = self.model(mx.array([ids]), cache)[0].astype(mx.float32)
+        return np.array(out)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise OptionError("token_ids is empty; pass at least one token id")
+        vocab = int(self._opened.manifest.arch["vocab_size"])
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            msg = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            raise OptionError(msg)
+        if len(ids) > self.max_context:
+            msg = f"{len(ids)} tokens exceed max_context={self.max_context}; open with a larger max_context"
+            raise ContextOverflowError(msg)
+        return ids
+
+    # ------------------------------------------------------------- decoding
+    def _prefill(self, ids: list[int], cache: list[KVCache]) -> mx.array:
+        """Run the prompt through the model; returns last-position logits ``[1, V]``."""
+        for start in range(0, len(ids) - 1, PREFILL_CHUNK):
+            chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
+            self.model(mx.array([chunk]), cache)
+            mx.eval([c.state for c in cache])
+        return self.model(mx.array([ids[-1:]]), cache)[:, -1, :]
+
+    def _token_stream(
+        self, ids: list[int], sampler: Sampler, max_tokens: int, progress: _Progress
+    ) -> Iterator[int]:
+        cache = self._opened.new_cache()
+        history = mx.array(ids[-sampler.params.repetition_context :])
+        t0 = time.perf_counter()
+
+        def step(logits: mx.array) -> mx.array:
+            logits = sampler.penalize(logits.astype(mx.float32), history)
+            return sampler(logits)
+
+        token = step(self._prefill(ids, cache))
+        mx.eval(token)
+        progress.prompt_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for n in range(max_tokens):
+            current = token
+            if n + 1 < max_tokens:
+                history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
+                token = step(self.model(current[:, None], cache)[:, -1, :])
+                mx.async_eval(token)
+            tok = int(current.item())
+            progress.decode_s = time.perf_counter() - t0
+            yield tok
+
+    def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_ids(self.tokenizer.encode(prompt))
+        return self._check_ids(prompt)
+
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any
+    ) -> Iterator[str]:
+        """Yield text pieces as they decode (stop strings and EOS honoured)."""
+        for piece in self._run(prompt, max_tokens, sampling, _Progress()):
+            yield piece
+
+    def _run(
+        self, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any], progress: _Progress
+    ) -> Iterator[str]:
+        stop = sampling.pop("stop", None)
+        params = SamplingParams(**sampling)
+        ids = self._encode_prompt(prompt)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
+        if len(ids) + max_tokens > self.max_context:
+            msg = (
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_context={self.max_context}; lower max_tokens or open with a larger max_context"
+            )
+            raise ContextOverflowError(msg)
+        progress.prompt_tokens = len(ids)
+        if max_tokens == 0:
+            return
+        mx.reset_peak_memory()
+        detok = self.tokenizer.detokenizer()
+        matcher = StopMatcher(stop)
+        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress):
+            if tok in self.eos_token_ids:
+                progress.finish_reason = "stop"
+                break
+            progress.tokens.append(tok)
+            piece, stopped = matcher.feed(detok.add(tok))
+            if piece:
+                yield piece
+            if stopped:
+                progress.finish_reason = "stop"
+                return
+        tail, _ = matcher.feed(detok.flush(), final=True)
+        if tail:
+            yield tail
+
+    def generate(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any
+    ) -> Generation:
+        """Generate a completion.
+
+        Args:
+            prompt: Text (tokenized with the install's tokenizer) or token ids.
+            max_tokens: Most tokens to generate.
+            **sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+                ``repetition_penalty``, ``seed``, ``stop`` (str or list of str).
+
+        Returns:
+            The text, the generated ids (EOS excluded) and mlx-lm-style stats.
+        """
+        progress = _Progress()
+        text = "".join(self._run(prompt, max_tokens, dict(sampling), progress))
+        return Generation(text=text, tokens=list(progress.tokens), stats=progress.stats())
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Generation:
+        """Generate the assistant's reply to ``messages`` through the install's chat template."""
+        return self.generate(self.chat_prompt(messages), max_tokens, **sampling)
+
+    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Iterator[str]:
+        """Like :meth:`chat`, yielding text pieces."""
+        return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template."""
+        if not messages:
+            raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,190 @@
+"""The tensor index: the safetensors header read with a byte bound, and each tensor's storage checked."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from turbospark_core.errors import InstallError, TensorStorageError
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+# safetensors dtype -> bytes per element, for the storages this runtime reads.
+FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+PACKED_DTYPES = {"U32": 4, "U8": 1}
+QUANT_BITS = {2, 3, 4, 5, 6, 8}
+QUANT_GROUPS = {32, 64, 128}
+QUANT_MODES = {"affine", "mxfp4"}
+
+
+@attrs.frozen(kw_only=True)
+class QuantSpec:
+    """How a quantized matrix is stored (MLX's quantized kernels)."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+
+    @classmethod
+    def from_manifest(cls, name: str, raw: Any) -> QuantSpec:
+        """Read and check one ``quantization`` entry, refusing by name."""
+        if not isinstance(raw, dict):
+            msg = f"quantization entry for {name!r} must be an object, got {raw!r}"
+            raise TensorStorageError(msg)
+        spec = cls(
+            bits=raw.get("bits"), group_size=raw.get("group_size"), mode=raw.get("mode", "affine")
+        )
+        if spec.mode not in QUANT_MODES or (
+            spec.mode == "affine"
+            and (spec.bits not in QUANT_BITS or spec.group_size not in QUANT_GROUPS)
+        ) or (spec.mode == "mxfp4" and (spec.bits, spec.group_size) != (4, 32)):
+            msg = (
+                f"tensor {name!r} is stored as {spec.mode} {spec.bits}-bit with group "
+                f"size {spec.group_size}, which has no kernel here (affine "
+                f"{sorted(QUANT_BITS)}-bit, groups {sorted(QUANT_GROUPS)}; mxfp4 4-bit "
+                f"group 32); re-convert with `turbospark convert --quantize q4|q8`"
+            )
+            raise TensorStorageError(msg)
+        return spec
+
+
+@attrs.frozen(kw_only=True)
+class TensorInfo:
+    """One tensor in ``model_weights.safetensors``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class TensorIndex:
+    """Every tensor of the install, and the quantized matrices among them."""
+
+    tensors: dict[str, TensorInfo]
+    quantization: dict[str, QuantSpec]
+
+    def logical_shape(self, base: str) -> tuple[int, ...]:
+        """Shape of matrix ``base`` (``<base>.weight``) once dequantized."""
+        info = self.tensors[f"{base}.weight"]
+        quant = self.quantization.get(base)
+        if quant is None:
+            return info.shape
+        return (*info.shape[:-1], info.shape[-1] * 32 // quant.bits)
+
+    def float_bytes(self, itemsize: int = 4) -> int:
+        """Bytes every weight takes once unpacked to ``itemsize``-byte floats."""
+        total = 0
+        for name, info in self.tensors.items():
+            base, _, leaf = name.rpartition(".")
+            if base in self.quantization:
+                if leaf == "weight":
+                    total += math.prod(self.logical_shape(base)) * itemsize
+                continue
+            total += math.prod(info.shape) * itemsize
+        return total
+
+    def stored_bytes(self) -> int:
+        """Bytes as stored."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_header(path: Path, file_size: int) -> tuple[dict[str, Any], int]:
+    """Read a safetensors header, bounded by the file's size.
+
+    Returns:
+        The header (without ``__metadata__``) and the data section's size.
+
+    Raises:
+        InstallError: The header length is impossible or the JSON is invalid.
+    """
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            msg = f"{path.name} is {file_size} bytes, too short for a safetensors header"
+            raise InstallError(msg)
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, file_size - 8):
+            msg = (
+                f"{path.name} declares a {n}-byte header in a {file_size}-byte file; "
+                f"the file is corrupt, re-run `turbospark convert`"
+            )
+            raise InstallError(msg)
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        msg = f"{path.name} has an unreadable safetensors header ({e}); re-run `turbospark convert`"
+        raise InstallError(msg) from None
+    if not isinstance(header, dict):
+        msg = f"{path.name} header is not a JSON object; re-run `turbospark convert`"
+        raise InstallError(msg)
+    header.pop("__metadata__", None)
+    return header, file_size - 8 - n
+
+
+def _tensor_info(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        msg = f"tensor {name!r} in {path.name} has a malformed header entry: {entry!r}"
+        raise InstallError(msg)
+    dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    itemsize = FLOAT_DTYPES.get(dtype) or PACKED_DTYPES.get(dtype)
+    if itemsize is None:
+        msg = (
+            f"tensor {name!r} has storage dtype {dtype}, which has no kernel here "
+            f"(supported: {sorted(FLOAT_DTYPES)} floats, quantized U32/U8); "
+            f"re-convert with `turbospark convert --dtype bfloat16`"
+        )
+        raise TensorStorageError(msg)
+    if not (0 <= start <= end <= data_bytes) or end - start != math.prod(shape) * itemsize:
+        msg = (
+            f"tensor {name!r} in {path.name}: byte range [{start}, {end}) does not fit "
+            f"{dtype}{list(shape)} inside the {data_bytes}-byte data section; the "
+            f"install is corrupt, re-run `turbospark convert`"
+        )
+        raise InstallError(msg)
+    return TensorInfo(name=name, dtype=dtype, shape=shape, nbytes=end - start)
+
+
+def build_index(path: Path, file_size: int, quantization: dict[str, Any]) -> TensorIndex:
+    """Index ``model_weights.safetensors`` and check every tensor's storage.
+
+    Args:
+        path: The weights file.
+        file_size: Its size from the manifest's file table (already checked).
+        quantization: The manifest's ``quantization`` section.
+
+    Raises:
+        TensorStorageError: Naming the first tensor whose storage has no kernel.
+        InstallError: The header is corrupt.
+    """
+    header, data_bytes = read_header(path, file_size)
+    tensors = {n: _tensor_info(path, n, e, data_bytes) for n, e in sorted(header.items())}
+    quant = {n: QuantSpec.from_manifest(n, q) for n, q in sorted(quantization.items())}
+    _check_quantized(tensors, quant)
+    return TensorIndex(tensors=tensors, quantization=quant)
+
+
+def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]) -> None:
+    for name, info in tensors.items():
+        base, _, leaf = name.rpartition(".")
+        packed = info.dtype in PACKED_DTYPES
+        if leaf == "weight" and packed and base not in quant:
+            msg = (
+                f"tensor {name!r} is packed {info.dtype} but the manifest gives no "
+                f"quantization for {base!r}; no kernel can read it, re-run `turbospark convert`"
+            )
+            raise TensorStorageError(msg)
+    for base, spec in quant.items():
+        if f"{base}.weight" not in tensors or f"{base}.scales" not in tensors:
+            msg = (
+                f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks its "
+                f"'.weight' or '.scales' tensor; re-run `turbospark convert`"
+            )
+            raise TensorStorageError(msg)
