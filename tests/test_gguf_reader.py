@@ -328,3 +328,13 @@ def test_real_tensors_are_exact_and_hf_oriented(
     values = _affine_values(data) if isinstance(data, AffineQuantized) else data
     assert values.shape == shape
     assert np.array_equal(values, expected)
+
+
+def test_deeply_nested_arrays_are_refused(tmp_path: Path) -> None:
+    key = b"x"
+    nested = struct.pack("<IQ", 9, 1) * 5000  # array of (array of (...)) one element each
+    body = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(body + nested + struct.pack("<IQ", 4, 0))
+    with pytest.raises(ConversionError, match="nests metadata arrays too deeply"):
+        open_gguf(path)

@@ -147,12 +147,14 @@ class Runner:
             return self._check_ids(self.tokenizer.encode(prompt))
         return self._check_ids(prompt)
 
-    def stream(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any
-    ) -> Iterator[str]:
-        """Yield text pieces as they decode (stop strings and EOS honoured)."""
-        for piece in self._run(prompt, max_tokens, sampling, _Progress()):
-            yield piece
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> TextStream:
+        """Text pieces as they decode (stop strings and EOS honoured).
+
+        Returns:
+            An iterable of ``str``; once exhausted its ``.result`` is the
+            :class:`Generation` (text, tokens, stats).
+        """
+        return TextStream(self, prompt, max_tokens, dict(sampling))
 
     def _run(
         self, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any], progress: _Progress
@@ -203,15 +205,16 @@ class Runner:
         Returns:
             The text, the generated ids (EOS excluded) and mlx-lm-style stats.
         """
-        progress = _Progress()
-        text = "".join(self._run(prompt, max_tokens, dict(sampling), progress))
-        return Generation(text=text, tokens=list(progress.tokens), stats=progress.stats())
+        stream = self.stream(prompt, max_tokens, **sampling)
+        for _ in stream:
+            pass
+        return stream.result
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Generation:
         """Generate the assistant's reply to ``messages`` through the install's chat template."""
         return self.generate(self.chat_prompt(messages), max_tokens, **sampling)
 
-    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Iterator[str]:
+    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
         return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
 
@@ -221,3 +224,27 @@ class Runner:
             raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+class TextStream:
+    """Iterates a generation's text pieces; ``.result`` holds the :class:`Generation` after."""
+
+    def __init__(self, runner: Runner, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any]) -> None:
+        self._progress = _Progress()
+        self._pieces: list[str] = []
+        self._iter = runner._run(prompt, max_tokens, sampling, self._progress)
+        self._result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._iter:
+            self._pieces.append(piece)
+            yield piece
+        p = self._progress
+        self._result = Generation(text="".join(self._pieces), tokens=list(p.tokens), stats=p.stats())
+
+    @property
+    def result(self) -> Generation:
+        """The finished generation (raises if the stream was not exhausted)."""
+        if self._result is None:
+            raise RuntimeError("the stream has not finished; iterate it to the end first")
+        return self._result

