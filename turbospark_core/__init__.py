@@ -29,11 +29,15 @@ def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's 
     Raises:
         TurbosparkError: A subclass naming what is wrong and how to fix it.
     """
+    from turbospark_core import plugins
     from turbospark_core.loader import open_install
     from turbospark_core.tokenizer import Tokenizer
 
     opened = open_install(path, **options)
-    tokenizer = Tokenizer.from_install(opened.manifest.root, opened.generation_config)
+    hooks = plugins.family_hooks(opened.manifest.model_type)
+    tokenizer = Tokenizer.from_install(
+        opened.manifest.root, opened.generation_config, hooks.default_chat_template(opened.manifest.arch)
+    )
     return Runner(opened, tokenizer)
 
 

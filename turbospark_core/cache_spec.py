@@ -21,9 +21,10 @@ class CacheSpec:
     v_head_dim: int | None = None
     window: int | None = None
 
-    def bytes_at(self, tokens: int, itemsize: int) -> int:
+    def bytes_at(self, tokens: int, itemsize: int, ring_capacity: int | None = None) -> int:
         """Bytes this layer's K and V take at ``tokens`` of context."""
-        held = tokens if self.window is None else min(tokens, self.window)
+        ring = None if self.window is None else max(self.window, ring_capacity or 0)
+        held = tokens if ring is None else min(tokens, ring)
         v_dim = self.v_head_dim or self.head_dim
         return held * self.n_kv_heads * (self.head_dim + v_dim) * itemsize
 
@@ -31,3 +32,38 @@ class CacheSpec:
     def full(cls, n_kv_heads: int, head_dim: int) -> CacheSpec:
         """A full-attention layer."""
         return cls(n_kv_heads=n_kv_heads, head_dim=head_dim)
+
+    @classmethod
+    def sliding(cls, n_kv_heads: int, head_dim: int, window: int) -> CacheSpec:
+        """A sliding-window layer (ring buffer bounded by ``window``)."""
+        return cls(n_kv_heads=n_kv_heads, head_dim=head_dim, window=window)
+
+
+@attrs.frozen(kw_only=True)
+class StateSpec:
+    """A layer's fixed-size recurrent state (conv window, linear-attention state...).
+
+    The core allocates it per sequence, evaluates it with each step, and
+    snapshots/restores it for sessions, prefix reuse and speculative decoding.
+
+    Attributes:
+        shapes: Per-sequence shapes by name, without the batch axis
+            (``{"conv": (3, 512), "recurrent": (8, 64, 64)}``).
+        dtype: Storage dtype name (``"float32"``).
+    """
+
+    shapes: dict[str, tuple[int, ...]] = attrs.field(converter=lambda d: {k: tuple(v) for k, v in d.items()})
+    dtype: str = "float32"
+
+    def bytes_at(self, tokens: int, itemsize: int, ring_capacity: int | None = None) -> int:
+        """Bytes of one sequence's state (independent of the context length)."""
+        del tokens, itemsize, ring_capacity
+        size = 4 if self.dtype == "float32" else 2
+        return sum(size * _prod(shape) for shape in self.shapes.values())
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out

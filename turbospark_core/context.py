@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import attrs
 import mlx.core as mx
 
-from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.weights import WeightStore
 
 
@@ -24,7 +24,7 @@ class FamilyContext:
 
     arch: dict[str, Any]
     weights: WeightStore = attrs.field(eq=False)
-    cache_layout: tuple[CacheSpec, ...]
+    cache_layout: tuple[CacheSpec | StateSpec, ...]
     compute_dtype: mx.Dtype = attrs.field(eq=False)
 
 

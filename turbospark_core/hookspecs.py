@@ -16,7 +16,7 @@ import pluggy
 from turbospark_core.names import NAME
 
 if TYPE_CHECKING:
-    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.cache_spec import CacheSpec, StateSpec
     from turbospark_core.context import FamilyContext, FamilyModel
     from turbospark_core.convert.records import TensorTarget
     from turbospark_core.registry import FamilySpec
@@ -88,6 +88,24 @@ def hf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
 
 
 @hookspec(firstresult=True)
+def hf_tensor_transform(arch: Arch, name: str, data: Any) -> dict[str, Any] | None:
+    """Rewrite one Hugging Face tensor into install tensors (split, transpose, de-interleave).
+
+    Fires once per source tensor during conversion from a Hugging Face or
+    mlx-lm directory, before :func:`hf_tensor_target`. Return ``None`` to let
+    :func:`hf_tensor_target` place the tensor as it is (and for an ``arch``
+    that is not yours); otherwise a dict of install name -> array (an
+    ``mx.array``/numpy array, or a :class:`~turbospark_core.convert.records.AffineQuantized`
+    matrix, e.g. an MXFP4 expert block). Stops at first non-None result.
+
+    Args:
+        arch: The arch config from :func:`arch_from_hf_config`.
+        name: The tensor's Hugging Face name.
+        data: The tensor (lazy ``mx.array``) or an ``AffineQuantized`` matrix.
+    """
+
+
+@hookspec(firstresult=True)
 def gguf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
     """Say where a GGUF tensor goes in the install (and how its rows are laid out).
 
@@ -155,11 +173,26 @@ def steering_supported(arch: Arch) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def cache_layout(arch: Arch) -> list[CacheSpec] | None:
-    """Describe the per-layer cache the family needs (full or sliding KV).
+def cache_layout(arch: Arch) -> list[CacheSpec | StateSpec] | None:
+    """Describe the caches the family needs: full or sliding KV, recurrent state.
 
-    Fires at open before memory estimation and cache allocation. Return
+    Fires at open before memory estimation and cache allocation. The core
+    makes one cache object per entry, in order, for every sequence (the flow
+    indexes them; a KV-sharing layer may reuse an earlier entry). Return
     ``None`` if ``arch`` is not yours. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def default_chat_template(arch: Arch) -> str | None:
+    """A chat template (Jinja) for installs that carry none.
+
+    Fires when the tokenizer is loaded and ``tokenizer_config.json`` has no
+    ``chat_template``. Return ``None`` if ``arch`` is not yours or the family
+    has no default. Stops at first non-None result.
 
     Args:
         arch: The install's arch config.

@@ -10,7 +10,7 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core import plugins
-from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
 from turbospark_core.errors import (
@@ -20,7 +20,7 @@ from turbospark_core.errors import (
     NotAnInstallError,
     OptionError,
 )
-from turbospark_core.kv_cache import KVCache, make_caches
+from turbospark_core.kv_cache import Cache, make_caches
 from turbospark_core.manifest import (
     HADAMARD,
     MANIFEST,
@@ -49,15 +49,17 @@ class OpenedModel:
     policy: ComputePolicy
     capabilities: Capabilities
     model: Any = attrs.field(eq=False)
-    cache_layout: tuple[CacheSpec, ...]
+    cache_layout: tuple[CacheSpec | StateSpec, ...]
     max_context: int
     estimate: MemoryEstimate
     startup_stats: StartupStats
     generation_config: dict[str, Any]
 
-    def new_cache(self) -> list[KVCache]:
+    def new_cache(self) -> list[Cache]:
         """Fresh per-layer caches for one sequence."""
-        return make_caches(list(self.cache_layout), self.max_context, self.policy.compute_dtype)
+        return make_caches(
+            list(self.cache_layout), self.max_context, self.policy.compute_dtype, self.options.ring_capacity
+        )
 
 
 def _refuse_non_install(path: Path) -> None:
@@ -171,7 +173,7 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
         layout = tuple(hooks.cache_layout(manifest.arch) or ())
     max_context = _max_context(manifest.arch, opts)
-    kv_bytes = sum(spec.bytes_at(max_context, 4) for spec in layout)
+    kv_bytes = sum(spec.bytes_at(max_context, 4, ring_capacity=opts.ring_capacity) for spec in layout)
     policy = ComputePolicy.choose(
         unpacked_bytes=index.float_bytes(4),
         stored_bytes=index.stored_bytes(),
@@ -226,7 +228,7 @@ def _build_family(
     manifest: Manifest,
     hooks: plugins.FamilyHooks,
     weights: WeightStore,
-    layout: tuple[CacheSpec, ...],
+    layout: tuple[CacheSpec | StateSpec, ...],
     policy: ComputePolicy,
 ) -> FamilyModel:
     context = FamilyContext(

@@ -22,11 +22,11 @@ def _expert_slots(value: Any) -> int | str:
     return value
 
 
-def _max_context(value: Any) -> int | None:
+def _positive(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        msg = f"max_context={value!r} is invalid; use a positive number of tokens"
+        msg = f"{name}={value!r} is invalid; use a positive number of tokens"
         raise OptionError(msg)
     return value
 
@@ -45,11 +45,12 @@ def _choice(name: str, choices: tuple[Any, ...]) -> Any:
 class OpenOptions:
     """What the caller asked of :func:`turbospark_core.open`."""
 
-    max_context: int | None = attrs.field(default=None, converter=_max_context)
+    max_context: int | None = attrs.field(default=None, converter=lambda v: _positive("max_context", v))
     expert_slots: int | str = attrs.field(default="auto", converter=_expert_slots)
     residency: str = attrs.field(default="auto", converter=_choice("residency", RESIDENCY))
     memory_budget: int = attrs.field(default=None, converter=parse_budget)
     kv_quant: str | None = attrs.field(default=None, converter=_choice("kv_quant", KV_QUANT))
+    ring_capacity: int | None = attrs.field(default=None, converter=lambda v: _positive("ring_capacity", v))
     warmup: bool = False
 
     @classmethod

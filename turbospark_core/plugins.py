@@ -139,6 +139,14 @@ class FamilyHooks:
         """Where a Hugging Face tensor goes."""
         return self._call("hf_tensor_target", arch=arch, name=name)
 
+    def hf_tensor_transform(self, arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] | None:
+        """Install tensors rewritten from one Hugging Face tensor, or ``None``."""
+        return self._call("hf_tensor_transform", arch=arch, name=name, data=data)
+
+    def default_chat_template(self, arch: dict[str, Any]) -> str | None:
+        """The family's chat template for installs without one."""
+        return self._call("default_chat_template", arch=arch)
+
     def gguf_tensor_target(self, arch: dict[str, Any], name: str) -> Any:
         """Where a GGUF tensor goes."""
         return self._call("gguf_tensor_target", arch=arch, name=name)

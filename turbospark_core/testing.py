@@ -192,7 +192,7 @@ class FamilyConformance:
         assert isinstance(hooks._call("steering_supported", arch=arch), bool)
         assert isinstance(hooks._call("accepts_hadamard", arch=arch), bool)
         assert hooks.arch_problems(arch) == []
-        assert len(hooks.cache_layout(arch)) == arch["num_hidden_layers"]
+        assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
 
     def test_invalid_arch_is_refused_by_name(self, turbospark_install: Any, fixture_name: str, tmp_path: Path) -> None:
         import json

@@ -36,8 +36,16 @@ class Tokenizer:
         self.eos_token_ids = sorted({*eos_ids, *([own_eos] if own_eos is not None else [])})
 
     @classmethod
-    def from_install(cls, root: Path, generation_config: dict[str, Any]) -> Tokenizer:
+    def from_install(
+        cls, root: Path, generation_config: dict[str, Any], default_template: str | None = None
+    ) -> Tokenizer:
         """Load from an install directory.
+
+        Args:
+            root: The install directory.
+            generation_config: Its ``generation_config.json`` (extra EOS ids).
+            default_template: The family's chat template, used when the
+                install has none.
 
         Raises:
             TokenizerError: ``tokenizer.json`` is missing or unreadable.
@@ -49,6 +57,8 @@ class Tokenizer:
             raise TokenizerError(msg) from None
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if not config.get("chat_template") and default_template:
+            config["chat_template"] = default_template
         eos = generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(backend, config, eos_ids)

@@ -12,6 +12,7 @@ import mlx.core as mx
 from turbospark_core import __version__, plugins
 from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
+from turbospark_core.convert.records import SourceTensor, TensorTarget
 from turbospark_core.convert.writer import finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
 from turbospark_core.manifest import Manifest, load_manifest
@@ -90,7 +91,12 @@ def _hf_source(src: Path) -> tuple[dict[str, Any], Any, dict[str, str], int]:
 
     def items() -> Any:
         for tensor, quant in hf.tensors(src, config):
-            yield hooks.hf_tensor_target(arch, tensor.name), tensor, quant
+            rewritten = hooks.hf_tensor_transform(arch, tensor.name, tensor.data)
+            if rewritten is None:
+                yield hooks.hf_tensor_target(arch, tensor.name), tensor, quant
+                continue
+            for name, data in rewritten.items():
+                yield TensorTarget.to(name), SourceTensor(name=tensor.name, data=data), quant
 
     return arch, items(), texts, total
 

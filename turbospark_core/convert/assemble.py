@@ -48,12 +48,15 @@ class Assembler:
     options: ConvertOptions
     tensors: dict[str, mx.array] = attrs.Factory(dict)
     quantization: dict[str, Any] = attrs.Factory(dict)
+    keep_dtype: set[str] = attrs.Factory(set)
     _experts: dict[str, dict[int, mx.array]] = attrs.Factory(dict)
 
     def add(self, target: TensorTarget, tensor: SourceTensor, quant: dict[str, Any] | None = None) -> None:
         """Place one source tensor; ``quant`` is given for pre-quantized (mlx-lm) parts."""
         name = target.name
         assert name is not None  # dropped tensors never reach here
+        if target.keep_dtype:
+            self.keep_dtype.add(name)
         data = tensor.data
         if isinstance(data, AffineQuantized):
             self._add_quantized(name, data)
@@ -100,7 +103,7 @@ class Assembler:
         dtype = DTYPES[self.options.dtype]
         packed = {f"{b}.weight" for b in self.quantization}
         for name, arr in self.tensors.items():
-            if name not in packed and arr.dtype in _FLOATS:
+            if name not in packed and name not in self.keep_dtype and arr.dtype in _FLOATS:
                 self.tensors[name] = arr.astype(dtype)
 
     def _quantize(self, bits: int) -> None:
@@ -108,7 +111,8 @@ class Assembler:
         for name in sorted(self.tensors):
             base, _, leaf = name.rpartition(".")
             arr = self.tensors[name]
-            if leaf != "weight" or base in self.quantization or arr.ndim < 2 or arr.shape[-1] % gs:
+            skip = leaf != "weight" or base in self.quantization or name in self.keep_dtype
+            if skip or arr.ndim < 2 or arr.shape[-1] % gs:
                 continue
             w, scales, biases = mx.quantize(arr, group_size=gs, bits=bits)
             self.tensors[name] = w

@@ -68,11 +68,14 @@ class TensorTarget:
             stacked install tensor ``name`` (shape ``[num_experts, ...]``).
         unpermute_heads: GGUF rotary projections only: undo the interleaved
             rotary row permutation over this many heads.
+        keep_dtype: Never cast this tensor with ``--dtype`` (e.g. state
+            parameters that released checkpoints keep in float32).
     """
 
     name: str | None
     expert: int | None = None
     unpermute_heads: int | None = None
+    keep_dtype: bool = False
 
     @classmethod
     def drop(cls) -> TensorTarget:
@@ -80,6 +83,6 @@ class TensorTarget:
         return cls(name=None)
 
     @classmethod
-    def to(cls, name: str, *, expert: int | None = None) -> TensorTarget:
+    def to(cls, name: str, *, expert: int | None = None, keep_dtype: bool = False) -> TensorTarget:
         """A target that stores the tensor as ``name``."""
-        return cls(name=name, expert=expert)
+        return cls(name=name, expert=expert, keep_dtype=keep_dtype)

@@ -122,9 +122,10 @@ class Attention:
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
         offset = 0 if cache is None else cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
+        mask = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if L > 1 else None
+            mask = cache.mask(L)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

@@ -1,0 +1,172 @@
+"""Shared fixtures for the core tests: installs converted once per session, copied per test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from turbospark_core import plugins
+from turbospark_core.convert import convert
+from turbospark_core.manifest import MANIFEST, WEIGHTS
+
+FIXTURES = Path(
+    os.environ.get("TURBOSPARK_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+)
+
+
+# ------------------------------------------------------------------ sources
+@pytest.fixture(scope="session")
+def llama_src() -> Path:
+    """The tiny float32 Llama checkpoint (Hugging Face layout)."""
+    path = FIXTURES / "llama"
+    if not (path / "config.json").is_file():
+        pytest.skip(f"reference fixture {path} is not available")
+    return path
+
+
+@pytest.fixture(scope="session")
+def references(llama_src: Path) -> dict[str, np.ndarray]:
+    """references.npz of the llama fixture (prompt, logits, greedy tokens...)."""
+    with np.load(llama_src / "references.npz") as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+# ------------------------------------------------------------------ installs (read-only, per session)
+@pytest.fixture(scope="session")
+def f32_install(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float32 install of the llama fixture. Never modify it: copy it (``install``)."""
+    dst = tmp_path_factory.mktemp("f32") / "install"
+    convert(llama_src, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def q4_install(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A q4 (group 64) install of the llama fixture. Never modify it: copy it."""
+    dst = tmp_path_factory.mktemp("q4") / "install"
+    convert(llama_src, dst, quantize="q4")
+    return dst
+
+
+@pytest.fixture(scope="session")
+def mlx_q4_dir(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An mlx-lm directory of the llama fixture, quantized by mlx-lm itself (4 bit, group 32)."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    dst = tmp_path_factory.mktemp("mlx_lm") / "model"  # mlx_lm.convert refuses an existing path
+    mlx_lm.convert(hf_path=str(llama_src), mlx_path=str(dst), quantize=True, q_group_size=32, q_bits=4)
+    return dst
+
+
+# ------------------------------------------------------------------ per-test copies
+@pytest.fixture
+def install(f32_install: Path, tmp_path: Path) -> Path:
+    """A private copy of the float32 install that the test may corrupt."""
+    dst = tmp_path / "install"
+    shutil.copytree(f32_install, dst)
+    return dst
+
+
+@pytest.fixture
+def q4_copy(q4_install: Path, tmp_path: Path) -> Path:
+    """A private copy of the q4 install that the test may corrupt."""
+    dst = tmp_path / "q4"
+    shutil.copytree(q4_install, dst)
+    return dst
+
+
+# ------------------------------------------------------------------ tampering helpers
+class Tamper:
+    """Edits an install the way a corrupt download or a hostile manifest would."""
+
+    @staticmethod
+    def manifest(root: Path) -> dict[str, Any]:
+        return json.loads((root / MANIFEST).read_text())
+
+    @staticmethod
+    def write_manifest(root: Path, raw: Any) -> None:
+        (root / MANIFEST).write_text(json.dumps(raw))
+
+    def edit(self, root: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Apply ``fn`` to the parsed manifest and write it back."""
+        raw = self.manifest(root)
+        fn(raw)
+        self.write_manifest(root, raw)
+
+    def put_file(self, root: Path, name: str, data: bytes) -> None:
+        """Write ``name`` and record its true size and sha256 in the file table."""
+        (root / name).write_bytes(data)
+
+        def update(raw: dict[str, Any]) -> None:
+            raw["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+        self.edit(root, update)
+
+    def weights_header(self, root: Path) -> tuple[dict[str, Any], bytes]:
+        """The weights file's safetensors header (with ``__metadata__``) and data section."""
+        blob = (root / WEIGHTS).read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        return json.loads(blob[8 : 8 + n]), blob[8 + n :]
+
+    def put_weights_raw(self, root: Path, header: Any, data: bytes, *, header_bytes: bytes | None = None) -> None:
+        """Write a hand-made safetensors container as the install's weights."""
+        body = header_bytes if header_bytes is not None else json.dumps(header).encode()
+        self.put_file(root, WEIGHTS, struct.pack("<Q", len(body)) + body + data)
+
+    def put_weights(self, root: Path, tensors: dict[str, np.ndarray]) -> None:
+        """Rewrite the weights with numpy arrays (any safetensors dtype)."""
+        from safetensors.numpy import save
+
+        self.put_file(root, WEIGHTS, save(tensors, metadata={"format": "mlx"}))
+
+    @staticmethod
+    def load_weights(root: Path) -> dict[str, np.ndarray]:
+        from safetensors.numpy import load_file
+
+        return load_file(str(root / WEIGHTS))
+
+
+@pytest.fixture(scope="session")
+def tamper() -> Tamper:
+    return Tamper()
+
+
+# ------------------------------------------------------------------ plugin state
+@pytest.fixture
+def no_plugins() -> Iterator[None]:
+    """Simulate an environment with no family plugin installed (allow-list empty)."""
+    old = os.environ.get(plugins.ALLOW_LIST_ENV)
+    os.environ[plugins.ALLOW_LIST_ENV] = ""
+    plugins.reset_plugins()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(plugins.ALLOW_LIST_ENV, None)
+        else:
+            os.environ[plugins.ALLOW_LIST_ENV] = old
+        plugins.reset_plugins()
+
+
+def assert_names(message: str, *parts: str) -> None:
+    """Every part (offender, fix) appears in the refusal message."""
+    missing = [p for p in parts if p not in message]
+    assert not missing, f"message lacks {missing}: {message}"
+
+
+@pytest.fixture(scope="session")
+def names() -> Callable[..., None]:
+    """``names(exc_info_or_message, *parts)``: the refusal names each part."""
+
+    def check(err: Any, *parts: str) -> None:
+        message = err if isinstance(err, str) else str(err.value)
+        assert_names(message, *parts)
+
+    return check

@@ -1,0 +1,81 @@
+"""Hook implementations of the dummy family; each answers ``None`` for anything not ``dummy_lm``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from turbospark_core import hookimpl
+from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.context import FamilyContext
+from turbospark_core.convert.records import TensorTarget
+from turbospark_core.registry import FamilySpec
+
+from turbospark_dummy import DISTRIBUTION, FAMILY, MODEL_TYPES
+
+
+def _mine(arch: dict[str, Any]) -> bool:
+    return arch.get("model_type") in MODEL_TYPES
+
+
+class BigramModel:
+    """Logits of the next token from the current one only: ``lm_head(embed(ids))``."""
+
+    def __init__(self, context: FamilyContext) -> None:
+        self.embed_tokens = context.weights.embedding("model.embed_tokens")
+        self.lm_head = context.weights.linear("lm_head")
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        return self.lm_head(self.embed_tokens(inputs))
+
+    @property
+    def layers(self) -> list[Any]:
+        return []
+
+
+@hookimpl
+def register_families(register: Callable[[FamilySpec], None]) -> None:
+    register(FamilySpec(name=FAMILY, model_types=MODEL_TYPES, distribution=DISTRIBUTION))
+
+
+@hookimpl
+def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    if hf_config.get("model_type") not in MODEL_TYPES:
+        return None
+    return {
+        "model_type": hf_config["model_type"],
+        "hidden_size": hf_config["hidden_size"],
+        "num_hidden_layers": 1,
+        "vocab_size": hf_config["vocab_size"],
+    }
+
+
+@hookimpl
+def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
+    return TensorTarget.to(name) if _mine(arch) else None
+
+
+@hookimpl
+def arch_problems(arch: dict[str, Any]) -> list[str] | None:
+    return [] if _mine(arch) else None
+
+
+@hookimpl
+def accepts_hadamard(arch: dict[str, Any]) -> bool | None:
+    return False if _mine(arch) else None
+
+
+@hookimpl
+def steering_supported(arch: dict[str, Any]) -> bool | None:
+    return False if _mine(arch) else None
+
+
+@hookimpl
+def cache_layout(arch: dict[str, Any]) -> list[CacheSpec] | None:
+    return [] if _mine(arch) else None
+
+
+@hookimpl
+def build_family_state(context: FamilyContext) -> BigramModel | None:
+    return BigramModel(context) if _mine(context.arch) else None

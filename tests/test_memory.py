@@ -1,0 +1,101 @@
+"""Tests of the memory guard: budget parsing, the estimate, and the over-budget refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import turbospark_core
+from turbospark_core import loader
+from turbospark_core.errors import MemoryBudgetError, OptionError
+from turbospark_core.memory import DEFAULT_FRACTION, MemoryEstimate, available_bytes, parse_budget
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1000, 1000),
+        (8e9, 8_000_000_000),
+        ("1000", 1000),
+        ("8GB", 8_000_000_000),
+        ("8 gb", 8_000_000_000),
+        ("1.5G", 1_500_000_000),
+        ("512MiB", 512 * 2**20),
+        ("2kib", 2048),
+        ("3kb", 3000),
+        (" 7 B ", 7),
+    ],
+)
+def test_parse_budget(value, expected: int) -> None:
+    assert parse_budget(value) == expected
+
+
+def test_default_budget_is_a_fraction_of_free_memory() -> None:
+    free = available_bytes()
+    assert free > 0
+    budget = parse_budget(None)
+    assert 0 < budget <= free * DEFAULT_FRACTION * 1.1  # free memory moves a little between calls
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "garbage",
+        "8XB",
+        "-5GB",
+        "",
+        0,
+        -1,
+        "0GB",
+        True,
+        pytest.param("1.2.3GB", marks=pytest.mark.xfail(strict=True, reason="core bug: float('1.2.3') raises a bare ValueError")),
+        pytest.param(".", marks=pytest.mark.xfail(strict=True, reason="core bug: float('.') raises a bare ValueError")),
+        pytest.param(float("nan"), marks=pytest.mark.xfail(strict=True, reason="core bug: int(nan) raises a bare ValueError")),
+        pytest.param(float("inf"), marks=pytest.mark.xfail(strict=True, reason="core bug: int(inf) raises a bare OverflowError")),
+        pytest.param([8], marks=pytest.mark.xfail(strict=True, reason="core bug: list <= 0 raises a bare TypeError")),
+    ],
+)
+def test_unparseable_budget(value, names) -> None:
+    with pytest.raises(OptionError) as e:
+        parse_budget(value)
+    names(e, "memory_budget=")
+
+
+def test_estimate_total_and_check() -> None:
+    est = MemoryEstimate(weights=600, kv=300, experts=100)
+    assert est.total == 1000
+    est.check(1000, max_context=256, slots=1)  # exactly at the budget fits
+    with pytest.raises(MemoryBudgetError) as e:
+        est.check(999, max_context=256, slots=3)
+    assert isinstance(e.value, MemoryError)
+    assert "max_context=256 x 3 slot(s)" in str(e.value)
+
+
+def test_over_budget_open_is_refused_naming_the_knobs(
+    f32_install: Path, monkeypatch: pytest.MonkeyPatch, names
+) -> None:
+    def no_mapping(*args, **kwargs):
+        raise AssertionError("weights were mapped before the budget check")
+
+    monkeypatch.setattr(loader, "WeightStore", no_mapping)
+    with pytest.raises(MemoryBudgetError) as e:
+        turbospark_core.open(f32_install, memory_budget=1000)
+    names(e, "max_context=256", "memory_budget", "lower max_context", "raise memory_budget")
+
+
+def test_lowering_max_context_makes_an_open_fit(f32_install: Path) -> None:
+    small = turbospark_core.open(f32_install, max_context=256).opened.estimate
+    big = turbospark_core.open(f32_install, max_context=8192).opened.estimate
+    assert big.weights == small.weights and big.kv == small.kv * 32
+    budget = small.total + 1
+    assert turbospark_core.open(f32_install, max_context=256, memory_budget=budget).max_context == 256
+    with pytest.raises(MemoryBudgetError, match="max_context=8192"):
+        turbospark_core.open(f32_install, max_context=8192, memory_budget=budget)
+
+
+def test_estimate_counts_weights_and_kv(f32_install: Path) -> None:
+    opened = turbospark_core.open(f32_install, max_context=100).opened
+    # 2 layers x (K + V) x 2 kv heads x head_dim 16 x 100 tokens x float32
+    assert opened.estimate.kv == 2 * 2 * 2 * 16 * 100 * 4
+    assert opened.estimate.weights == opened.index.stored_bytes()
