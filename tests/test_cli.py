@@ -89,11 +89,6 @@ def test_generate_with_a_bad_option_is_one_error_line(f32_install: Path, capsys:
     assert "memory_budget='lots'" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: cli._open tests `if args.max_context:` so --max-context 0 is silently dropped "
-    "instead of refused",
-)
 def test_generate_with_max_context_zero_is_refused(f32_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(f32_install), "hello", "--max-tokens", "1", "--max-context", "0"]) == 2
     assert "max_context=0" in _one_error_line(capsys.readouterr().err)

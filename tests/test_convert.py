@@ -160,7 +160,6 @@ def test_empty_destination_is_used(llama_src: Path, tmp_path: Path) -> None:
     assert convert(llama_src, tmp_path / "dst").model_type == "llama"
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a conversion that fails after prepare_destination leaves DST.partial behind")
 def test_failed_conversion_leaves_no_staging(llama_src: Path, tmp_path: Path) -> None:
     src = _copy_source(llama_src, tmp_path / "src")
     arrays = dict(mx.load(str(src / "model.safetensors")))

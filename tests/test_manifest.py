@@ -145,12 +145,6 @@ def test_arch_without_model_type(install: Path, tamper, arch, expected, names) -
 
 
 @pytest.mark.parametrize("section", ["quantization", "experts", "hadamard", "provenance"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: load_manifest does not type-check the optional sections; a list there "
-    "passes, then open dies with AttributeError (quantization), a misleading FileTableError "
-    "(hadamard), or `inspect` crashes on provenance.get",
-)
 def test_optional_section_not_an_object(install: Path, tamper, section: str, names) -> None:
     tamper.edit(install, lambda raw: raw.__setitem__(section, [1, 2]))
     with pytest.raises(ManifestError) as e:

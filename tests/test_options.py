@@ -18,6 +18,7 @@ def test_defaults() -> None:
         None, "auto", "auto", None, False,
     )
     assert isinstance(opts.memory_budget, int) and opts.memory_budget > 0
+    assert opts.ring_capacity is None
 
 
 def test_good_values_are_kept() -> None:
@@ -43,6 +44,8 @@ BAD = [
     ("memory_budget", "8 parsecs", "'8GB'"),
     ("memory_budget", -1, "must be positive"),
     ("memory_budget", 0, "must be positive"),
+    ("ring_capacity", 0, "positive number of tokens"),
+    ("ring_capacity", "big", "positive number of tokens"),
     ("kv_quant", "q3", "'q8', 'q4'"),
     ("kv_quant", "fp8", "'q8', 'q4'"),
     ("residency", "sometimes", "'resident', 'auto'"),

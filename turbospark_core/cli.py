@@ -48,9 +48,9 @@ def _open(args: argparse.Namespace) -> Any:
     import turbospark_core
 
     options: dict[str, Any] = {}
-    if getattr(args, "max_context", None):
+    if getattr(args, "max_context", None) is not None:
         options["max_context"] = args.max_context
-    if getattr(args, "memory_budget", None):
+    if getattr(args, "memory_budget", None) is not None:
         options["memory_budget"] = args.memory_budget
     return turbospark_core.open(args.install, **options)
 

@@ -100,7 +100,9 @@ def _refuse_vision_sidecar(path: Path) -> None:
             model_type = str(json.loads(config.read_bytes()).get("model_type", ""))
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return
-        if "vision" in model_type or (path / "preprocessor_config.json").exists() and not model_type:
+        text_config = ("text_config" in json.loads(config.read_bytes())) if model_type else False
+        pixel_only = (path / "preprocessor_config.json").exists() and not text_config and not list(path.glob("tokenizer*"))
+        if "vision" in model_type or pixel_only:
             msg = f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; open the text model's install instead"
             raise NotAnInstallError(msg)
 
@@ -110,7 +112,7 @@ def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
     problems = [
         f"{key!r} must be a positive integer (got {arch.get(key)!r})"
         for key in _REQUIRED_ARCH
-        if not isinstance(arch.get(key), int) or arch.get(key) <= 0
+        if not isinstance(arch.get(key), int) or isinstance(arch.get(key), bool) or arch.get(key) <= 0
     ]
     problems += hooks.arch_problems(arch)
     if problems:

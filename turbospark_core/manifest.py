@@ -153,17 +153,29 @@ def load_manifest(root: Path) -> Manifest:
     if not isinstance(arch.get("model_type"), str):
         msg = f"{where}: arch has no 'model_type' string; re-run `turbospark convert`"
         raise ManifestError(msg)
+    sections = {key: _optional_object(raw, key, where) for key in _SECTIONS}
     return Manifest(
         root=root,
         arch=arch,
         files=_file_table(raw, where),
-        quantization=raw.get("quantization") or {},
+        quantization=sections["quantization"] or {},
         family=raw.get("family"),
         distribution=raw.get("distribution"),
-        hadamard=raw.get("hadamard"),
-        experts=raw.get("experts"),
-        provenance=raw.get("provenance") or {},
+        hadamard=sections["hadamard"],
+        experts=sections["experts"],
+        provenance=sections["provenance"] or {},
     )
+
+
+_SECTIONS = ("quantization", "hadamard", "experts", "provenance")
+
+
+def _optional_object(raw: dict[str, Any], key: str, where: Path) -> dict[str, Any] | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, dict):
+        msg = f"{where}: {key!r} must be an object or null, got {value!r}; re-run `turbospark convert`"
+        raise ManifestError(msg)
+    return value
 
 
 def check_files(manifest: Manifest) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -39,9 +40,13 @@ def parse_budget(value: int | float | str | None) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             msg = f"memory_budget={value!r} is not a size; use bytes or e.g. '8GB', '512MiB'"
             raise OptionError(msg)
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if isinstance(value, bool) or value <= 0:
-        msg = f"memory_budget={value!r} must be positive"
+        try:
+            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:
+            msg = f"memory_budget={value!r} is not a size; use bytes or e.g. '8GB', '512MiB'"
+            raise OptionError(msg) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        msg = f"memory_budget={value!r} must be positive: a finite number of bytes or a size like '8GB'"
         raise OptionError(msg)
     return int(value)
 

@@ -129,11 +129,26 @@ def read_header(path: Path, file_size: int) -> tuple[dict[str, Any], int]:
     return header, file_size - 8 - n
 
 
+def _is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def _tensor_info(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         msg = f"tensor {name!r} in {path.name} has a malformed header entry: {entry!r}"
         raise InstallError(msg)
-    dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not (
+        isinstance(dtype, str)
+        and isinstance(shape, list)
+        and all(_is_count(n) for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(n) for n in offsets)
+    ):
+        msg = f"tensor {name!r} in {path.name} has a malformed header entry: {entry!r}; re-run `turbospark convert`"
+        raise InstallError(msg)
+    shape, (start, end) = tuple(shape), offsets
     itemsize = FLOAT_DTYPES.get(dtype) or PACKED_DTYPES.get(dtype)
     if itemsize is None:
         msg = (

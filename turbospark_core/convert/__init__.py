@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -61,20 +62,24 @@ def convert(
         raise ConversionError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
     staging = prepare_destination(dst, force=force)
-    assembler = Assembler(options)
-    map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
-    tensors, quantization = assembler.finish()
-    _evaluate(tensors, show_progress)
-    write_install(
-        staging,
-        arch=arch,
-        tensors=tensors,
-        quantization=quantization,
-        text_files=texts,
-        family=hooks.spec.name,
-        distribution=hooks.spec.distribution,
-        provenance=_provenance(src, options),
-    )
+    try:
+        assembler = Assembler(options)
+        map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
+        tensors, quantization = assembler.finish()
+        _evaluate(tensors, show_progress)
+        write_install(
+            staging,
+            arch=arch,
+            tensors=tensors,
+            quantization=quantization,
+            text_files=texts,
+            family=hooks.spec.name,
+            distribution=hooks.spec.distribution,
+            provenance=_provenance(src, options),
+        )
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     finish(staging, dst)
     return load_manifest(dst)
 

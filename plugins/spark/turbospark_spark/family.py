@@ -1,0 +1,246 @@
+# Copyright 2026 the turbospark authors. Apache-2.0.
+"""The Spark 2.5 decoder: fused QKV, per-layer-type RoPE, head-wise sigmoid output gate, GELU MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import Cache
+from turbospark_core.rope import ROPE_TYPES, Rope
+from turbospark_core.weights import WeightStore
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+ACTIVATIONS = ("gelu",)  # Hugging Face "gelu" is the exact erf form
+GATE_MODES = ("sigmoid",)
+_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "sliding_window")
+
+
+@attrs.frozen(kw_only=True)
+class RopeArgs:
+    rope_theta: float
+    rotary_dim: int
+    rope_scaling: dict[str, Any] | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    sliding_window: int
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    rope: dict[str, RopeArgs] = attrs.field(eq=False)
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        """Build from an install's arch config, refusing (by name) what the flow does not implement.
+
+        Raises:
+            ArchConfigError: Every problem :meth:`problems` finds, joined.
+        """
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        return cls(
+            model_type=arch["model_type"],
+            hidden_size=arch["hidden_size"],
+            num_hidden_layers=arch["num_hidden_layers"],
+            num_attention_heads=arch["num_attention_heads"],
+            num_key_value_heads=arch["num_key_value_heads"],
+            head_dim=arch["head_dim"],
+            intermediate_size=arch["intermediate_size"],
+            vocab_size=arch["vocab_size"],
+            rms_norm_eps=float(arch["rms_norm_eps"]),
+            max_position_embeddings=arch.get("max_position_embeddings") or 8192,
+            sliding_window=arch["sliding_window"],
+            layer_types=arch["layer_types"],
+            rope={kind: RopeArgs(**arch["rope"][kind]) for kind in set(arch["layer_types"])},
+            tie_word_embeddings=bool(arch["tie_word_embeddings"]),
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        """What in ``arch`` the flow does not implement, each naming the key and what is supported."""
+        out = [
+            f"{key!r} must be a positive integer (got {arch.get(key)!r})"
+            for key in _POSITIVE
+            if not isinstance(arch.get(key), int) or arch[key] <= 0
+        ]
+        eps = arch.get("rms_norm_eps")
+        if not isinstance(eps, (int, float)) or eps <= 0:
+            out.append(f"'rms_norm_eps' must be positive (got {eps!r})")
+        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+            out.append(
+                f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={arch['num_key_value_heads']}"
+            )
+        if arch.get("hidden_act") not in ACTIVATIONS:
+            out.append(f"hidden_act={arch.get('hidden_act')!r} is not implemented; supported: 'gelu' (exact erf)")
+        if arch.get("gate_attn_act_mode") not in GATE_MODES:
+            out.append(
+                f"gate_attn_act_mode={arch.get('gate_attn_act_mode')!r} is not implemented; supported: 'sigmoid'"
+            )
+        if arch.get("headwise_attn_output_gate") is not True:
+            out.append(
+                f"headwise_attn_output_gate={arch.get('headwise_attn_output_gate')!r}: only the head-wise "
+                f"output gate (one scalar per head from g_proj) is implemented"
+            )
+        if not isinstance(arch.get("tie_word_embeddings"), bool):
+            out.append(f"tie_word_embeddings must be true or false (got {arch.get('tie_word_embeddings')!r})")
+        return out + _layer_problems(arch)
+
+
+def _layer_problems(arch: dict[str, Any]) -> list[str]:
+    kinds = arch.get("layer_types")
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != arch.get("num_hidden_layers"):
+        return [f"layer_types must list one type per layer ({arch.get('num_hidden_layers')!r}), got {kinds!r}"]
+    unknown = sorted({k for k in kinds if k not in LAYER_TYPES}, key=str)
+    if unknown:
+        return [f"layer type(s) {', '.join(map(repr, unknown))} not implemented; supported: {', '.join(LAYER_TYPES)}"]
+    rope = arch.get("rope") if isinstance(arch.get("rope"), dict) else {}
+    return [p for kind in sorted(set(kinds)) for p in _rope_problems(kind, rope.get(kind), arch.get("head_dim"))]
+
+
+def _rope_problems(kind: str, rope: Any, head_dim: Any) -> list[str]:
+    if not isinstance(rope, dict):
+        return [f"no rope parameters for layer type {kind!r} (rope_parameters[{kind!r}] is missing)"]
+    out = []
+    theta, dims = rope.get("rope_theta"), rope.get("rotary_dim")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        out.append(f"{kind} rope_theta must be positive (got {theta!r})")
+    limit = head_dim if isinstance(head_dim, int) else 0
+    if not isinstance(dims, int) or dims <= 0 or dims % 2 or dims > limit:
+        out.append(
+            f"{kind} rotary dims {dims!r} (head_dim x partial_rotary_factor) must be a positive even "
+            f"number <= head_dim={head_dim!r}"
+        )
+    scaling = rope.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", "default") if isinstance(scaling, dict) else scaling
+    if rope_type not in ROPE_TYPES:
+        out.append(f"{kind} rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+    return out
+
+
+def cache_layout(args: Args) -> list[CacheSpec]:
+    """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
+    n, d = args.num_key_value_heads, args.head_dim
+    return [
+        CacheSpec.sliding(n, d, args.sliding_window) if kind == SLIDING else CacheSpec.full(n, d)
+        for kind in args.layer_types
+    ]
+
+
+def sliding_mask(n: int, window: int) -> mx.array | str | None:
+    """Causal mask over ``n`` fresh tokens, limited to the last ``window`` keys."""
+    if n <= window:
+        return "causal" if n > 1 else None
+    q = mx.arange(n)[:, None]
+    k = mx.arange(n)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, prefix: str, kind: str) -> None:
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.scale = args.head_dim**-0.5
+        q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
+        self.splits = [q_size, q_size + kv_size]
+        self.q_k_v_proj = w.linear(f"{prefix}.q_k_v_proj")
+        self.g_proj = w.linear(f"{prefix}.g_proj")
+        self.out_proj = w.linear(f"{prefix}.out_proj")
+        rope = args.rope[kind]
+        self.rope = Rope.from_config(
+            dims=rope.rotary_dim,
+            theta=rope.rope_theta,
+            scaling=rope.rope_scaling,
+            max_positions=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Cache | None) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = mx.split(self.q_k_v_proj(x), self.splits, axis=-1)
+        # Views of the fused projection: make them contiguous before the rope kernel
+        q = mx.contiguous(q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3))
+        k = mx.contiguous(k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+            mask = cache.mask(L)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3)
+        # One sigmoid gate per head, computed in float32
+        gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(out.dtype)
+        return self.out_proj((out * gate[..., None]).reshape(B, L, -1))
+
+
+def gelu(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+class MLP:
+    def __init__(self, w: WeightStore, prefix: str) -> None:
+        self.gate_proj = w.linear(f"{prefix}.gate_proj")
+        self.up_proj = w.linear(f"{prefix}.up_proj")
+        self.down_proj = w.linear(f"{prefix}.down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.eps = args.rms_norm_eps
+        self.is_sliding = args.layer_types[i] == SLIDING
+        self.self_attn = Attention(args, w, f"{prefix}.self_attn", args.layer_types[i])
+        self.mlp = MLP(w, f"{prefix}.mlp")
+        self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Cache | None) -> mx.array:
+        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), mask, cache)
+        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embedding = w.embedding("model.embedding")
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.norm = w.tensor("model.norm.weight")
+        self.lm_head = None if args.tie_word_embeddings else w.linear("lm_head")
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        h = self.embedding(inputs)
+        L = h.shape[1]
+        # Without a cache every layer sees the whole sequence; caches build their own masks
+        full_mask = "causal" if L > 1 else None
+        window_mask = sliding_mask(L, self.args.sliding_window) if cache is None else None
+        for i, block in enumerate(self.blocks):
+            mask = window_mask if block.is_sliding else full_mask
+            h = block(h, mask, None if cache is None else cache[i])
+        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        out = self.embedding.as_linear(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(mx.float32)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks
