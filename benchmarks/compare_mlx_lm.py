@@ -327,10 +327,15 @@ def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str
     return out
 
 
-def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
-    """mlx_lm.load (timed), warm up, run once; stats from stream_generate's responses."""
+def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bool = False) -> dict[str, Any]:
+    """mlx_lm.load (timed), warm up, run once; stats from stream_generate's responses.
+
+    With ``f32_check`` (float checkpoints only), afterwards cast mlx-lm's weights
+    to float32 and take the greedy first token of the prompt, to tell a
+    precision difference (turbospark computes in float32 on the CPU) from a bug.
+    """
     import mlx_lm
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten, tree_map
 
     release()
     t0 = time.perf_counter()
@@ -366,17 +371,22 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, 
         "bytes_per_token": held_bytes_per_token(held, embed_bytes, tied),
         "note": f"weights held as stored ({', '.join(dtypes)})",
     }
+    if f32_check and "uint32" not in dtypes:
+        log("  mlx-lm float32 check: one prefill with float32 weights")
+        model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+        logits = model(mx.array([ids]))[0, -1]
+        out["f32_first_token"] = int(mx.argmax(logits).item())
     del model, tokenizer, params
     release()
     return out
 
 
 def measure_bandwidth() -> float:
-    """Rough streaming-read bandwidth (bytes/s): best of 5 MLX sums over a 512 MB float32 array."""
+    """Rough streaming-read bandwidth (bytes/s): best of 10 MLX sums over a 512 MB float32 array."""
     a = mx.random.uniform(shape=(128 * 2**20,))
     mx.eval(a)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(10):
         t0 = time.perf_counter()
         mx.eval(a.sum())
         best = min(best, time.perf_counter() - t0)
@@ -457,11 +467,15 @@ def report(results: list[dict[str, Any]], bandwidth: float | None) -> str:
             f"  weights held: turbospark {ts['weights_held'] / 1e9:.3f} GB ({ts['note']}); "
             f"mlx-lm {ml['weights_held'] / 1e9:.3f} GB ({ml['note']})"
         )
+        if "f32_first_token" in ml:
+            f32 = ml["f32_first_token"]
+            same_f32 = "same as" if ts["tokens"][:1] == [f32] else "DIFFERENT from"
+            out.append(f"  mlx-lm with float32 weights: first greedy token {f32}, {same_f32} turbospark's")
         if res.get("note"):
             out.append(f"  {res['note']}")
     if bandwidth:
         out.append(
-            f"decode / BW bound: generation tok/s over (measured read bandwidth {bandwidth / 1e9:.1f} GB/s / "
+            f"decode / BW bound: generation tok/s over (read bandwidth {bandwidth / 1e9:.1f} GB/s / "
             "weight bytes one decode step reads as held, untied input embedding excluded)"
         )
     return "\n".join(out)
@@ -492,7 +506,10 @@ def prepare_random(work: Path, n_prompt: int) -> dict[str, Any]:
         "install": install,
         "mlx_dir": ckpt,
         "ids": random_prompt_ids(RANDOM_CONFIG["vocab_size"], n_prompt),
-        "note": "random weights: greedy ties make token agreement informative only for the first few tokens",
+        "note": (
+            "random weights give near-tied logits: mlx-lm computes in bf16, turbospark (CPU policy) in float32, "
+            "so greedy tokens may diverge early; --f32-check compares against mlx-lm in float32"
+        ),
     }
 
 
@@ -506,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2,random", help="comma list of: " + ", ".join(PREPARE))
     ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)")
+    ap.add_argument(
+        "--f32-check",
+        action="store_true",
+        help="float checkpoints: also take mlx-lm's first greedy token with float32 weights (one more prefill)",
+    )
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth-bound column")
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -524,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
     log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
     try:
+        bandwidth = None
+        if not args.no_bandwidth:
+            bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth()
+            log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
         results = []
         for name in models:
             log(f"== {name}: preparing")
@@ -532,13 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"== {name}: turbospark ({len(prep['ids'])} prompt tokens, {args.gen_tokens} generated)")
             res["turbospark"] = bench_turbospark(prep["install"], prep["ids"], args.gen_tokens)
             log(f"== {name}: mlx-lm")
-            res["mlx-lm"] = bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens)
+            res["mlx-lm"] = bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens, args.f32_check)
             same, n = agreement(res["turbospark"]["tokens"], res["mlx-lm"]["tokens"])
             log(f"   greedy tokens agree {same}/{n}")
             results.append(res)
-        bandwidth = None
-        if not args.no_bandwidth:
-            bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth()
         print(
             f"turbospark vs mlx-lm  ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, device {mx.default_device()}, "
             f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"

@@ -155,22 +155,77 @@ def test_float_tensors_keep_dtype_and_hf_orientation(tmp_path: Path) -> None:
     assert np.array_equal(n, vec)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K])
-def test_other_types_need_dequantize(tmp_path: Path, qtype: Q) -> None:
+def _k_quant_bytes(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random K-quant super-blocks with finite float16 d (and dmin): gguf has no K-quantizer."""
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if qtype == Q.Q5_0:
-        raw = quants.quantize(_rng_matrix(4, 256), qtype)
-    else:  # no gguf quantizer for K-quants: arbitrary bytes with finite float16 scales
-        raw = np.random.default_rng(5).integers(0, 256, (4, 256 // block * type_size), dtype=np.uint8)
-        raw[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    src = open_gguf(_write(tmp_path / "k.gguf", {"blk.0.odd.weight": (raw, qtype)}))
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    d_at = {Q.Q4_K: (0, 2), Q.Q6_K: (type_size - 2,)}[qtype]
+    scale = np.random.default_rng(seed + 1).uniform(1e-4, 2e-2, (rows, cols // block, len(d_at)))
+    for i, at in enumerate(d_at):
+        raw[..., at : at + 2] = scale[..., i].astype("<f2")[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
-    with pytest.raises(ConversionError, match=rf"'blk\.0\.odd\.weight'.*{qtype.name}.*--dequantize"):
+
+def test_q5_0_maps_exactly_onto_5_bit_groups(tmp_path: Path) -> None:
+    values = _rng_matrix(40, 256, seed=7)
+    values[1, 32:64] = 0.0
+    raw = quants.quantize(values, Q.Q5_0)
+    data = open_gguf(_write(tmp_path / "q5.gguf", {"w": (raw, Q.Q5_0)})).read_tensor("w").data
+    assert isinstance(data, AffineQuantized)
+    assert (data.bits, data.group_size, data.shape) == (5, 32, (40, 256))
+    assert data.weight.shape == (40, 256 * 5 // 32)
+    assert data.scales.dtype == np.float16  # d and -16 d are exact in float16
+    assert np.array_equal(_affine_values(data), quants.dequantize(raw, Q.Q5_0))
+
+
+def test_q4_k_maps_exactly_onto_4_bit_groups_of_32(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q4_K, 24, 512, seed=3)
+    data = open_gguf(_write(tmp_path / "q4k.gguf", {"w": (raw, Q.Q4_K)})).read_tensor("w").data
+    assert isinstance(data, AffineQuantized)
+    assert (data.bits, data.group_size, data.shape) == (4, 32, (24, 512))
+    assert data.scales.shape == (24, 16)
+    assert data.scales.dtype == np.float32  # d * sc needs up to 17 significant bits
+    assert np.array_equal(_affine_values(data), quants.dequantize(raw, Q.Q4_K))
+
+
+def test_q4_k_stays_float16_when_exact(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q4_K, 2, 256, seed=4)
+    raw = raw.reshape(2, 1, 144)
+    raw[..., 0:4] = np.frombuffer(np.array([0.5, 0.25], "<f2").tobytes(), np.uint8)  # powers of two
+    raw = raw.reshape(2, -1)
+    data = open_gguf(_write(tmp_path / "e.gguf", {"w": (raw, Q.Q4_K)})).read_tensor("w").data
+    assert data.scales.dtype == np.float16
+    assert np.array_equal(_affine_values(data), quants.dequantize(raw, Q.Q4_K))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packing_matches_mlx_bit_layout(bits: int) -> None:
+    from turbospark_core.convert.gguf_reader import _pack
+
+    codes = np.random.default_rng(bits).integers(0, 2**bits, (3, 4, 32), dtype=np.uint8)
+    words = _pack(codes, bits)
+    assert words.shape == (3, 4 * bits)
+    ones, zeros = mx.ones((3, 4)), mx.zeros((3, 4))
+    unpacked = mx.dequantize(mx.array(words), ones, zeros, group_size=32, bits=bits)
+    assert np.array_equal(np.array(unpacked), codes.reshape(3, -1))
+    # and MLX's own quantizer writes the same layout we read back
+    x = mx.array(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32))
+    wq, s, b = mx.quantize(x, group_size=32, bits=bits)
+    raw_codes = mx.dequantize(wq, mx.ones_like(s), mx.zeros_like(b), group_size=32, bits=bits)
+    repacked = _pack(np.array(raw_codes).astype(np.uint8).reshape(2, 2, 32), bits)
+    assert np.array_equal(repacked, np.array(wq))
+
+
+def test_q6_k_needs_dequantize(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q6_K, 4, 256, seed=5)
+    src = open_gguf(_write(tmp_path / "k.gguf", {"blk.0.odd.weight": (raw, Q.Q6_K)}))
+    assert src.needs_dequantize("blk.0.odd.weight")
+    with pytest.raises(ConversionError, match=r"'blk\.0\.odd\.weight'.*Q6_K.*--strict"):
         src.read_tensor("blk.0.odd.weight")
     data = src.read_tensor("blk.0.odd.weight", dequantize=True).data
     assert data.dtype == np.float32
     assert data.shape == (4, 256)
-    assert np.array_equal(data, quants.dequantize(raw, qtype))
+    assert np.array_equal(data, quants.dequantize(raw, Q.Q6_K))
 
 
 def test_metadata_matches_gguf_reader(tmp_path: Path) -> None:

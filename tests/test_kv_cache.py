@@ -53,12 +53,6 @@ def test_growth_from_a_full_step_by_chunks() -> None:
     _write_all(cache, [4, 4, 1, 3, 8, 1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: KVCache._grow keeps keys[..., :offset] but appends only new_cap - capacity "
-    "zeros, so a multi-token update that crosses capacity while offset < capacity gets a "
-    "buffer too short for the write (slice assignment fails to broadcast)",
-)
 def test_growth_from_a_partly_filled_step() -> None:
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
     _write_all(cache, [2, 6, 3, 7])
@@ -118,11 +112,6 @@ def test_trim_drops_the_last_tokens() -> None:
     assert cache.trim(100) == 6 and cache.offset == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: after trim() offset < capacity, and KVCache._grow keeps keys[..., :offset] "
-    "but appends only new_cap - capacity zeros, so the next growing update fails to broadcast",
-)
 def test_growth_after_trim_keeps_content() -> None:
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
     cache.update_and_fetch(*_kv(4))

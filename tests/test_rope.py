@@ -82,34 +82,35 @@ def _hf_apply(q: np.ndarray, inv: np.ndarray, attention: float, positions: np.nd
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 YARN = {"factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0}
 
-# (id, our rope_scaling or None, transformers rope type, its params, theta, partial rotary factor)
-CASES = [
+def _same(case_id: str, rope_type: str, params: dict[str, Any], theta: float = 10000.0, partial: float = 1.0) -> Any:
+    """A case whose rope_scaling is exactly transformers' rope parameters."""
+    return pytest.param({"rope_type": rope_type, **params}, rope_type, params, theta, partial, id=case_id)
+
+
+def _default(case_id: str, ours: dict[str, Any] | None, partial: float = 1.0) -> Any:
     # transformers' "linear" with factor 1 is exactly its default inv_freq
-    ("default", None, "linear", {"factor": 1.0}, 10000.0, 1.0),
-    ("default-explicit", {"rope_type": "default"}, "linear", {"factor": 1.0}, 10000.0, 1.0),
-    ("default-partial", None, "linear", {"factor": 1.0}, 10000.0, 0.5),
-    ("linear", {"rope_type": "linear", "factor": 4.0}, "linear", {"factor": 4.0}, 10000.0, 1.0),
-    ("linear-legacy-type-key", {"type": "linear", "factor": 2.0}, "linear", {"factor": 2.0}, 10000.0, 1.0),
-    ("llama3", {"rope_type": "llama3", **LLAMA3}, "llama3", LLAMA3, 500000.0, 1.0),
-    ("llama3-partial", {"rope_type": "llama3", **LLAMA3}, "llama3", LLAMA3, 500000.0, 0.5),
-    ("yarn", {"rope_type": "yarn", **YARN}, "yarn", YARN, 10000.0, 1.0),
-    ("yarn-truncate-true", {"rope_type": "yarn", **YARN, "truncate": True}, "yarn", {**YARN, "truncate": True}, 150000.0, 1.0),
-    ("yarn-truncate-false", {"rope_type": "yarn", **YARN, "truncate": False}, "yarn", {**YARN, "truncate": False}, 150000.0, 1.0),
-    ("yarn-partial", {"rope_type": "yarn", **YARN}, "yarn", YARN, 10000.0, 0.5),
-    ("yarn-partial-no-truncate", {"rope_type": "yarn", **YARN, "truncate": False}, "yarn", {**YARN, "truncate": False}, 10000.0, 0.25),
-    ("yarn-attention-factor", {"rope_type": "yarn", **YARN, "attention_factor": 0.8}, "yarn", {**YARN, "attention_factor": 0.8}, 10000.0, 1.0),
-    (
-        "yarn-mscale",
-        {"rope_type": "yarn", **YARN, "mscale": 1.0, "mscale_all_dim": 0.707},
-        "yarn",
-        {**YARN, "mscale": 1.0, "mscale_all_dim": 0.707},
-        10000.0,
-        1.0,
-    ),
+    return pytest.param(ours, "linear", {"factor": 1.0}, 10000.0, partial, id=case_id)
+
+
+CASES = [
+    _default("default", None),
+    _default("default-explicit", {"rope_type": "default"}),
+    _default("default-partial", None, partial=0.5),
+    _same("linear", "linear", {"factor": 4.0}),
+    pytest.param({"type": "linear", "factor": 2.0}, "linear", {"factor": 2.0}, 10000.0, 1.0, id="linear-legacy-key"),
+    _same("llama3", "llama3", LLAMA3, theta=500000.0),
+    _same("llama3-partial", "llama3", LLAMA3, theta=500000.0, partial=0.5),
+    _same("yarn", "yarn", YARN),
+    _same("yarn-truncate-true", "yarn", {**YARN, "truncate": True}, theta=150000.0),
+    _same("yarn-truncate-false", "yarn", {**YARN, "truncate": False}, theta=150000.0),
+    _same("yarn-partial", "yarn", YARN, partial=0.5),
+    _same("yarn-partial-no-truncate", "yarn", {**YARN, "truncate": False}, partial=0.25),
+    _same("yarn-attention-factor", "yarn", {**YARN, "attention_factor": 0.8}),
+    _same("yarn-mscale", "yarn", {**YARN, "mscale": 1.0, "mscale_all_dim": 0.707}),
 ]
 
 
-@pytest.mark.parametrize(("scaling", "hf_type", "hf_params", "theta", "partial"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("scaling", "hf_type", "hf_params", "theta", "partial"), CASES)
 @pytest.mark.parametrize("offset", [0, 37])
 def test_rope_matches_transformers(
     hf_rope: Any,
@@ -136,7 +137,8 @@ def test_rope_matches_transformers(
 
 def test_rope_is_relative() -> None:
     # <R(m) q, R(n) k> depends only on m - n: the property attention relies on
-    rope = Rope.from_config(dims=HEAD_DIM, theta=10000.0, scaling={"rope_type": "llama3", **LLAMA3}, max_positions=MAX_POSITIONS)
+    scaling = {"rope_type": "llama3", **LLAMA3}
+    rope = Rope.from_config(dims=HEAD_DIM, theta=10000.0, scaling=scaling, max_positions=MAX_POSITIONS)
     rng = np.random.default_rng(1)
     q, k = (mx.array(rng.normal(size=(1, 1, 1, HEAD_DIM)).astype(np.float32)) for _ in range(2))
     near = float((rope(q, offset=7) * rope(k, offset=3)).sum())

@@ -91,11 +91,6 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert _chi_square(counts[:2], np.array([0.625, 0.375])) < 15
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: top_p=0.0 passes SamplingParams validation but _top_p then masks every "
-    "token (cum - p < 0 is never true), so categorical draws from an all -inf row",
-)
 def test_top_p_zero_is_refused_or_greedy() -> None:
     logits = _logits(4)
     try:

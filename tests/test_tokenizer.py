@@ -94,7 +94,9 @@ def hf_tokenizer(llama_src: Path) -> Any:
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user", "system-user", "multi-turn"])
-def test_chat_template_renders_like_transformers(tok: Tokenizer, hf_tokenizer: Any, messages: list[dict[str, str]]) -> None:
+def test_chat_template_renders_like_transformers(
+    tok: Tokenizer, hf_tokenizer: Any, messages: list[dict[str, str]]
+) -> None:
     ours = tok.apply_chat_template(messages, add_generation_prompt=True)
     theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
@@ -107,6 +109,15 @@ def test_no_chat_template_is_refused(tmp_path: Path, tok_dir: Path) -> None:
     tok = _with_config(tmp_path, tok_dir, chat_template=None)
     with pytest.raises(TokenizerError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_family_default_template_fills_in_only_when_the_install_has_none(tmp_path: Path, tok_dir: Path) -> None:
+    default = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    own = Tokenizer.from_install(tok_dir, {}, default_template=default)
+    assert own.apply_chat_template(CONVERSATIONS[0]).startswith("<|bos|><|im_start|>user")
+    _with_config(tmp_path, tok_dir, chat_template=None)
+    borrowed = Tokenizer.from_install(tmp_path, {}, default_template=default)
+    assert borrowed.apply_chat_template(CONVERSATIONS[0]) == "[user] hi there\n"
 
 
 def test_template_raise_exception_is_a_tokenizer_error(tmp_path: Path, tok_dir: Path) -> None:

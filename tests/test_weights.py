@@ -28,7 +28,9 @@ def _normal(shape: tuple[int, ...], seed: int = 0) -> mx.array:
     return mx.array(_rng(seed).normal(size=shape).astype(np.float32))
 
 
-def _quantized(w: mx.array, bits: int, group_size: int, mode: str, bias: mx.array | None = None) -> tuple[Linear, mx.array]:
+def _quantized(
+    w: mx.array, bits: int, group_size: int, mode: str, bias: mx.array | None = None
+) -> tuple[Linear, mx.array]:
     """A quantized Linear made with mx.quantize, and its dequantized weight."""
     packed = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
     wq, scales = packed[0], packed[1]
@@ -93,7 +95,7 @@ def test_quantized_embedding_lookup_equals_dequantized_rows(bits: int, group_siz
     assert rows.shape == (2, 4, 64)
     # mxfp4 dequantizes to bfloat16 (MLX's default for it); compare in float32
     assert rows.dtype == dense.dtype
-    np.testing.assert_allclose(np.array(rows.astype(mx.float32)), np.array(dense.astype(mx.float32))[np.array(ids)], atol=1e-6)
+    np.testing.assert_allclose(_np(rows), _np(dense)[np.array(ids)], atol=1e-6)
     h = _normal((1, 3, 64), 10)
     _close(emb.as_linear(h), np.array(h) @ _np(dense).T)
 
@@ -105,7 +107,9 @@ def _silu_glu(gate: mx.array, up: mx.array) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-def _expert_loop(x: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray, biases: tuple | None) -> np.ndarray:
+def _expert_loop(
+    x: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray, biases: tuple | None
+) -> np.ndarray:
     """One (token, chosen expert) at a time, in float64."""
     bg, bu, bd = biases or (np.zeros(g.shape[:2]), np.zeros(u.shape[:2]), np.zeros(d.shape[:2]))
     out = np.zeros((*idx.shape, d.shape[1]))
@@ -116,10 +120,14 @@ def _expert_loop(x: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray, d
     return out
 
 
-def _bank(experts: int, dim: int, hidden: int, quant: tuple[int, int, str] | None, with_bias: bool):
+def _bank(
+    experts: int, dim: int, hidden: int, quant: tuple[int, int, str] | None, with_bias: bool
+) -> tuple[ExpertBank, list[np.ndarray], list[mx.array | None]]:
+    """A bank of gate/up/down experts, the float weights it really holds, and its biases."""
     ws = [_normal((experts, hidden, dim), 11), _normal((experts, hidden, dim), 12), _normal((experts, dim, hidden), 13)]
     ws = [w * 0.2 for w in ws]
-    bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)] if with_bias else [None] * 3
+    bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)]
+    bs = bs if with_bias else [None] * 3
     if quant is None:
         return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs))), [np.array(w) for w in ws], bs
     made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs)]

@@ -36,7 +36,9 @@ def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's 
     opened = open_install(path, **options)
     hooks = plugins.family_hooks(opened.manifest.model_type)
     tokenizer = Tokenizer.from_install(
-        opened.manifest.root, opened.generation_config, hooks.default_chat_template(opened.manifest.arch)
+        opened.manifest.root,
+        opened.generation_config,
+        lambda: hooks.default_chat_template(opened.manifest.arch),
     )
     return Runner(opened, tokenizer)
 

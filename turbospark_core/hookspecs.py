@@ -32,7 +32,9 @@ Arch = dict[str, Any]
 def register_families(register: Callable[[FamilySpec], None]) -> None:
     """Declare the families this plugin serves.
 
-    Fires once, when plugins are loaded. Call ``register(FamilySpec(...))``
+    Fires when the core builds its family registry (once per plugin load).
+    Every plugin's implementation is called (not firstresult); the return
+    value is ignored, so return ``None``. Call ``register(FamilySpec(...))``
     once per family; two plugins claiming one model type is an error naming
     both.
 

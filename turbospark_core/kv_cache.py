@@ -46,8 +46,8 @@ class KVCache:
             return
         new_cap = min(self.max_context, ((needed + self.step - 1) // self.step) * self.step)
         v_dim = self.spec.v_head_dim or self.spec.head_dim
-        k_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - capacity, self.spec.head_dim), self.dtype)
-        v_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - capacity, v_dim), self.dtype)
+        k_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - self.offset, self.spec.head_dim), self.dtype)
+        v_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - self.offset, v_dim), self.dtype)
         if self.keys is None or self.values is None:
             self.keys, self.values = k_new, v_new
         else:

@@ -175,7 +175,8 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
         layout = tuple(hooks.cache_layout(manifest.arch) or ())
     max_context = _max_context(manifest.arch, opts)
-    kv_bytes = sum(spec.bytes_at(max_context, 4, ring_capacity=opts.ring_capacity) for spec in layout)
+    per_sequence = sum(spec.bytes_at(max_context, 4, ring_capacity=opts.ring_capacity) for spec in layout)
+    kv_bytes = per_sequence * opts.session_slots
     policy = ComputePolicy.choose(
         unpacked_bytes=index.float_bytes(4),
         stored_bytes=index.stored_bytes(),
@@ -183,7 +184,7 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
     )
     weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
     estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes)
-    estimate.check(opts.memory_budget, max_context=max_context, slots=1)
+    estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
     with timer.phase("weights_mapping"):
         weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
     with timer.phase("kv_scratch"):

@@ -77,6 +77,6 @@ class MemoryEstimate:
             f"opening needs ~{self.total / gb:.2f} GB (weights {self.weights / gb:.2f} GB, "
             f"KV at max_context={max_context} x {slots} slot(s) {self.kv / gb:.2f} GB, "
             f"experts {self.experts / gb:.2f} GB) but memory_budget is {budget / gb:.2f} GB; "
-            f"lower max_context, or raise memory_budget"
+            f"lower max_context or session_slots, or raise memory_budget"
         )
         raise MemoryBudgetError(msg)

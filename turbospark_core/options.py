@@ -22,11 +22,11 @@ def _expert_slots(value: Any) -> int | str:
     return value
 
 
-def _positive(name: str, value: Any) -> int | None:
-    if value is None:
+def _positive(name: str, value: Any, unit: str = "tokens") -> int | None:
+    if value is None and unit == "tokens":
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        msg = f"{name}={value!r} is invalid; use a positive number of tokens"
+        msg = f"{name}={value!r} is invalid; use a positive number of {unit}"
         raise OptionError(msg)
     return value
 
@@ -50,6 +50,7 @@ class OpenOptions:
     residency: str = attrs.field(default="auto", converter=_choice("residency", RESIDENCY))
     memory_budget: int = attrs.field(default=None, converter=parse_budget)
     kv_quant: str | None = attrs.field(default=None, converter=_choice("kv_quant", KV_QUANT))
+    session_slots: int = attrs.field(default=1, converter=lambda v: _positive("session_slots", v, unit="slots"))
     ring_capacity: int | None = attrs.field(default=None, converter=lambda v: _positive("ring_capacity", v))
     warmup: bool = False
 

@@ -91,7 +91,11 @@ def reset_plugins() -> None:
 
 
 def registry() -> FamilyRegistry:
-    """The family registry built from every loaded plugin's ``register_families``."""
+    """The family registry built from every loaded plugin's ``register_families``.
+
+    Built anew on each call (cheap), so plugins registered or unregistered
+    since (tests, allow-list changes) are always reflected.
+    """
     load_plugins()
     reg = FamilyRegistry()
     for impl in pm.hook.register_families.get_hookimpls():

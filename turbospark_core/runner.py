@@ -10,9 +10,10 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.errors import ContextOverflowError, OptionError
-from turbospark_core.kv_cache import KVCache
+from turbospark_core.kv_cache import Cache
 from turbospark_core.loader import OpenedModel
 from turbospark_core.sampling import Sampler, SamplingParams
+from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
 from turbospark_core.stats import GenerationStats, StartupStats
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ class _Progress:
     prompt_s: float = 0.0
     tokens: list[int] = attrs.Factory(list)
     decode_s: float = 0.0
+    reused_tokens: int = 0
     finish_reason: str = "length"
 
     def stats(self) -> GenerationStats:
@@ -51,6 +53,7 @@ class _Progress:
             generation_tps=n / self.decode_s if self.decode_s else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=self.finish_reason,
+            reused_tokens=self.reused_tokens,
         )
 
 
@@ -61,6 +64,7 @@ class Runner:
         self._opened = opened
         self.tokenizer = tokenizer
         self.model = opened.model
+        self.sessions = SessionPool(opened.options.session_slots, opened.new_cache)
         eos = opened.generation_config.get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
@@ -109,7 +113,7 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[KVCache]) -> mx.array:
+    def _prefill(self, ids: list[int], cache: list[Cache]) -> mx.array:
         """Run the prompt through the model; returns last-position logits ``[1, V]``."""
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
@@ -118,29 +122,49 @@ class Runner:
         return self.model(mx.array([ids[-1:]]), cache)[:, -1, :]
 
     def _token_stream(
-        self, ids: list[int], sampler: Sampler, max_tokens: int, progress: _Progress
+        self, ids: list[int], sampler: Sampler, max_tokens: int, progress: _Progress, state: SequenceState
     ) -> Iterator[int]:
-        cache = self._opened.new_cache()
+        reused = common_prefix(state.tokens, ids)
+        reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
+        progress.reused_tokens = reused
         history = mx.array(ids[-sampler.params.repetition_context :])
+        produced: list[int] = []
+        fed = reused
         t0 = time.perf_counter()
 
         def step(logits: mx.array) -> mx.array:
             logits = sampler.penalize(logits.astype(mx.float32), history)
             return sampler(logits)
 
-        token = step(self._prefill(ids, cache))
-        mx.eval(token)
-        progress.prompt_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for n in range(max_tokens):
-            current = token
-            if n + 1 < max_tokens:
-                history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
-                token = step(self.model(current[:, None], cache)[:, -1, :])
-                mx.async_eval(token)
-            tok = int(current.item())
-            progress.decode_s = time.perf_counter() - t0
-            yield tok
+        try:
+            token = step(self._prefill(ids[reused:], state.caches))
+            fed = len(ids)
+            mx.eval(token)
+            state.tokens = list(ids)
+            state.checkpoint()
+            progress.prompt_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for n in range(max_tokens):
+                current = token
+                if n + 1 < max_tokens:
+                    history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
+                    token = step(self.model(current[:, None], state.caches)[:, -1, :])
+                    fed += 1
+                    mx.async_eval(token)
+                tok = int(current.item())
+                produced.append(tok)
+                progress.decode_s = time.perf_counter() - t0
+                yield tok
+        except GeneratorExit:
+            raise
+        except BaseException:
+            state.reset()  # a failed step leaves the caches unknown: start the session afresh
+            raise
+        finally:
+            if fed > len(ids):
+                mx.eval([c.state for c in state.caches])
+                state.tokens = (list(ids) + produced)[:fed]
+                state.checkpoint()
 
     def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -157,10 +181,15 @@ class Runner:
         return TextStream(self, prompt, max_tokens, dict(sampling))
 
     def _run(
-        self, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any], progress: _Progress
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        sampling: dict[str, Any],
+        progress: _Progress,
+        state: SequenceState | None = None,
     ) -> Iterator[str]:
         stop = sampling.pop("stop", None)
-        params = SamplingParams(**sampling)
+        params = SamplingParams.from_kwargs(sampling)
         ids = self._encode_prompt(prompt)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
@@ -176,7 +205,8 @@ class Runner:
         mx.reset_peak_memory()
         detok = self.tokenizer.detokenizer()
         matcher = StopMatcher(stop)
-        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress):
+        state = state if state is not None else SequenceState(self._opened.new_cache)
+        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state):
             if tok in self.eos_token_ids:
                 progress.finish_reason = "stop"
                 break
@@ -218,6 +248,15 @@ class Runner:
         """Like :meth:`chat`, yielding text pieces."""
         return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
 
+    def session(self, session_id: str) -> Session:
+        """A parked conversation: its generate/chat continue from its cached tokens.
+
+        At most ``session_slots`` (an open option) are parked; the least
+        recently used is evicted. A request whose tokens extend what the
+        session holds reuses the cached prefix.
+        """
+        return Session(self, str(session_id))
+
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The token ids of ``messages`` rendered with the chat template."""
         if not messages:
@@ -229,10 +268,17 @@ class Runner:
 class TextStream:
     """Iterates a generation's text pieces; ``.result`` holds the :class:`Generation` after."""
 
-    def __init__(self, runner: Runner, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        sampling: dict[str, Any],
+        state: SequenceState | None = None,
+    ) -> None:
         self._progress = _Progress()
         self._pieces: list[str] = []
-        self._iter = runner._run(prompt, max_tokens, sampling, self._progress)
+        self._iter = runner._run(prompt, max_tokens, sampling, self._progress, state)
         self._result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -248,3 +294,42 @@ class TextStream:
         if self._result is None:
             raise RuntimeError("the stream has not finished; iterate it to the end first")
         return self._result
+
+
+class Session:
+    """A handle on one parked conversation of a :class:`Runner` (see :meth:`Runner.session`)."""
+
+    def __init__(self, runner: Runner, session_id: str) -> None:
+        self.runner = runner
+        self.id = session_id
+
+    def _state(self) -> SequenceState:
+        return self.runner.sessions.acquire(self.id)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens this session's caches hold."""
+        return list(self._state().tokens)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> TextStream:
+        """Like :meth:`Runner.stream`, reusing the session's cached prefix."""
+        return TextStream(self.runner, prompt, max_tokens, dict(sampling), self._state())
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> Generation:
+        """Like :meth:`Runner.generate`, reusing the session's cached prefix."""
+        stream = self.stream(prompt, max_tokens, **sampling)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Generation:
+        """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix is reused."""
+        return self.generate(self.runner.chat_prompt(messages), max_tokens, **sampling)
+
+    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> TextStream:
+        """Like :meth:`Runner.chat_stream`, reusing the session's cached prefix."""
+        return self.stream(self.runner.chat_prompt(messages), max_tokens, **sampling)
+
+    def reset(self) -> None:
+        """Forget this session's cached tokens."""
+        self.runner.sessions.drop(self.id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import mlx.core as mx
 
@@ -28,12 +30,27 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 100.0)
-        _check_range("top_p", self.top_p, 0.0, 1.0)
+        if not 0.0 < self.top_p <= 1.0:
+            msg = f"top_p={self.top_p!r} is out of range; use a value in (0, 1] (1 disables it)"
+            raise OptionError(msg)
+        if self.repetition_context < 1:
+            msg = f"repetition_context={self.repetition_context!r} must be >= 1 token"
+            raise OptionError(msg)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("repetition_penalty", self.repetition_penalty, 1e-3, 100.0)
         if self.top_k < 0:
             msg = f"top_k={self.top_k} must be >= 0 (0 disables it)"
             raise OptionError(msg)
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> SamplingParams:
+        """Build from ``generate(**sampling)``, refusing unknown option names."""
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            msg = f"unknown sampling option(s) {', '.join(unknown)}; known: {', '.join(sorted(known | {'stop'}))}"
+            raise OptionError(msg)
+        return cls(**options)
 
     @property
     def greedy(self) -> bool:

@@ -67,3 +67,4 @@ class GenerationStats:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str = "stop"
+    reused_tokens: int = 0  # prompt tokens served from a session's cache

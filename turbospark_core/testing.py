@@ -168,6 +168,26 @@ class FamilyConformance:
         assert np.abs(batch[0] - runner.logits(ids)).max() <= 1e-4 * np.abs(batch[0]).max()
         assert np.abs(batch[1] - runner.logits(other)).max() <= 1e-4 * np.abs(batch[1]).max()
 
+    def test_session_prefix_reuse_matches_fresh_run(self, runner: Any, refs: Any) -> None:
+        from turbospark_core.sessions import SequenceState
+
+        ids = refs["prompt_ids"].tolist()
+        session = runner.session("conformance")
+        session.reset()
+        session.generate(ids[: len(ids) // 2], max_tokens=3)
+        reused = session.generate(ids, max_tokens=6)
+        assert reused.stats.reused_tokens > 0
+        assert reused.tokens == runner.generate(ids, max_tokens=6).tokens
+        # logits level: a parked state rewound and extended equals a fresh prefill, bit for bit
+        state = SequenceState(runner.opened.new_cache)
+        fresh = np.array(runner._prefill(ids, state.caches))
+        parked = runner.sessions.acquire("conformance")
+        kept = parked.rewind(len(ids) // 2)
+        assert kept > 0
+        again = np.array(runner._prefill(ids[kept:], parked.caches))
+        assert np.abs(again - fresh).max() <= INCREMENTAL_ABS_TOL * max(1.0, np.abs(fresh).max())
+        session.reset()
+
     def test_layer_count(self, runner: Any) -> None:
         assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
 

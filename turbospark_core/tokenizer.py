@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import jinja2.sandbox
@@ -37,15 +37,18 @@ class Tokenizer:
 
     @classmethod
     def from_install(
-        cls, root: Path, generation_config: dict[str, Any], default_template: str | None = None
+        cls,
+        root: Path,
+        generation_config: dict[str, Any],
+        default_template: str | Callable[[], str | None] | None = None,
     ) -> Tokenizer:
         """Load from an install directory.
 
         Args:
             root: The install directory.
             generation_config: Its ``generation_config.json`` (extra EOS ids).
-            default_template: The family's chat template, used when the
-                install has none.
+            default_template: The family's chat template, or a callable that
+                asks for it; used (called) only when the install has none.
 
         Raises:
             TokenizerError: ``tokenizer.json`` is missing or unreadable.
@@ -57,8 +60,8 @@ class Tokenizer:
             raise TokenizerError(msg) from None
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        if not config.get("chat_template") and default_template:
-            config["chat_template"] = default_template
+        if not config.get("chat_template") and default_template is not None:
+            config["chat_template"] = default_template() if callable(default_template) else default_template
         eos = generation_config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(backend, config, eos_ids)

@@ -1,4 +1,4 @@
-"""Read GGUF files as Hugging Face-oriented tensors, mapping legacy quants onto MLX affine groups."""
+"""Read GGUF files as Hugging Face-oriented tensors, mapping block quants onto MLX affine groups."""
 
 from __future__ import annotations
 
@@ -278,6 +278,10 @@ class GGUFSource:
         """Tensor names in file order."""
         return list(self._infos)
 
+    def needs_dequantize(self, name: str) -> bool:
+        """Whether tensor ``name`` has no exact MLX form (reading it needs ``dequantize``)."""
+        return self._infos[name].type_name not in EXACT_TYPES
+
     def tensor_types(self) -> dict[str, str]:
         """Map each tensor name to its GGML type name (e.g. ``"Q4_1"``)."""
         return {name: info.type_name for name, info in self._infos.items()}
@@ -291,8 +295,8 @@ class GGUFSource:
                 instead of refusing them.
 
         Returns:
-            F32/F16 as numpy arrays, BF16 as an ``mx.array``, Q8_0/Q4_0/Q4_1
-            matrices as exact :class:`AffineQuantized`, others (with
+            F32/F16 as numpy arrays, BF16 as an ``mx.array``, Q8_0/Q4_0/Q4_1/Q5_0/Q4_K
+            matrices as exact :class:`AffineQuantized` (groups of 32), others (with
             ``dequantize``) as float32 numpy arrays.
 
         Raises:
@@ -410,7 +414,8 @@ def _decode(
     if not dequantize:
         msg = (
             f"GGUF tensor {info.name!r} in {path} is stored as {kind}, which has no exact MLX "
-            "equivalent; pass --dequantize to convert it to float"
+            f"equivalent (exact: {', '.join(sorted(EXACT_TYPES))}); convert without --strict "
+            "to dequantize it to float"
         )
         raise ConversionError(msg)
     if kind in _NUMPY_TYPES:
@@ -477,25 +482,39 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack ``(..., rows, blocks, 32)`` codes into MLX uint32 words (element i at bits i * bits)."""
-    flat = q.reshape(*q.shape[:-2], -1)
-    if bits == 4:
-        flat = flat[..., 0::2] | (flat[..., 1::2] << 4)
-    return np.ascontiguousarray(flat).view("<u4").astype(np.uint32, copy=False)
+    """Pack ``(..., rows, groups, 32)`` codes into MLX uint32 words.
+
+    MLX reads each row as one little-endian bit stream: element ``i`` occupies
+    bits ``[i * bits, (i + 1) * bits)`` (so 3-, 5- and 6-bit codes straddle words).
+    """
+    flat = q.reshape(*q.shape[:-2], -1).astype(np.uint8, copy=False)
+    if bits == 8:
+        packed = flat
+    elif bits == 4:
+        packed = flat[..., 0::2] | (flat[..., 1::2] << 4)
+    else:
+        stream = np.unpackbits(flat[..., None], axis=-1, bitorder="little")[..., :bits]
+        packed = np.packbits(stream.reshape(*flat.shape[:-1], -1), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32, copy=False)
+
+
+def _exact_in_f16(values: np.ndarray) -> bool:
+    """Whether every float32 value survives a round trip through float16."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
 def _affine(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> AffineQuantized:
-    """Assemble an AffineQuantized, widening scales/biases to float32 if float16 is inexact."""
-    scales: np.ndarray
-    biases: np.ndarray
-    bias32 = bias.astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        bias16 = bias32.astype(np.float16)
-    if np.array_equal(bias16.astype(np.float32), bias32):
-        scales, biases = scale.astype(np.float16), bias16
-    else:
-        scales, biases = scale.astype(np.float32), bias32
-    return AffineQuantized(weight=_pack(q, bits), scales=scales, biases=biases, bits=bits, group_size=_GROUP_SIZE)
+    """Assemble an AffineQuantized; scales/biases are float16 when exact there, else float32."""
+    scale32, bias32 = scale.astype(np.float32), bias.astype(np.float32)
+    dtype = np.float16 if _exact_in_f16(scale32) and _exact_in_f16(bias32) else np.float32
+    return AffineQuantized(
+        weight=_pack(q, bits),
+        scales=scale32.astype(dtype),
+        biases=bias32.astype(dtype),
+        bits=bits,
+        group_size=_GROUP_SIZE,
+    )
 
 
 def _from_q8_0(blocks: np.ndarray) -> AffineQuantized:
@@ -515,11 +534,58 @@ def _from_q4_1(blocks: np.ndarray) -> AffineQuantized:
     return _affine(_nibbles(blocks[..., 4:]), _f16_field(blocks, 0), _f16_field(blocks, 2), bits=4)
 
 
+def _from_q5_0(blocks: np.ndarray) -> AffineQuantized:
+    """Q5_0 (d, 32 high bits, 16 bytes of nibbles): value = d * (q - 16)  ->  5-bit, scale d, bias -16 d.
+
+    Element j takes its fifth bit from bit j of the little-endian uint32 ``qh``.
+    """
+    d = _f16_field(blocks, 0)
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # (..., blocks, 1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _affine(_nibbles(blocks[..., 6:]) | (high << 4), d, d.astype(np.float32) * -16, bits=5)
+
+
+def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit (scale, min) pairs of a Q4_K super-block from its 12 packed bytes.
+
+    Sub-blocks 0-3 keep them in the low 6 bits of bytes 0-3 / 4-7; sub-blocks 4-7 take
+    their low 4 bits from bytes 8-11 and their top 2 bits from the spare bits of bytes 0-7.
+    """
+    lo, mid, tail = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([lo & 0x3F, (tail & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 0x3F, (tail >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _from_q4_k(blocks: np.ndarray) -> AffineQuantized:
+    """Q4_K super-blocks of 256 (d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles).
+
+    Sub-block j (32 values) is ``d * sc_j * q - dmin * m_j``: an affine group of 32 with
+    scale ``d * sc_j`` and bias ``-dmin * m_j``, both exact in float32 (11 x 6 bits).
+    Within each 64-value chunk, the low nibbles of its 32 bytes come first, then the high.
+    """
+    d = _f16_field(blocks, 0).astype(np.float32)[..., None]
+    dmin = _f16_field(blocks, 2).astype(np.float32)[..., None]
+    sc, m = _q4_k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, 32)
+    rows = blocks.shape[:-2]
+    groups = blocks.shape[-2] * 8
+    scale = (d * sc.astype(np.float32)).reshape(*rows, groups)
+    bias = -(dmin * m.astype(np.float32)).reshape(*rows, groups)
+    return _affine(q.reshape(*rows, groups, 32), scale, bias, bits=4)
+
+
 _AFFINE_DECODERS: dict[str, Callable[[np.ndarray], AffineQuantized]] = {
     "Q8_0": _from_q8_0,
     "Q4_0": _from_q4_0,
     "Q4_1": _from_q4_1,
+    "Q5_0": _from_q5_0,
+    "Q4_K": _from_q4_k,
 }
+
+#: GGML types read exactly: floats as they are, block types as MLX affine groups of 32.
+EXACT_TYPES = frozenset(("F32", "F16", "BF16", *_AFFINE_DECODERS))
 
 
 # ---------------------------------------------------------------------------

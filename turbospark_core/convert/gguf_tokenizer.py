@@ -13,6 +13,7 @@ from tokenizers import (
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
 )
@@ -20,8 +21,10 @@ from tokenizers import (
 from turbospark_core.convert.gguf_reader import GGUFSource
 from turbospark_core.errors import ConversionError
 
+_NORMAL = 1
 _CONTROL = 3
 _USER_DEFINED = 4
+_SPACE = "\u2581"  # SentencePiece's visible space "▁"
 _KEY = "tokenizer.ggml."
 _TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -94,13 +97,16 @@ def tokenizer_files_from_gguf(src: GGUFSource) -> dict[str, str]:
 def _build_tokenizer(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     """Dispatch on ``tokenizer.ggml.model``."""
     kind = _require(src, _KEY + "model")
-    if kind != "gpt2":
-        msg = (
-            f"GGUF file {src.path} has tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') "
-            "tokenizers can be rebuilt so far; convert from the Hugging Face checkpoint instead"
-        )
-        raise ConversionError(msg)
-    return _byte_level_bpe(src, tokens)
+    if kind == "gpt2":
+        return _byte_level_bpe(src, tokens)
+    if kind == "llama":
+        return _sentencepiece_bpe(src, tokens)
+    msg = (
+        f"GGUF file {src.path} has tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') and "
+        "SentencePiece BPE ('llama') tokenizers can be rebuilt so far; convert from the Hugging Face "
+        "checkpoint instead"
+    )
+    raise ConversionError(msg)
 
 
 def _byte_level_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
@@ -113,6 +119,61 @@ def _byte_level_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     _add_marked_tokens(src, tokenizer, tokens)
     tokenizer.post_processor = _post_processor(src, tokens)
     return tokenizer
+
+
+def _sentencepiece_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
+    """A SentencePiece BPE tokenizer (``tokenizer.ggml.model == "llama"``: Llama 2, Gemma...).
+
+    Spaces become "▁" (with a leading one when ``add_space_prefix``), there is no
+    pre-tokenizer, characters outside the vocabulary fall back to ``<0xXX>`` byte
+    tokens, and merges come from ``tokenizer.ggml.merges`` or, when absent, from the
+    piece scores: SentencePiece merges the adjacent pair whose joined piece scores highest.
+    """
+    types = _token_types(src, len(tokens))
+    merges = _merges(src) if _KEY + "merges" in src.metadata else _merges_from_scores(src, tokens, types)
+    unk = _special(src, tokens, "unknown")
+    model = models.BPE(
+        vocab=_vocab(tokens),
+        merges=merges,
+        unk_token=unk[0] if unk else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    prefix = bool(src.metadata.get(_KEY + "add_space_prefix", True))
+    replace = normalizers.Replace(" ", _SPACE)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    _add_marked_tokens(src, tokenizer, tokens)
+    template = _bos_eos_template(src, tokens)
+    if template is not None:
+        tokenizer.post_processor = template
+    return tokenizer
+
+
+def _merges_from_scores(src: GGUFSource, tokens: list[str], types: np.ndarray) -> list[tuple[str, str]]:
+    """BPE merges implied by SentencePiece scores: every split of a normal piece into two
+    normal pieces, highest-scoring joined piece first (ties: by piece, left and right id)."""
+    scores = src.metadata.get(_KEY + "scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        got = "absent" if scores is None else f"{len(scores) if isinstance(scores, list) else scores!r}"
+        msg = (
+            f"GGUF file {src.path} has neither tokenizer.ggml.merges nor one tokenizer.ggml.scores "
+            f"entry per token ({got} for {len(tokens)} tokens); its SentencePiece vocabulary cannot be rebuilt"
+        )
+        raise ConversionError(msg)
+    normal = {tokens[i]: i for i in np.flatnonzero(types == _NORMAL).tolist()}
+    find = normal.get
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left = find(piece[:cut])
+            right = None if left is None else find(piece[cut:])
+            if right is not None:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
 
 
 def _bpe_variant(src: GGUFSource) -> _BPEVariant:
@@ -175,11 +236,19 @@ def _add_marked_tokens(src: GGUFSource, tokenizer: Tokenizer, tokens: list[str])
 def _post_processor(src: GGUFSource, tokens: list[str]) -> processors.PostProcessor:
     """Byte-level offsets, plus BOS/EOS insertion as ``add_bos_token``/``add_eos_token`` say."""
     steps: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
+    template = _bos_eos_template(src, tokens)
+    if template is not None:
+        steps.append(template)
+    return processors.Sequence(steps)
+
+
+def _bos_eos_template(src: GGUFSource, tokens: list[str]) -> processors.PostProcessor | None:
+    """BOS/EOS insertion as ``add_bos_token``/``add_eos_token`` say, or None for neither."""
     bos = _special(src, tokens, "bos") if src.metadata.get(_KEY + "add_bos_token") else None
     eos = _special(src, tokens, "eos") if src.metadata.get(_KEY + "add_eos_token") else None
-    if bos is not None or eos is not None:
-        steps.append(_template(src, [t for t in (bos, eos) if t is not None], bos, eos))
-    return processors.Sequence(steps)
+    if bos is None and eos is None:
+        return None
+    return _template(src, [t for t in (bos, eos) if t is not None], bos, eos)
 
 
 def _template(

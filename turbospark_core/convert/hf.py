@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
+from turbospark_core.convert import mxfp4
 from turbospark_core.convert.records import SourceTensor
 from turbospark_core.errors import ConversionError
 
@@ -53,11 +54,24 @@ def quant_for(config: dict[str, Any], base: str) -> dict[str, Any] | None:
 
 
 def tensors(src: Path, config: dict[str, Any]) -> Iterator[tuple[SourceTensor, dict[str, Any] | None]]:
-    """Every tensor (lazily loaded) with its quantization when it is a packed part."""
-    for path in weight_files(src):
-        arrays = mx.load(str(path))
+    """Every tensor (lazily loaded) with its quantization when it is a packed part.
+
+    In an MXFP4 checkpoint each ``X_blocks``/``X_scales`` pair (possibly in two
+    shards) is yielded once, as ``X`` holding an ``mxfp4`` :class:`AffineQuantized`.
+    """
+    files = [(path, mx.load(str(path))) for path in weight_files(src)]
+    fp4 = {n: a for _, arrays in files for n, a in arrays.items()} if mxfp4.is_mxfp4(config) else {}
+    fp4_names = set(fp4)
+    mxfp4.check_pairs(fp4_names)
+    for path, arrays in files:
         names = set(arrays)
         for name in sorted(arrays):
+            if fp4 and mxfp4.is_pair_part(name, fp4_names):
+                if name.endswith(mxfp4.BLOCKS_SUFFIX):
+                    matrix = name[: -len(mxfp4.BLOCKS_SUFFIX)]
+                    data = mxfp4.from_blocks(matrix, arrays[name], fp4[matrix + mxfp4.SCALES_SUFFIX])
+                    yield SourceTensor(name=matrix, data=data), None
+                continue
             base = name.rpartition(".")[0]
             quant = quant_for(config, base) if f"{base}.scales" in names else None
             if f"{base}.scales" in names and quant is None:

@@ -75,11 +75,15 @@ def from_blocks(name: str, blocks: mx.array, scales: mx.array) -> AffineQuantize
     return AffineQuantized(weight=words, scales=scales, biases=None, bits=4, group_size=GROUP, mode="mxfp4")
 
 
-def unpaired(names: set[str]) -> list[str]:
-    """``*_blocks``/``*_scales`` tensors among ``names`` that lack their partner."""
-    out = []
+def check_pairs(names: set[str]) -> None:
+    """Refuse, by name, an ``X_blocks`` tensor without its ``X_scales``."""
     for name in sorted(names):
-        base = base_name(name)
-        if base is not None and not {base + BLOCKS_SUFFIX, base + SCALES_SUFFIX} <= names:
-            out.append(name)
-    return out
+        if name.endswith(BLOCKS_SUFFIX) and name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX not in names:
+            msg = f"MXFP4 tensor {name!r} has no matching '_scales' tensor; the checkpoint is incomplete"
+            raise ConversionError(msg)
+
+
+def is_pair_part(name: str, names: set[str]) -> bool:
+    """Whether ``name`` is the blocks or scales half of an MXFP4 pair in ``names``."""
+    base = base_name(name)
+    return base is not None and base + BLOCKS_SUFFIX in names and base + SCALES_SUFFIX in names

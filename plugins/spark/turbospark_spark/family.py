@@ -28,6 +28,15 @@ class RopeArgs:
     rotary_dim: int
     rope_scaling: dict[str, Any] | None = attrs.field(default=None, eq=False)
 
+    @classmethod
+    def from_arch(cls, rope: dict[str, Any]) -> RopeArgs:
+        """One layer type's entry of the arch's ``rope`` section."""
+        return cls(
+            rope_theta=float(rope["rope_theta"]),
+            rotary_dim=rope["rotary_dim"],
+            rope_scaling=rope.get("rope_scaling"),
+        )
+
 
 @attrs.frozen(kw_only=True)
 class Args:
@@ -69,7 +78,7 @@ class Args:
             max_position_embeddings=arch.get("max_position_embeddings") or 8192,
             sliding_window=arch["sliding_window"],
             layer_types=arch["layer_types"],
-            rope={kind: RopeArgs(**arch["rope"][kind]) for kind in set(arch["layer_types"])},
+            rope={kind: RopeArgs.from_arch(arch["rope"][kind]) for kind in set(arch["layer_types"])},
             tie_word_embeddings=bool(arch["tie_word_embeddings"]),
         )
 

@@ -1,0 +1,312 @@
+#!/usr/bin/env python
+"""turbospark vs mlx-lm on a random Spark 2.5-shaped model, side by side.
+
+The script writes a Hugging Face checkpoint directory with random bfloat16
+weights (normal * 0.02, norms at one) in the released Spark 2.5 layout
+(``model.embedding``, fused ``self_attn.q_k_v_proj``, head-wise ``g_proj``,
+``out_proj``, GELU gated MLP; three sliding-window layers then one full
+layer, per-layer-type RoPE with a partial factor on the full layers, tied
+head) plus a word-level tokenizer covering the vocabulary. turbospark
+converts it (``turbospark_core.convert.convert``); mlx-lm loads the same
+directory (``mlx_lm.load``). For each runtime in turn: open (timed), a short
+warm-up, then one greedy generation of ``--gen-tokens`` tokens on the same
+``--prompt-tokens`` random prompt ids. Prints prompt tok/s, generation tok/s,
+peak memory (GB) and open time (s) for both, the ratios, and how many greedy
+tokens agree. The prompt is longer than the sliding window by default, so the
+ring KV cache (turbospark) and the rotating cache (mlx-lm) both wrap.
+
+mlx-lm is a benchmark-only dependency: turbospark itself never imports it.
+
+Usage::
+
+    python benchmarks/compare_spark.py [--size small|base] [--prompt-tokens 512]
+        [--gen-tokens 64] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+WARMUP_PROMPT = 16
+WARMUP_TOKENS = 4
+SPECIALS = ("<unk>", "<s>", "</s>")
+
+_COMMON: dict[str, Any] = {
+    "architectures": ["Spark2_5ForCausalLM"],
+    "model_type": "spark2_5",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "gelu",
+    "gate_attn_act_mode": "sigmoid",
+    "headwise_attn_output_gate": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        "full_attention": {"rope_theta": 1000000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+    },
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+# base: ~0.45B parameters; small: ~0.05B, for a quick run
+SIZES: dict[str, dict[str, Any]] = {
+    "base": {
+        "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "sliding_window": 256,
+    },
+    "small": {
+        "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 16000, "sliding_window": 128,
+    },
+}
+
+
+def log(msg: str) -> None:
+    """Progress, on stderr."""
+    print(f"[compare_spark] {msg}", file=sys.stderr, flush=True)
+
+
+def release() -> None:
+    """Drop unreachable MLX buffers so the next runtime starts clean."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+# ---------------------------------------------------------------- checkpoint
+def spark_config(size: str) -> dict[str, Any]:
+    """The config.json of a Spark 2.5-shaped model of ``size``."""
+    cfg = {**_COMMON, **SIZES[size]}
+    pattern = ["sliding_attention"] * 3 + ["full_attention"]
+    cfg["layer_types"] = [pattern[i % 4] for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, by its released name."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embedding.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_k_v_proj.weight": ((heads + 2 * kv) * hd, h),
+            f"{p}.self_attn.g_proj.weight": (heads, h),
+            f"{p}.self_attn.out_proj.weight": (h, heads * hd),
+            f"{p}.mlp.gate_proj.weight": (inter, h),
+            f"{p}.mlp.up_proj.weight": (inter, h),
+            f"{p}.mlp.down_proj.weight": (h, inter),
+        }
+    return shapes
+
+
+def write_tokenizer(dst: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per id (prompts are ids; this only lets both load)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(dst / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+
+
+def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
+    """Write the random bf16 checkpoint (reused when present); returns the parameter count."""
+    cfg = spark_config(size)
+    shapes = tensor_shapes(cfg)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    if (dst / "config.json").exists():
+        log(f"reusing random checkpoint {dst}")
+        return n_params
+    log(f"writing random Spark 2.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    tensors = {
+        name: mx.ones(shape, dtype=mx.bfloat16)
+        if len(shape) == 1
+        else (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
+        for name, shape in shapes.items()
+    }
+    mx.eval(tensors)
+    mx.save_safetensors(str(dst / "model.safetensors"), tensors, metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_tokenizer(dst, cfg["vocab_size"])
+    return n_params
+
+
+def convert_install(src: Path, dst: Path) -> float:
+    """``turbospark convert SRC DST`` (skipped when ``dst`` holds an install); seconds taken."""
+    from turbospark_core.convert import convert
+
+    if (dst / "manifest.json").exists():
+        log(f"reusing turbospark install {dst}")
+        return 0.0
+    t0 = time.perf_counter()
+    convert(src, dst, force=True)
+    seconds = time.perf_counter() - t0
+    log(f"converted {src.name} -> {dst.name} in {seconds:.1f}s")
+    return seconds
+
+
+# ---------------------------------------------------------------- runtimes
+def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
+    """Open (timed), warm up, one greedy generation; turbospark's own Generation.stats."""
+    import turbospark_core
+
+    release()
+    t0 = time.perf_counter()
+    runner = turbospark_core.open(install, max_context=len(ids) + gen_tokens + 64)
+    open_s = time.perf_counter() - t0
+    log(f"turbospark opened in {open_s:.2f}s ({runner.opened.policy.reason})")
+    runner.generate(ids[:WARMUP_PROMPT], max_tokens=WARMUP_TOKENS, temperature=0.0)
+    mx.reset_peak_memory()
+    g = runner.generate(ids, max_tokens=gen_tokens, temperature=0.0)
+    out = {
+        "prompt_tps": g.stats.prompt_tps,
+        "generation_tps": g.stats.generation_tps,
+        "peak_memory": g.stats.peak_memory,
+        "open_s": open_s,
+        "tokens": list(g.tokens),
+        "note": runner.opened.policy.reason,
+    }
+    del runner, g
+    release()
+    return out
+
+
+def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
+    """mlx_lm.load (timed), warm up, one greedy generation; stats from stream_generate."""
+    import mlx_lm
+
+    release()
+    t0 = time.perf_counter()
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    open_s = time.perf_counter() - t0
+    log(f"mlx-lm loaded in {open_s:.2f}s")
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], Any]:
+        toks, last = [], None
+        for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
+            last = resp
+            if not (resp.finish_reason == "stop" and resp.token in tokenizer.eos_token_ids):
+                toks.append(int(resp.token))
+        return toks, last
+
+    run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
+    mx.reset_peak_memory()
+    toks, last = run(ids, gen_tokens)
+    out = {
+        "prompt_tps": last.prompt_tps,
+        "generation_tps": last.generation_tps,
+        "peak_memory": last.peak_memory,
+        "open_s": open_s,
+        "tokens": toks,
+        "note": "weights held as stored (bfloat16)",
+    }
+    del model, tokenizer
+    release()
+    return out
+
+
+# ---------------------------------------------------------------- report
+def render(rows: list[list[str]]) -> str:
+    """A plain-text table; the first row is the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(label: str, ts: dict[str, Any], ml: dict[str, Any]) -> str:
+    """The side-by-side table, ratios and greedy-token agreement."""
+    keys = ("prompt_tps", "generation_tps", "peak_memory", "open_s")
+    rows = [["model", "runtime", "prompt tok/s", "gen tok/s", "peak mem (GB)", "open (s)"]]
+    for name, r in (("turbospark", ts), ("mlx-lm", ml)):
+        rows.append([label, name, *(f"{r[k]:.3f}" if k == "peak_memory" else f"{r[k]:.2f}" for k in keys)])
+    rows.append([label, "ratio ts/mlx-lm", *(f"{ts[k] / ml[k]:.2f}x" if ml[k] else "-" for k in keys)])
+    n = min(len(ts["tokens"]), len(ml["tokens"]))
+    same = next((i for i in range(n) if ts["tokens"][i] != ml["tokens"][i]), n)
+    return "\n".join(
+        [
+            render(rows),
+            "",
+            f"greedy tokens agree {same}/{n} (random weights: near-ties make only the first few informative)",
+            f"turbospark: {ts['note']}; mlx-lm: {ml['note']}",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="base")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
+    args = ap.parse_args(argv)
+    if args.prompt_tokens < WARMUP_PROMPT or args.gen_tokens < 2:
+        ap.error(f"--prompt-tokens must be >= {WARMUP_PROMPT} and --gen-tokens >= 2")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="turbospark-spark-bench-")
+        work = Path(tmp.name)
+    else:
+        work = args.workdir
+        work.mkdir(parents=True, exist_ok=True)
+    log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
+    try:
+        ckpt, install = work / f"spark-{args.size}.hf", work / f"spark-{args.size}.turbospark"
+        n_params = random_checkpoint(ckpt, args.size)
+        convert_install(ckpt, install)
+        cfg = spark_config(args.size)
+        ids = np.random.default_rng(1).integers(len(SPECIALS), cfg["vocab_size"], size=args.prompt_tokens).tolist()
+        ts = bench_turbospark(install, ids, args.gen_tokens)
+        ml = bench_mlx_lm(ckpt, ids, args.gen_tokens)
+        label = f"random spark2_5 {n_params / 1e9:.2f}B bf16"
+        print(
+            f"turbospark vs mlx-lm ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, {mx.default_device()}, "
+            f"size {args.size}, window {cfg['sliding_window']}, prompt {args.prompt_tokens} tokens, "
+            f"{args.gen_tokens} generated, greedy)"
+        )
+        print(report(label, ts, ml))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,347 @@
+# Copyright 2026 the turbospark authors. Apache-2.0.
+"""The Gemma 4 text decoder: sliding/full layers, per-layer inputs, KV sharing, MoE beside the MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.rope import Rope
+from turbospark_core.weights import WeightStore
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("default", "proportional")
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim", "intermediate_size",
+             "sliding_window", "rms_norm_eps")
+
+
+@attrs.frozen(kw_only=True)
+class RopeArgs:
+    rope_type: str
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    global_head_dim: int
+    num_global_key_value_heads: int | None
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    sliding_window: int
+    rope: dict[str, RopeArgs] = attrs.field(eq=False)
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    hidden_size_per_layer_input: int
+    vocab_size_per_layer_input: int
+    num_kv_shared_layers: int
+    attention_k_eq_v: bool
+    use_double_wide_mlp: bool
+    moe: MoEArgs | None
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        """Build from an install's arch config, refusing (by key) what the flow cannot serve.
+
+        Raises:
+            ArchConfigError: Every problem :meth:`problems` finds, joined.
+        """
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        fields = {a.name for a in attrs.fields(cls)} - {"rope", "moe"}
+        moe = arch.get("moe")
+        return cls(
+            **{k: arch[k] for k in fields},
+            rope={kind: RopeArgs(**arch["rope_parameters"][kind]) for kind in LAYER_TYPES},
+            moe=MoEArgs(**moe) if moe else None,
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        """What in ``arch`` the flow cannot serve, each naming its key (empty when valid)."""
+        out = [f"{k!r} must be positive (got {arch.get(k)!r})" for k in _POSITIVE
+               if not isinstance(arch.get(k), (int, float)) or arch[k] <= 0]
+        types = arch.get("layer_types")
+        n = arch.get("num_hidden_layers")
+        if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+            out.append(f"'layer_types' must list {n!r} entries from {LAYER_TYPES} (got {types!r})")
+            return out
+        if arch.get("hidden_activation") not in ACTIVATIONS:
+            out.append(f"hidden_activation={arch.get('hidden_activation')!r} is not one of {ACTIVATIONS}")
+        for kind, p in (arch.get("rope_parameters") or {}).items():
+            if p.get("rope_type") not in ROPE_TYPES:
+                out.append(f"rope_parameters[{kind!r}] rope_type {p.get('rope_type')!r} is not one of {ROPE_TYPES}")
+        out += _sharing_problems(arch, types)
+        moe = arch.get("moe")
+        if moe and not 0 < (moe.get("top_k") or 0) <= (moe.get("num_experts") or 0):
+            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
+        if arch.get("num_attention_heads", 0) % (arch.get("num_key_value_heads") or 1):
+            out.append("num_attention_heads is not a multiple of num_key_value_heads")
+        return out
+
+    # ------------------------------------------------------------ per-layer shape
+    @property
+    def first_kv_shared(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.head_dim if self.is_sliding(i) else self.global_head_dim
+
+    def k_eq_v(self, i: int) -> bool:
+        return self.attention_k_eq_v and not self.is_sliding(i)
+
+    def layer_kv_heads(self, i: int) -> int:
+        if self.k_eq_v(i) and self.num_global_key_value_heads:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys/values layer ``i`` attends to (itself unless KV-shared)."""
+        if i < self.first_kv_shared:
+            return i
+        return max(j for j in range(self.first_kv_shared) if self.layer_types[j] == self.layer_types[i])
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One cache per layer that computes its own K/V; KV-shared layers have none."""
+        return [
+            CacheSpec.sliding(self.layer_kv_heads(i), self.head_dim, self.sliding_window)
+            if self.is_sliding(i)
+            else CacheSpec.full(self.layer_kv_heads(i), self.global_head_dim)
+            for i in range(self.first_kv_shared)
+        ]
+
+
+def _sharing_problems(arch: dict[str, Any], types: list[str]) -> list[str]:
+    shared = arch.get("num_kv_shared_layers")
+    n = len(types)
+    if not isinstance(shared, int) or not 0 <= shared < n:
+        return [f"num_kv_shared_layers={shared!r} must be in [0, num_hidden_layers={n})"]
+    producers = set(types[: n - shared])
+    missing = sorted(set(types[n - shared :]) - producers)
+    if missing:
+        return [f"num_kv_shared_layers={shared}: no earlier layer of type {missing[0]!r} to share K/V from"]
+    return []
+
+
+def make_rope(head_dim: int, p: RopeArgs) -> Rope:
+    """RoPE over the whole head; ``proportional`` rotates ``partial_rotary_factor`` of it.
+
+    Proportional RoPE keeps the exponents of the full head (``2i / head_dim``)
+    for the rotated pairs and leaves the other pairs unrotated (infinite period).
+    """
+    if p.rope_type == "default":
+        return Rope.from_config(dims=head_dim, theta=p.rope_theta, scaling=None, max_positions=0)
+    angles = int(p.partial_rotary_factor * head_dim // 2)
+    periods = np.full(head_dim // 2, np.inf, dtype=np.float64)
+    periods[:angles] = p.factor * p.rope_theta ** (np.arange(0, 2 * angles, 2, dtype=np.float64) / head_dim)
+    return Rope(head_dim, mx.array(periods.astype(np.float32)))
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    return nn.gelu_approx(x)
+
+
+def _causal_mask(n: int, window: int | None) -> mx.array | str | None:
+    # For a pass without a cache; a cached pass asks its cache (the ring masks by position)
+    if n <= 1:
+        return None
+    if window is None or n <= window:
+        return "causal"
+    q = mx.arange(n)[:, None]
+    k = mx.arange(n)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}.self_attn"
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.layer_kv_heads(i)
+        self.head_dim = args.layer_head_dim(i)
+        self.eps = args.rms_norm_eps
+        self.window = args.sliding_window if args.is_sliding(i) else None
+        self.owns_kv = args.kv_source(i) == i
+        self.q_proj = w.linear(f"{prefix}.q_proj")
+        self.q_norm = w.tensor(f"{prefix}.q_norm.weight")
+        self.o_proj = w.linear(f"{prefix}.o_proj")
+        if self.owns_kv:
+            self.k_proj = w.linear(f"{prefix}.k_proj")
+            self.k_norm = w.tensor(f"{prefix}.k_norm.weight")
+            # K = V: the value is the key projection, v-normed instead of k-normed
+            self.v_proj = self.k_proj if args.k_eq_v(i) else w.linear(f"{prefix}.v_proj")
+        self.rope = make_rope(self.head_dim, args.rope[args.layer_types[i]])
+
+    def _own_kv(self, x: mx.array, cache: Any, offset: int) -> tuple[mx.array, mx.array, Any]:
+        B, L, _ = x.shape
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        v = k if self.v_proj is self.k_proj else self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        k = self.rope(mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        if cache is None:
+            return k, v, _causal_mask(L, self.window)
+        k, v = cache.update_and_fetch(k, v)
+        return k, v, cache.mask(L)
+
+    def __call__(self, x: mx.array, cache: Any, offset: int, shared: tuple | None) -> tuple[mx.array, tuple]:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        q = self.rope(mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        kv = shared if shared is not None else self._own_kv(x, cache, offset)
+        k, v, mask = kv
+        out = mx.fast.scaled_dot_product_attention(q, k, v.astype(q.dtype), scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), kv
+
+
+class MLP:
+    def __init__(self, w: WeightStore, prefix: str) -> None:
+        self.gate_proj = w.linear(f"{prefix}.gate_proj")
+        self.up_proj = w.linear(f"{prefix}.up_proj")
+        self.down_proj = w.linear(f"{prefix}.down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    return gelu_tanh(gate) * up
+
+
+class Router:
+    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
+        self.top_k = args.moe.top_k
+        self.eps = args.rms_norm_eps
+        self.proj = w.linear(f"{prefix}.proj")
+        # The unit-scale norm, the learned scale and 1/sqrt(hidden) fold into one weight
+        self.scale = w.tensor(f"{prefix}.scale") * args.hidden_size**-0.5
+        self.per_expert_scale = w.tensor(f"{prefix}.per_expert_scale")
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        logits = self.proj(mx.fast.rms_norm(x, self.scale, self.eps)).astype(mx.float32)
+        probs = mx.softmax(logits, axis=-1, precise=True)
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
+        weights = mx.take_along_axis(probs, inds, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return inds, weights * self.per_expert_scale[inds]
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.eps = args.rms_norm_eps
+        self.self_attn = Attention(args, w, i)
+        self.mlp = MLP(w, f"{prefix}.mlp")
+        norm = lambda name: w.tensor(f"{prefix}.{name}.weight")  # noqa: E731
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+        self.layer_scalar = w.tensor(f"{prefix}.layer_scalar")
+        self.moe = args.moe is not None
+        if self.moe:
+            self.router = Router(args, w, f"{prefix}.router")
+            self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
+            self.pre_feedforward_layernorm_2 = norm("pre_feedforward_layernorm_2")
+            self.post_feedforward_layernorm_1 = norm("post_feedforward_layernorm_1")
+            self.post_feedforward_layernorm_2 = norm("post_feedforward_layernorm_2")
+        self.ple = args.hidden_size_per_layer_input > 0
+        if self.ple:
+            self.per_layer_input_gate = w.linear(f"{prefix}.per_layer_input_gate")
+            self.per_layer_projection = w.linear(f"{prefix}.per_layer_projection")
+            self.post_per_layer_input_norm = norm("post_per_layer_input_norm")
+
+    def _norm(self, x: mx.array, weight: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, weight, self.eps)
+
+    def _feed_forward(self, h: mx.array) -> mx.array:
+        out = self.mlp(self._norm(h, self.pre_feedforward_layernorm))
+        if not self.moe:
+            return out
+        # The routed experts run beside the dense MLP, on the same residual
+        inds, weights = self.router(h)
+        y = self.experts.glu(self._norm(h, self.pre_feedforward_layernorm_2), inds, geglu)
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return self._norm(out, self.post_feedforward_layernorm_1) + self._norm(y, self.post_feedforward_layernorm_2)
+
+    def __call__(
+        self, x: mx.array, cache: Any, offset: int, shared: tuple | None, per_layer: mx.array | None
+    ) -> tuple[mx.array, tuple]:
+        a, kv = self.self_attn(self._norm(x, self.input_layernorm), cache, offset, shared)
+        h = x + self._norm(a, self.post_attention_layernorm)
+        h = h + self._norm(self._feed_forward(h), self.post_feedforward_layernorm)
+        if self.ple:
+            g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer
+            h = h + self._norm(self.per_layer_projection(g), self.post_per_layer_input_norm)
+        return h * self.layer_scalar, kv
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embed_tokens = w.embedding("model.embed_tokens")
+        self.embed_scale = args.hidden_size**0.5
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.kv_sources = [args.kv_source(i) for i in range(args.num_hidden_layers)]
+        self.norm = w.tensor("model.norm.weight")
+        self.ple_dim = args.hidden_size_per_layer_input
+        if self.ple_dim:
+            self.embed_tokens_per_layer = w.embedding("model.embed_tokens_per_layer")
+            self.per_layer_model_projection = w.linear("model.per_layer_model_projection")
+            self.per_layer_projection_norm = w.tensor("model.per_layer_projection_norm.weight")
+        # Tied head unless the install carries its own lm_head
+        self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
+
+    def _per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
+        B, L = inputs.shape
+        shape = (B, L, self.args.num_hidden_layers, self.ple_dim)
+        token = (self.embed_tokens_per_layer(inputs) * self.ple_dim**0.5).reshape(shape)
+        context = self.per_layer_model_projection(h) * self.args.hidden_size**-0.5
+        context = mx.fast.rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
+        return (context + token.astype(context.dtype)) * 2**-0.5
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache | RingKVCache] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs) * self.embed_scale
+        per_layer = self._per_layer_inputs(inputs, h) if self.ple_dim else None
+        offset = cache[0].offset if cache else 0
+        kvs: list[tuple | None] = []
+        for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources)):
+            c = cache[i] if cache and src == i else None
+            pl = None if per_layer is None else per_layer[:, :, i, :]
+            h, kv = block(h, c, offset, kvs[src] if src != i else None, pl)
+            kvs.append(kv)
+        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        out = (self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)).astype(mx.float32)
+        cap = self.args.final_logit_softcapping
+        return out if cap is None else mx.tanh(out / cap) * cap
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks

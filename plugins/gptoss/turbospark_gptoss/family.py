@@ -1,0 +1,226 @@
+# Copyright 2026 the turbospark authors. Apache-2.0.
+"""The gpt-oss decoder: sliding/full attention with learned sinks, YaRN rope, clamped-SwiGLU MoE."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core.cache_spec import CacheSpec
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.rope import ROPE_TYPES, Rope
+from turbospark_core.weights import WeightStore
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+_POSITIVE = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_local_experts",
+    "num_experts_per_tok", "rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit",
+)
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = attrs.field(eq=False)
+    sliding_window: int | None
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    num_local_experts: int
+    num_experts_per_tok: int
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        return cls(
+            model_type=arch["model_type"],
+            hidden_size=arch["hidden_size"],
+            num_hidden_layers=arch["num_hidden_layers"],
+            num_attention_heads=arch["num_attention_heads"],
+            num_key_value_heads=arch["num_key_value_heads"],
+            head_dim=arch["head_dim"],
+            intermediate_size=arch["intermediate_size"],
+            vocab_size=arch["vocab_size"],
+            max_position_embeddings=arch.get("max_position_embeddings") or 131072,
+            rms_norm_eps=float(arch["rms_norm_eps"]),
+            rope_theta=float(arch["rope_theta"]),
+            rope_scaling=arch.get("rope_scaling"),
+            sliding_window=arch.get("sliding_window"),
+            layer_types=arch["layer_types"],
+            num_local_experts=arch["num_local_experts"],
+            num_experts_per_tok=arch["num_experts_per_tok"],
+            swiglu_alpha=float(arch["swiglu_alpha"]),
+            swiglu_limit=float(arch["swiglu_limit"]),
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        out = [
+            f"{key!r} must be positive (got {arch.get(key)!r})"
+            for key in _POSITIVE
+            if not isinstance(arch.get(key), (int, float)) or isinstance(arch.get(key), bool) or arch[key] <= 0
+        ]
+        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+            out.append(
+                f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={arch['num_key_value_heads']}"
+            )
+        if not out and arch["num_experts_per_tok"] > arch["num_local_experts"]:
+            out.append(
+                f"num_experts_per_tok={arch['num_experts_per_tok']} exceeds "
+                f"num_local_experts={arch['num_local_experts']}"
+            )
+        out += _layer_problems(arch)
+        rope_type = (arch.get("rope_scaling") or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            out.append(f"rope_scaling type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
+        return out
+
+
+def _layer_problems(arch: dict[str, Any]) -> list[str]:
+    kinds = arch.get("layer_types")
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != arch.get("num_hidden_layers"):
+        return [f"layer_types must list one kind per layer (num_hidden_layers={arch.get('num_hidden_layers')!r})"]
+    unknown = sorted({k for k in kinds if k not in LAYER_TYPES}, key=str)
+    if unknown:
+        return [f"layer_types has {unknown[0]!r}, which is not one of {LAYER_TYPES}"]
+    window = arch.get("sliding_window")
+    if SLIDING in kinds and (not isinstance(window, int) or window <= 0):
+        return [f"sliding_window must be a positive int for sliding_attention layers (got {window!r})"]
+    return []
+
+
+def window_mask(n: int, window: int) -> mx.array:
+    """Boolean ``[n, n]`` mask: causal and at most ``window`` tokens back (the token itself included)."""
+    q = mx.arange(n)[:, None]
+    k = mx.arange(n)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[mx.array, mx.array], mx.array]:
+    """gpt-oss's expert activation: ``(clip(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+
+    def activation(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+        return (up + 1) * (gate * mx.sigmoid(gate * alpha))
+
+    return activation
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, prefix: str, window: int | None) -> None:
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.scale = args.head_dim**-0.5
+        self.window = window
+        self.q_proj = w.linear(f"{prefix}.q_proj")
+        self.k_proj = w.linear(f"{prefix}.k_proj")
+        self.v_proj = w.linear(f"{prefix}.v_proj")
+        self.o_proj = w.linear(f"{prefix}.o_proj")
+        self.sinks = w.tensor(f"{prefix}.sinks")
+        self.rope = Rope.from_config(
+            dims=args.head_dim,
+            theta=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_positions=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+            mask = cache.mask(L)
+        elif self.window is not None and L > self.window:
+            mask = window_mask(L, self.window)
+        else:
+            mask = "causal" if L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, mask=mask, sinks=self.sinks.astype(q.dtype)
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MoE:
+    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
+        self.top_k = args.num_experts_per_tok
+        self.activation = clamped_swiglu(args.swiglu_alpha, args.swiglu_limit)
+        self.router = w.linear(f"{prefix}.router")
+        self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        logits = self.router(x).astype(mx.float32)
+        inds = mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
+        # Softmax over the chosen experts' logits only
+        weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
+        y = self.experts.glu(x, inds, self.activation)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.eps = args.rms_norm_eps
+        window = args.sliding_window if args.layer_types[i] == SLIDING else None
+        self.self_attn = Attention(args, w, f"{prefix}.self_attn", window)
+        self.mlp = MoE(args, w, f"{prefix}.mlp")
+        self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
+        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embed_tokens = w.embedding("model.embed_tokens")
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.norm = w.tensor("model.norm.weight")
+        # Tied head unless the install carries its own lm_head
+        self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if cache is None else cache[i])
+        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(mx.float32)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks
+
+
+def cache_layout(args: Args) -> list[CacheSpec]:
+    """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
+    return [
+        CacheSpec.sliding(args.num_key_value_heads, args.head_dim, args.sliding_window)
+        if kind == SLIDING and args.sliding_window
+        else CacheSpec.full(args.num_key_value_heads, args.head_dim)
+        for kind in args.layer_types
+    ]

@@ -1,0 +1,159 @@
+"""Hugging Face (and mlx-lm) config and tensor mapping for Qwen 3.5 text models."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import mlx.core as mx
+
+from turbospark_core.convert.records import TensorTarget
+from turbospark_core.errors import ConversionError
+
+_MOE_TYPES = ("qwen3_5_moe",)
+_DEFAULT_INTERVAL = 4
+_DEFAULT_PARTIAL_ROTARY = 0.25
+
+
+def _layer_types(cfg: dict[str, Any]) -> list[str]:
+    if cfg.get("layer_types") is not None:
+        return list(cfg["layer_types"])
+    interval = cfg.get("full_attention_interval", _DEFAULT_INTERVAL)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+        msg = f"full_attention_interval={interval!r} must be a positive integer (and no layer_types given)"
+        raise ConversionError(msg)
+    layers = cfg["num_hidden_layers"]
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
+    """(theta, partial rotary factor, rope_scaling for Rope.from_config or None)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    # Multimodal rope on text-only positions is plain rope (all sections share one position)
+    for key in ("mrope_section", "mrope_interleaved", "rope_theta", "partial_rotary_factor", "type"):
+        params.pop(key, None)
+    params["rope_type"] = rope_type
+    return theta, partial, None if rope_type == "default" else params
+
+
+def _moe(cfg: dict[str, Any], model_type: str) -> dict[str, Any] | None:
+    if model_type not in _MOE_TYPES:
+        return None
+    return {
+        "num_experts": cfg["num_experts"],
+        "top_k": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "shared_expert_intermediate_size": cfg["shared_expert_intermediate_size"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+    }
+
+
+def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The install's arch config from a Hugging Face (or mlx-lm) ``config.json``.
+
+    Raises:
+        ConversionError: The config describes something the flow cannot run
+            (a layer kind, activation or head layout), named.
+    """
+    from turbospark_qwen.family import Args
+
+    model_type = hf_config["model_type"]
+    cfg = hf_config.get("text_config") or hf_config
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta, partial, scaling = _rope(cfg)
+    arch = {
+        "model_type": model_type,
+        "hidden_size": cfg["hidden_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "intermediate_size": cfg.get("intermediate_size"),
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "hidden_act": cfg.get("hidden_act", "silu"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": head_dim,
+        "rotary_dim": int(head_dim * partial),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "layer_types": _layer_types(cfg),
+        "linear_num_key_heads": cfg.get("linear_num_key_heads"),
+        "linear_num_value_heads": cfg.get("linear_num_value_heads"),
+        "linear_key_head_dim": cfg.get("linear_key_head_dim"),
+        "linear_value_head_dim": cfg.get("linear_value_head_dim"),
+        "linear_conv_kernel_dim": cfg.get("linear_conv_kernel_dim"),
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        "moe": _moe(cfg, model_type),
+    }
+    problems = Args.problems(arch)
+    if problems:
+        msg = f"{model_type} config cannot be served by the qwen family: {'; '.join(problems)}"
+        raise ConversionError(msg)
+    return arch
+
+
+# ------------------------------------------------------------------ tensors
+
+_DROP = re.compile(
+    r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tower\.|mtp\.|model\.mtp\.)"
+    r"|rotary_emb\.inv_freq$"
+)
+_MLX_LM_PREFIX = "language_model."  # mlx-lm writes sanitized names: language_model.model.layers...
+_KEEP_FLOAT32 = re.compile(r"\.linear_attn\.(A_log|norm\.weight)$")
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SWITCH_MLP = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+)\.(weight|scales|biases)$")
+_ZERO_CENTERED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|^model\.norm\.weight$")
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", _MLX_LM_PREFIX):
+        if name.startswith(prefix):
+            rest = name[len(prefix) :]
+            return rest if rest.startswith("lm_head") else f"model.{rest}"
+    return name
+
+
+def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    """Where a Hugging Face / mlx-lm tensor goes (vision tower and MTP head dropped)."""
+    if _DROP.search(name):
+        return TensorTarget.drop()
+    name = _strip_prefix(name)
+    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+        return TensorTarget.drop()
+    m = _SWITCH_MLP.match(name)
+    if m:
+        mlp, proj, leaf = m.groups()
+        return TensorTarget.to(f"{mlp}.experts.{proj}.{leaf}")
+    # State parameters stay float32 under --dtype, as in released checkpoints
+    return TensorTarget.to(name, keep_dtype=bool(_KEEP_FLOAT32.search(name)))
+
+
+def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] | None:
+    """Split fused 3-D expert tensors; undo mlx-lm's ``1 + w`` on zero-centered norms."""
+    if _DROP.search(name):
+        return None
+    install = _strip_prefix(name)
+    m = _FUSED_EXPERTS.match(install)
+    if m:
+        return _split_experts(arch, name, m.group(1), m.group(2), data)
+    if name.startswith(_MLX_LM_PREFIX) and _ZERO_CENTERED.search(install) and data.ndim == 1:
+        # Exact in float32: the flow adds the 1 back in float32
+        return {install: mx.array(data).astype(mx.float32) - 1.0}
+    return None
+
+
+def _split_experts(arch: dict[str, Any], name: str, base: str, proj: str, data: Any) -> dict[str, Any]:
+    moe = arch.get("moe") or {}
+    experts, inter = moe.get("num_experts"), moe.get("moe_intermediate_size")
+    expected = (experts, 2 * inter, arch["hidden_size"]) if proj == "gate_up_proj" else (experts, arch["hidden_size"], inter)
+    if tuple(data.shape) != expected:
+        msg = f"fused expert tensor {name!r} has shape {tuple(data.shape)}, expected {expected} from the config"
+        raise ConversionError(msg)
+    if proj == "down_proj":
+        return {f"{base}.down_proj.weight": data}
+    return {f"{base}.gate_proj.weight": data[:, :inter], f"{base}.up_proj.weight": data[:, inter:]}

@@ -1,0 +1,332 @@
+# Copyright 2026 the turbospark authors. Apache-2.0.
+"""Qwen 3.5: gated-DeltaNet linear attention, every n-th layer gated full attention, dense or MoE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core.cache_spec import CacheSpec, StateSpec
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import KVCache, RecurrentState
+from turbospark_core.rope import Rope
+from turbospark_core.weights import WeightStore
+
+from turbospark_qwen.gated_delta import gated_delta, l2_normalize
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+ACTIVATIONS = ("silu",)
+_POSITIVE = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim", "rms_norm_eps", "rope_theta",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = attrs.field(eq=False)
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    moe: MoEArgs | None
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        moe = arch.get("moe")
+        return cls(
+            model_type=arch["model_type"],
+            hidden_size=arch["hidden_size"],
+            num_hidden_layers=arch["num_hidden_layers"],
+            vocab_size=arch["vocab_size"],
+            max_position_embeddings=arch.get("max_position_embeddings") or 32768,
+            rms_norm_eps=float(arch["rms_norm_eps"]),
+            num_attention_heads=arch["num_attention_heads"],
+            num_key_value_heads=arch["num_key_value_heads"],
+            head_dim=arch["head_dim"],
+            rotary_dim=arch["rotary_dim"],
+            rope_theta=float(arch["rope_theta"]),
+            rope_scaling=arch.get("rope_scaling"),
+            layer_types=arch["layer_types"],
+            linear_num_key_heads=arch["linear_num_key_heads"],
+            linear_num_value_heads=arch["linear_num_value_heads"],
+            linear_key_head_dim=arch["linear_key_head_dim"],
+            linear_value_head_dim=arch["linear_value_head_dim"],
+            linear_conv_kernel_dim=arch["linear_conv_kernel_dim"],
+            moe=MoEArgs(**moe) if moe else None,
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        out = [
+            f"{key!r} must be positive (got {arch.get(key)!r})"
+            for key in _POSITIVE
+            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0
+        ]
+        if not out:
+            out += _head_problems(arch)
+        layer_types = arch.get("layer_types")
+        if not isinstance(layer_types, (list, tuple)) or len(layer_types) != arch.get("num_hidden_layers"):
+            out.append(f"layer_types must list one kind per layer (got {layer_types!r})")
+        else:
+            out += [
+                f"layer_types[{i}]={kind!r} is a layer kind this flow does not implement "
+                f"(implemented: {', '.join(LAYER_KINDS)})"
+                for i, kind in enumerate(layer_types)
+                if kind not in LAYER_KINDS
+            ]
+        if arch.get("hidden_act") not in ACTIVATIONS:
+            out.append(f"hidden_act={arch.get('hidden_act')!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        moe = arch.get("moe")
+        if moe and not 0 < moe.get("top_k", 0) <= moe.get("num_experts", 0):
+            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
+        return out
+
+    def cache_layout(self) -> list[CacheSpec | StateSpec]:
+        """Per layer: a KV cache for full attention, conv + recurrent state for DeltaNet."""
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        conv_dim += self.linear_num_value_heads * self.linear_value_head_dim
+        state = StateSpec(
+            shapes={
+                "conv": (self.linear_conv_kernel_dim - 1, conv_dim),
+                "recurrent": (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+            }
+        )
+        full = CacheSpec.full(self.num_key_value_heads, self.head_dim)
+        return [full if kind == "full_attention" else state for kind in self.layer_types]
+
+
+def _head_problems(arch: dict[str, Any]) -> list[str]:
+    out = []
+    if arch["num_attention_heads"] % arch["num_key_value_heads"]:
+        out.append(
+            f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads={arch['num_key_value_heads']}"
+        )
+    if arch["linear_num_value_heads"] % arch["linear_num_key_heads"]:
+        out.append(
+            f"linear_num_value_heads={arch['linear_num_value_heads']} is not a multiple of "
+            f"linear_num_key_heads={arch['linear_num_key_heads']}"
+        )
+    if arch["rotary_dim"] > arch["head_dim"] or arch["rotary_dim"] % 2:
+        out.append(f"rotary_dim={arch['rotary_dim']} must be even and at most head_dim={arch['head_dim']}")
+    return out
+
+
+def constant(x: mx.array) -> mx.array:
+    # Derived weights are computed once at build, not on every forward pass
+    mx.eval(x)
+    return x
+
+
+def norm_weight(w: mx.array) -> mx.array:
+    # (1 + w) in float32, before any narrowing
+    return constant(1.0 + w.astype(mx.float32))
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return silu(gate) * up
+
+
+class GatedDeltaNet:
+    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
+        self.n_k, self.n_v = args.linear_num_key_heads, args.linear_num_value_heads
+        self.d_k, self.d_v = args.linear_key_head_dim, args.linear_value_head_dim
+        self.kernel = args.linear_conv_kernel_dim
+        self.eps = args.rms_norm_eps
+        self.in_proj_qkv = w.linear(f"{prefix}.in_proj_qkv")
+        self.in_proj_z = w.linear(f"{prefix}.in_proj_z")
+        self.in_proj_b = w.linear(f"{prefix}.in_proj_b")
+        self.in_proj_a = w.linear(f"{prefix}.in_proj_a")
+        self.out_proj = w.linear(f"{prefix}.out_proj")
+        conv = w.tensor(f"{prefix}.conv1d.weight")  # [C, 1, K] (or mlx-lm's [C, K, 1])
+        self.conv1d = constant(mx.contiguous(conv.reshape(conv.shape[0], self.kernel).T))  # [K, C]
+        self.neg_A = constant(-mx.exp(w.tensor(f"{prefix}.A_log").astype(mx.float32)))
+        self.dt_bias = constant(w.tensor(f"{prefix}.dt_bias").astype(mx.float32))
+        self.norm = constant(w.tensor(f"{prefix}.norm.weight").astype(mx.float32))  # gated norm: plain w
+
+    def _conv(self, qkv: mx.array, cache: RecurrentState | None) -> mx.array:
+        B, L, C = qkv.shape
+        past = mx.zeros((B, self.kernel - 1, C), qkv.dtype) if cache is None else cache.get("conv", B)
+        window = mx.concatenate([past.astype(qkv.dtype), qkv], axis=1)
+        if cache is not None:
+            cache.set("conv", window[:, L:])
+        out = window[:, :L] * self.conv1d[0]
+        for j in range(1, self.kernel):
+            out = out + window[:, j : j + L] * self.conv1d[j]
+        return silu(out)
+
+    def __call__(self, x: mx.array, cache: RecurrentState | None) -> mx.array:
+        B, L, _ = x.shape
+        mixed = self._conv(self.in_proj_qkv(x), cache)
+        key_dim = self.n_k * self.d_k
+        q = mixed[..., :key_dim].reshape(B, L, self.n_k, self.d_k)
+        k = mixed[..., key_dim : 2 * key_dim].reshape(B, L, self.n_k, self.d_k)
+        v = mixed[..., 2 * key_dim :].reshape(B, L, self.n_v, self.d_v)
+        q = l2_normalize(q.astype(mx.float32)) * self.d_k**-0.5
+        k = l2_normalize(k.astype(mx.float32))
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        g = self.neg_A * _softplus(self.in_proj_a(x).astype(mx.float32) + self.dt_bias)
+        state = (
+            mx.zeros((B, self.n_v, self.d_k, self.d_v), mx.float32)
+            if cache is None
+            else cache.get("recurrent", B)
+        )
+        out, state = gated_delta(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.set("recurrent", state)
+            cache.advance(L)
+        z = self.in_proj_z(x).reshape(B, L, self.n_v, self.d_v)
+        out = mx.fast.rms_norm(out, self.norm, self.eps) * silu(z.astype(mx.float32))
+        return self.out_proj(out.reshape(B, L, -1).astype(x.dtype))
+
+
+def _softplus(x: mx.array) -> mx.array:
+    # torch's softplus (threshold 20) in one stable expression
+    return mx.logaddexp(x, 0.0)
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.eps = args.rms_norm_eps
+        self.q_proj = w.linear(f"{prefix}.q_proj")  # per head: [query | output gate]
+        self.k_proj = w.linear(f"{prefix}.k_proj")
+        self.v_proj = w.linear(f"{prefix}.v_proj")
+        self.o_proj = w.linear(f"{prefix}.o_proj")
+        self.q_norm = norm_weight(w.tensor(f"{prefix}.q_norm.weight"))
+        self.k_norm = norm_weight(w.tensor(f"{prefix}.k_norm.weight"))
+        # Multimodal rope on text-only positions: every section sees one position, so plain partial rope
+        self.rope = Rope.from_config(
+            dims=args.rotary_dim,
+            theta=args.rope_theta,
+            scaling=args.rope_scaling,
+            max_positions=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q_gate = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        q = rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        k = rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        mask = "causal" if L > 1 else None
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+            mask = cache.mask(L)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
+        return self.o_proj(out)
+
+
+class MLP:
+    def __init__(self, w: WeightStore, prefix: str) -> None:
+        self.gate_proj = w.linear(f"{prefix}.gate_proj")
+        self.up_proj = w.linear(f"{prefix}.up_proj")
+        self.down_proj = w.linear(f"{prefix}.down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SparseMoE:
+    def __init__(self, args: MoEArgs, w: WeightStore, prefix: str) -> None:
+        self.args = args
+        self.gate = w.linear(f"{prefix}.gate")
+        self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
+        self.shared_expert = MLP(w, f"{prefix}.shared_expert")
+        self.shared_expert_gate = w.linear(f"{prefix}.shared_expert_gate")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.args.top_k
+        scores = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
+        inds = mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if self.args.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = self.experts.glu(x, inds, swiglu)
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.eps = args.rms_norm_eps
+        self.is_linear = args.layer_types[i] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args, w, f"{prefix}.linear_attn")
+        else:
+            self.self_attn = Attention(args, w, f"{prefix}.self_attn")
+        self.mlp = SparseMoE(args.moe, w, f"{prefix}.mlp") if args.moe else MLP(w, f"{prefix}.mlp")
+        self.input_layernorm = norm_weight(w.tensor(f"{prefix}.input_layernorm.weight"))
+        self.post_attention_layernorm = norm_weight(w.tensor(f"{prefix}.post_attention_layernorm.weight"))
+
+    def __call__(self, x: mx.array, cache: KVCache | RecurrentState | None) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(rms_norm(x, self.input_layernorm, self.eps), cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embed_tokens = w.embedding("model.embed_tokens")
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.norm = norm_weight(w.tensor("model.norm.weight"))
+        # Tied head unless the install carries its own lm_head
+        self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if cache is None else cache[i])
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
+        out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(mx.float32)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks
