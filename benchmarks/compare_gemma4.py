@@ -203,6 +203,19 @@ def random_gemma4_checkpoint(dst: Path, text_config: dict[str, Any], seed: int =
     return n_params
 
 
+def float32_copy(src: Path, dst: Path) -> None:
+    """The checkpoint with float32 tensors: MLX's CPU ``gather_mm`` (mlx-lm's experts) is float32-only."""
+    if (dst / "config.json").exists():
+        base.log(f"reusing float32 copy {dst}")
+        return
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.astype(mx.float32) for k, v in mx.load(str(src / "model.safetensors")).items()}
+    mx.save_safetensors(str(dst / "model.safetensors"), tensors, metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    base.log(f"wrote float32 copy {dst} for mlx-lm's CPU experts")
+
+
 def prepare(work: Path, name: str, n_prompt: int) -> dict[str, Any]:
     c = TEXT_CONFIGS[name]
     ckpt = work / f"random-gemma4-{name}.hf"
@@ -210,13 +223,18 @@ def prepare(work: Path, name: str, n_prompt: int) -> dict[str, Any]:
     n_params = random_gemma4_checkpoint(ckpt, c)
     base.convert_install(ckpt, install)
     kinds = {"e": "PLE + KV sharing", "moe": f"MoE {c.get('top_k_experts')}/{c.get('num_experts')} + K=V"}[name]
+    mlx_dir, note = ckpt, ""
+    if c["enable_moe_block"] and mx.default_device() == mx.cpu:
+        mlx_dir = work / f"random-gemma4-{name}.f32.hf"
+        float32_copy(ckpt, mlx_dir)
+        note = "mlx-lm loads a float32 copy (its CPU experts need float32); "
     return {
         "label": f"random gemma4-{name} {n_params / 1e9:.2f}B bf16 ({kinds})",
         "install": install,
-        "mlx_dir": ckpt,
+        "mlx_dir": mlx_dir,
         "ids": base.random_prompt_ids(c["vocab_size"], n_prompt),
         "note": (
-            f"{c['num_hidden_layers']} layers, window {c['sliding_window']}; random weights: "
+            f"{note}{c['num_hidden_layers']} layers, window {c['sliding_window']}; random weights: "
             "greedy ties make token agreement informative only for the first few tokens"
         ),
     }

@@ -237,7 +237,7 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
         tokenizer_files_from_gguf(open_gguf(_write_vocab(tmp_path / "u.gguf", pre="mystery-pre")))
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", "t5"])
+@pytest.mark.parametrize("model", ["bert", "t5", "rwkv"])
 def test_unsupported_tokenizer_models_are_refused(tmp_path: Path, model: str) -> None:
     with pytest.raises(ConversionError, match=rf"tokenizer\.ggml\.model='{model}'"):
         tokenizer_files_from_gguf(open_gguf(_write_vocab(tmp_path / "m.gguf", model=model)))
@@ -258,3 +258,129 @@ def test_out_of_range_special_id_is_refused(tmp_path: Path) -> None:
     path = _write_vocab(tmp_path / "o.gguf", **{"tokenizer.ggml.padding_token_id": (99999, gguf.GGUFValueType.UINT32)})
     with pytest.raises(ConversionError, match="padding_token_id=99999"):
         tokenizer_files_from_gguf(open_gguf(path))
+
+
+# ---------------------------------------------------------------------------
+# SentencePiece BPE vocabularies (tokenizer.ggml.model == "llama")
+# ---------------------------------------------------------------------------
+
+_SP = "\u2581"
+_SP_PIECES = ["▁", "a", "b", "d", "e", "h", "l", "o", "r", "w", "x", "he", "ll", "▁w", "or", "hell", "hello",
+              "▁hello", "wor", "▁wor", "▁world", "ld", "ab", "▁a", "▁ab", "xx"]
+
+
+def _write_sp_vocab(path: Path, *, prefix: bool | None, with_merges: bool = False) -> Path:
+    """A GGUF with a SentencePiece-style vocabulary: controls, user-defined, byte pieces, scored pieces."""
+    controls = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
+    user = ["  ", "\n"]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = controls + user + byte_pieces + _SP_PIECES
+    types = [3] * len(controls) + [4] * len(user) + [6] * 256 + [1] * len(_SP_PIECES)
+    scores = [-1000.0] * (len(controls) + len(user)) + [0.0] * 256 + [-float(i) for i in range(len(_SP_PIECES))]
+    types[3] = 2  # <unk> is SentencePiece's UNKNOWN piece
+    writer = gguf.GGUFWriter(str(path), ARCH)
+    writer.add_context_length(512)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    if with_merges:
+        writer.add_token_merges(["h e", "l l", "he ll", "hell o"])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    if prefix is not None:
+        writer.add_add_space_prefix(prefix)
+    writer.add_tensor("t", np.zeros((1, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _sentencepiece(path: Path, *, prefix: bool) -> object:
+    """Google's SentencePiece, loaded with the same pieces: the independent oracle."""
+    spm = pytest.importorskip("sentencepiece")
+    model_pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+    md = open_gguf(path).metadata
+    proto = model_pb2.ModelProto()
+    for piece, score, kind in zip(
+        md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"], md["tokenizer.ggml.token_type"], strict=True
+    ):
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    proto.trainer_spec.model_type = model_pb2.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 3, 2, 1
+    proto.trainer_spec.pad_id = 0
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = prefix
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+def _sp_strings(n: int) -> list[str]:
+    rng = random.Random(1)
+    alphabet = "abdehlorwx é€中"
+    out = ["hello world", "hello", " hello", "ab ab", "xxx", "world", "a\nb", "é", ""]
+    while len(out) < n:
+        out.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20))))
+    return [t for t in out if "  " not in t]  # whitespace runs: see the user-defined test below
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_sentencepiece_vocab_matches_sentencepiece(tmp_path: Path, prefix: bool) -> None:
+    path = _write_sp_vocab(tmp_path / "sp.gguf", prefix=prefix)
+    tok, config = _tokenizer(path)
+    oracle = _sentencepiece(path, prefix=prefix)
+    # with a space prefix, llama.cpp (and so we) restart the prefix after each added token;
+    # SentencePiece adds it once: compare those on text without added tokens
+    texts = [t for t in _sp_strings(300) if not (prefix and "\n" in t)]
+    for text in texts:
+        assert tok.encode(text, add_special_tokens=False).ids == oracle.encode(text), text
+        assert tok.decode(tok.encode(text).ids) == text
+    assert config["add_bos_token"] is True and config["unk_token"] == "<unk>"
+
+
+def test_sentencepiece_scores_order_the_merges(tmp_path: Path) -> None:
+    tok, _ = _tokenizer(_write_sp_vocab(tmp_path / "sp.gguf", prefix=False))
+    assert tok.encode("hello world").tokens == ["<bos>", "hello", "▁world"]
+    assert tok.encode("ab ab", add_special_tokens=False).tokens == ["ab", "▁ab"]
+    assert tok.encode("é", add_special_tokens=False).tokens == ["<0xC3>", "<0xA9>"]  # byte fallback
+    assert tok.decode(tok.encode("é中x").ids) == "é中x"
+
+
+def test_sentencepiece_space_prefix_defaults_on(tmp_path: Path) -> None:
+    tok, _ = _tokenizer(_write_sp_vocab(tmp_path / "sp.gguf", prefix=None))
+    assert tok.encode("hello", add_special_tokens=False).tokens == ["▁hello"]
+    assert tok.decode(tok.encode("hello world").ids, skip_special_tokens=True) == "hello world"
+
+
+def test_sentencepiece_user_defined_and_control_pieces_match_raw_text(tmp_path: Path) -> None:
+    # as llama.cpp and transformers do: user-defined pieces are split out before normalization
+    tok, _ = _tokenizer(_write_sp_vocab(tmp_path / "sp.gguf", prefix=False))
+    assert tok.encode("a  b", add_special_tokens=False).tokens == ["a", "  ", "b"]
+    assert tok.encode("<start_of_turn>hello\n", add_special_tokens=False).ids == [4, tok.token_to_id("hello"), 6]
+    assert tok.decode(tok.encode("<start_of_turn>a  b").ids, skip_special_tokens=True) == "a  b"
+
+
+def test_sentencepiece_merges_from_the_file_win(tmp_path: Path) -> None:
+    tok, _ = _tokenizer(_write_sp_vocab(tmp_path / "sp.gguf", prefix=False, with_merges=True))
+    assert tok.encode("hello", add_special_tokens=False).tokens == ["hello"]
+    assert tok.encode("world", add_special_tokens=False).tokens == ["w", "o", "r", "l", "d"]  # no merge listed
+
+
+def test_sentencepiece_without_scores_or_merges_is_refused(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "n.gguf"), ARCH)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "a"])
+    writer.add_tensor("t", np.zeros((1, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConversionError, match=r"tokenizer\.ggml\.scores"):
+        tokenizer_files_from_gguf(open_gguf(tmp_path / "n.gguf"))

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable, TypeVar
+from turbospark_core import blas
 
-import pluggy
+blas.activate()  # before anything imports mlx: MLX's CPU matmuls then use OpenBLAS
 
-from turbospark_core.errors import TurbosparkError
-from turbospark_core.names import NAME
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, TypeVar  # noqa: E402
+
+import pluggy  # noqa: E402
+
+from turbospark_core.errors import TurbosparkError  # noqa: E402
+from turbospark_core.names import NAME  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -21,12 +21,12 @@ class CacheSpec:
     v_head_dim: int | None = None
     window: int | None = None
 
-    def bytes_at(self, tokens: int, itemsize: int, ring_capacity: int | None = None) -> int:
+    def bytes_at(self, tokens: int, itemsize: float, ring_capacity: int | None = None) -> int:
         """Bytes this layer's K and V take at ``tokens`` of context."""
         ring = None if self.window is None else max(self.window, ring_capacity or 0)
         held = tokens if ring is None else min(tokens, ring)
         v_dim = self.v_head_dim or self.head_dim
-        return held * self.n_kv_heads * (self.head_dim + v_dim) * itemsize
+        return int(held * self.n_kv_heads * (self.head_dim + v_dim) * itemsize)
 
     @classmethod
     def full(cls, n_kv_heads: int, head_dim: int) -> CacheSpec:
@@ -55,7 +55,7 @@ class StateSpec:
     shapes: dict[str, tuple[int, ...]] = attrs.field(converter=lambda d: {k: tuple(v) for k, v in d.items()})
     dtype: str = "float32"
 
-    def bytes_at(self, tokens: int, itemsize: int, ring_capacity: int | None = None) -> int:
+    def bytes_at(self, tokens: int, itemsize: float, ring_capacity: int | None = None) -> int:
         """Bytes of one sequence's state (independent of the context length)."""
         del tokens, itemsize, ring_capacity
         size = 4 if self.dtype == "float32" else 2

@@ -1,4 +1,4 @@
-"""The ``turbospark`` command line: convert, generate, chat, inspect, families."""
+"""The ``turbospark`` command line: convert, generate, chat, inspect, families, serve."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from turbospark_core import blas
 from turbospark_core.errors import TurbosparkError
 
 PACKAGE_PREFIX = "pkg:"
@@ -80,7 +81,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         quantize=args.quantize,
         group_size=args.group_size,
-        dequantize=args.dequantize,
+        strict=args.strict,
         force=args.force,
         show_progress=not args.quiet,
     )
@@ -89,6 +90,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         f"wrote {args.dst}: model type {manifest.model_type!r} (family {manifest.family}), "
         f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
     )
+    for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):
+        print(f"dequantized {len(names)} tensors ({kind}, no exact MLX form) to float: {', '.join(names)}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -144,7 +147,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"model type   {m.model_type} (family {opened.capabilities.family}, {opened.capabilities.distribution})")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
-    print(f"compute      {opened.policy.reason}")
+    print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
     arch = {k: v for k, v in m.arch.items() if not isinstance(v, (dict, list))}
     print("arch         " + json.dumps(arch, sort_keys=True))
@@ -174,6 +177,19 @@ def cmd_families(args: argparse.Namespace) -> None:
         print(f"{spec.name:<10} {spec.distribution:<22} {', '.join(spec.model_types)}{gguf}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from turbospark_core.server import serve
+
+    options: dict[str, Any] = {"session_slots": args.session_slots}
+    if args.max_context is not None:
+        options["max_context"] = args.max_context
+    if args.memory_budget is not None:
+        options["memory_budget"] = args.memory_budget
+    serve(
+        args.install, host=args.host, port=args.port, max_body=args.max_body, verbose=args.verbose, **options
+    )
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -197,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--quantize", choices=("q4", "q8"))
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--dequantize", action="store_true", help="GGUF: dequantize block types with no exact MLX form")
+    p.add_argument(
+        "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"
+    )
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
@@ -219,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("families", help="installed family plugins and the model types they serve")
     p.set_defaults(func=cmd_families)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, SSE streaming)")
+    p.add_argument("install")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (0 picks a free one)")
+    p.add_argument("--session-slots", type=int, default=4, help="parked conversations = concurrent requests")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,10 +1,10 @@
-"""The KV cache: preallocated in steps, bounded by max_context."""
+"""Per-sequence caches: full KV (grown in steps), sliding-window rings, recurrent state."""
 
 from __future__ import annotations
 
-import mlx.core as mx
+from typing import Any, Callable
 
-from typing import Any
+import mlx.core as mx
 
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import ContextOverflowError
@@ -19,40 +19,102 @@ def _refuse_overflow(end: int, max_context: int) -> None:
         raise ContextOverflowError(msg)
 
 
+KV_BITS = {"q8": 8, "q4": 4}
+
+
+def kv_group_size(head_dim: int) -> int | None:
+    """The quantization group for KV rows of ``head_dim`` (64, else 32), or ``None``."""
+    return next((g for g in (64, 32) if head_dim % g == 0), None)
+
+
+class _Rows:
+    """Per-token rows along axis 2: one float array, or MLX affine-quantized parts."""
+
+    def __init__(self, parts: tuple[mx.array, ...], bits: int | None, dtype: mx.Dtype) -> None:
+        self.parts = parts
+        self.bits = bits
+        self.dtype = dtype
+
+    @classmethod
+    def encode(cls, x: mx.array, bits: int | None, dtype: mx.Dtype) -> _Rows:
+        if bits is None:
+            return cls((x.astype(dtype),), None, dtype)
+        group = kv_group_size(x.shape[-1])
+        return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
+
+    def decode(self) -> mx.array:
+        if self.bits is None:
+            return self.parts[0]
+        w, scales, biases = self.parts
+        group = w.shape[-1] * 32 // self.bits // scales.shape[-1]
+        return mx.dequantize(w, scales, biases, group_size=group, bits=self.bits).astype(self.dtype)
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> _Rows:
+        return _Rows(tuple(fn(p) for p in self.parts), self.bits, self.dtype)
+
+    def concat(self, other: _Rows) -> _Rows:
+        return _Rows(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.parts, other.parts)), self.bits, self.dtype)
+
+    def assign(self, start: int, end: int, other: _Rows) -> None:
+        for part, new in zip(self.parts, other.parts):
+            part[..., start:end, :] = new
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].shape[2]
+
+
 class KVCache:
     """Keys and values of one full-attention layer, grown ``step`` tokens at a time.
 
     Args:
         spec: The layer's cache requirement.
         max_context: The most tokens this cache may hold.
-        dtype: Storage dtype of keys and values.
+        dtype: Dtype of the keys and values handed back (and stored, unquantized).
         step: Growth granularity in tokens.
+        kv_bits: Store keys/values affine-quantized to 8 or 4 bits (group 64,
+            or 32 for narrow heads); fetched rows are dequantized.
     """
 
     def __init__(
-        self, spec: CacheSpec, max_context: int, dtype: mx.Dtype, step: int = 256
+        self, spec: CacheSpec, max_context: int, dtype: mx.Dtype, step: int = 256, kv_bits: int | None = None
     ) -> None:
         self.spec = spec
         self.max_context = max_context
         self.dtype = dtype
         self.step = step
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.kv_bits = kv_bits
+        self._k: _Rows | None = None
+        self._v: _Rows | None = None
         self.offset = 0
 
+    @property
+    def keys(self) -> mx.array | None:
+        """The whole key buffer (capacity rows; dequantized when quantized)."""
+        return None if self._k is None else self._k.decode()
+
+    @property
+    def values(self) -> mx.array | None:
+        """The whole value buffer."""
+        return None if self._v is None else self._v.decode()
+
+    def _zeros(self, batch: int, rows: int, dim: int) -> _Rows:
+        return _Rows.encode(mx.zeros((batch, self.spec.n_kv_heads, rows, dim), self.dtype), self.kv_bits, self.dtype)
+
     def _grow(self, batch: int, needed: int) -> None:
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+        capacity = 0 if self._k is None else self._k.length
         if needed <= capacity:
             return
         new_cap = min(self.max_context, ((needed + self.step - 1) // self.step) * self.step)
         v_dim = self.spec.v_head_dim or self.spec.head_dim
-        k_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - self.offset, self.spec.head_dim), self.dtype)
-        v_new = mx.zeros((batch, self.spec.n_kv_heads, new_cap - self.offset, v_dim), self.dtype)
-        if self.keys is None or self.values is None:
-            self.keys, self.values = k_new, v_new
+        k_new = self._zeros(batch, new_cap - self.offset, self.spec.head_dim)
+        v_new = self._zeros(batch, new_cap - self.offset, v_dim)
+        if self._k is None or self._v is None:
+            self._k, self._v = k_new, v_new
         else:
-            self.keys = mx.concatenate([self.keys[..., : self.offset, :], k_new], axis=2)
-            self.values = mx.concatenate([self.values[..., : self.offset, :], v_new], axis=2)
+            keep = self.offset
+            self._k = self._k.map(lambda a: a[..., :keep, :]).concat(k_new)
+            self._v = self._v.map(lambda a: a[..., :keep, :]).concat(v_new)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``[B, H, L, D]`` and return all cached so far."""
@@ -60,11 +122,14 @@ class KVCache:
         end = self.offset + n
         _refuse_overflow(end, self.max_context)
         self._grow(keys.shape[0], end)
-        assert self.keys is not None and self.values is not None
-        self.keys[..., self.offset : end, :] = keys.astype(self.dtype)
-        self.values[..., self.offset : end, :] = values.astype(self.dtype)
+        assert self._k is not None and self._v is not None
+        self._k.assign(self.offset, end, _Rows.encode(keys, self.kv_bits, self.dtype))
+        self._v.assign(self.offset, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.offset = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return (
+            self._k.map(lambda a: a[..., :end, :]).decode(),
+            self._v.map(lambda a: a[..., :end, :]).decode(),
+        )
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped."""
@@ -87,7 +152,7 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the step's output."""
-        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+        return [] if self._k is None or self._v is None else [*self._k.parts, *self._v.parts]
 
 
 class RingKVCache:
@@ -97,11 +162,17 @@ class RingKVCache:
     window) tokens are kept. A multi-token update returns the kept tokens plus
     the new ones in order (so a prefill chunk sees its whole window), then
     keeps only the last ``capacity``. Each slot remembers its absolute position,
-    so :meth:`mask` is exact for any capacity >= window.
+    so :meth:`mask` is exact for any capacity >= window. ``kv_bits`` stores
+    the ring quantized, as for :class:`KVCache`.
     """
 
     def __init__(
-        self, spec: CacheSpec, max_context: int, dtype: mx.Dtype, capacity: int | None = None
+        self,
+        spec: CacheSpec,
+        max_context: int,
+        dtype: mx.Dtype,
+        capacity: int | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         if spec.window is None or spec.window <= 0:
             raise ValueError("RingKVCache needs a CacheSpec with a positive window")
@@ -110,75 +181,97 @@ class RingKVCache:
         self.capacity = max(capacity or spec.window, spec.window)
         self.max_context = max_context
         self.dtype = dtype
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.kv_bits = kv_bits
+        self._k: _Rows | None = None
+        self._v: _Rows | None = None
         self.positions: mx.array | None = None  # absolute position held by each slot
         self.offset = 0
         self._fetched_positions: mx.array | None = None
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The ring's key buffer (``capacity`` rows once allocated)."""
+        return None if self._k is None else self._k.decode()
+
+    @property
+    def values(self) -> mx.array | None:
+        """The ring's value buffer."""
+        return None if self._v is None else self._v.decode()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Add ``keys``/``values`` ``[B, H, L, D]``; return what the new queries may attend to."""
         n = keys.shape[2]
         _refuse_overflow(self.offset + n, self.max_context)
-        keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        k_new = _Rows.encode(keys, self.kv_bits, self.dtype)
+        v_new = _Rows.encode(values, self.kv_bits, self.dtype)
         new_pos = mx.arange(self.offset, self.offset + n)
         self.offset += n
-        if n == 1 and self.keys is not None and self.keys.shape[2] == self.capacity:
+        if n == 1 and self._k is not None and self._k.length == self.capacity:
             slot = (self.offset - 1) % self.capacity
-            self.keys[..., slot : slot + 1, :] = keys
-            self.values[..., slot : slot + 1, :] = values
+            self._k.assign(slot, slot + 1, k_new)
+            self._v.assign(slot, slot + 1, v_new)
             self.positions[slot : slot + 1] = new_pos
             self._fetched_positions = self.positions
-            return self.keys, self.values
-        k_all, v_all, p_all = self._ordered_with(keys, values, new_pos)
+            return self._k.decode(), self._v.decode()
+        k_all, v_all, p_all = self._ordered_with(k_new, v_new, new_pos)
         self._fetched_positions = p_all
         self._keep_last(k_all, v_all, p_all)
-        return k_all, v_all
+        return k_all.decode(), v_all.decode()
 
-    def _ordered_with(self, keys: mx.array, values: mx.array, pos: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        if self.keys is None:
+    def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
+        if self._k is None or self._v is None or self.positions is None:
             return keys, values, pos
         order = mx.argsort(self.positions)
-        kept = self.positions[order] >= 0
-        n_kept = int(kept.sum().item())
+        n_kept = int((self.positions >= 0).sum().item())
         order = order[order.size - n_kept :] if n_kept else order[:0]
         return (
-            mx.concatenate([self.keys[..., order, :], keys], axis=2),
-            mx.concatenate([self.values[..., order, :], values], axis=2),
+            self._k.map(lambda a: a[..., order, :]).concat(keys),
+            self._v.map(lambda a: a[..., order, :]).concat(values),
             mx.concatenate([self.positions[order], pos]),
         )
 
-    def _keep_last(self, k_all: mx.array, v_all: mx.array, p_all: mx.array) -> None:
-        total = k_all.shape[2]
+    def _keep_last(self, k_all: _Rows, v_all: _Rows, p_all: mx.array) -> None:
+        total = k_all.length
         if total >= self.capacity:
-            self.keys = k_all[..., total - self.capacity :, :]
-            self.values = v_all[..., total - self.capacity :, :]
-            self.positions = p_all[total - self.capacity :]
+            start = total - self.capacity
             # the ring's next write goes to the slot of the oldest token
             shift = self.offset % self.capacity
-            self.keys, self.values, self.positions = (
-                mx.roll(self.keys, shift, axis=2),
-                mx.roll(self.values, shift, axis=2),
-                mx.roll(self.positions, shift),
-            )
+            self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
+            self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
+            self.positions = mx.roll(p_all[start:], shift)
             return
         pad = self.capacity - total
-        B, H, _, D = k_all.shape
-        Dv = v_all.shape[-1]
-        self.keys = mx.concatenate([k_all, mx.zeros((B, H, pad, D), self.dtype)], axis=2)
-        self.values = mx.concatenate([v_all, mx.zeros((B, H, pad, Dv), self.dtype)], axis=2)
+        B, H, _, D = k_all.parts[0].shape
+        self._k = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
+        self._v = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
         self.positions = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
+
+    def _pad(self, batch: int, heads: int, rows: int, dim: int) -> _Rows:
+        return _Rows.encode(mx.zeros((batch, heads, rows, dim), self.dtype), self.kv_bits, self.dtype)
 
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of this ring (copies: later writes overwrite slots)."""
-        arrays = {n: getattr(self, n) for n in ("keys", "values", "positions", "_fetched_positions")}
-        return {"offset": self.offset, **{n: None if a is None else mx.array(a) for n, a in arrays.items()}}
+        def copy(rows: _Rows | None) -> _Rows | None:
+            return None if rows is None else rows.map(mx.array)
+
+        def copy_array(a: mx.array | None) -> mx.array | None:
+            return None if a is None else mx.array(a)
+
+        return {
+            "offset": self.offset,
+            "k": copy(self._k),
+            "v": copy(self._v),
+            "positions": copy_array(self.positions),
+            "fetched": copy_array(self._fetched_positions),
+        }
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Return to a checkpoint taken by :meth:`snapshot` on this cache."""
         self.offset = snap["offset"]
-        for name in ("keys", "values", "positions", "_fetched_positions"):
-            setattr(self, name, None if snap[name] is None else mx.array(snap[name]))
+        self._k = None if snap["k"] is None else snap["k"].map(mx.array)
+        self._v = None if snap["v"] is None else snap["v"].map(mx.array)
+        self.positions = None if snap["positions"] is None else mx.array(snap["positions"])
+        self._fetched_positions = None if snap["fetched"] is None else mx.array(snap["fetched"])
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[L, S]`` mask: causal and within the window, by absolute position."""
@@ -189,7 +282,9 @@ class RingKVCache:
     @property
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the step's output."""
-        return [] if self.keys is None else [self.keys, self.values, self.positions]
+        if self._k is None or self._v is None:
+            return []
+        return [*self._k.parts, *self._v.parts, self.positions]
 
 
 class RecurrentState:
@@ -246,21 +341,29 @@ Cache = KVCache | RingKVCache | RecurrentState
 
 
 def make_cache(
-    spec: CacheSpec | StateSpec, max_context: int, dtype: mx.Dtype, ring_capacity: int | None = None
+    spec: CacheSpec | StateSpec,
+    max_context: int,
+    dtype: mx.Dtype,
+    ring_capacity: int | None = None,
+    kv_bits: int | None = None,
 ) -> Cache:
     """The cache object a layer's spec asks for."""
     if isinstance(spec, StateSpec):
         return RecurrentState(spec, max_context)
     if spec.window is None:
-        return KVCache(spec, max_context, dtype)
-    return RingKVCache(spec, max_context, dtype, capacity=ring_capacity)
+        return KVCache(spec, max_context, dtype, kv_bits=kv_bits)
+    return RingKVCache(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits)
 
 
 def make_caches(
-    specs: list[CacheSpec | StateSpec], max_context: int, dtype: mx.Dtype, ring_capacity: int | None = None
+    specs: list[CacheSpec | StateSpec],
+    max_context: int,
+    dtype: mx.Dtype,
+    ring_capacity: int | None = None,
+    kv_bits: int | None = None,
 ) -> list[Cache]:
     """One cache per layer, as the family's layout asks."""
-    return [make_cache(spec, max_context, dtype, ring_capacity) for spec in specs]
+    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits) for spec in specs]
 
 
 def snapshot_caches(caches: list[Cache]) -> list[dict[str, Any]]:

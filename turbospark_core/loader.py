@@ -20,7 +20,7 @@ from turbospark_core.errors import (
     NotAnInstallError,
     OptionError,
 )
-from turbospark_core.kv_cache import Cache, make_caches
+from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
 from turbospark_core.manifest import (
     HADAMARD,
     MANIFEST,
@@ -57,8 +57,9 @@ class OpenedModel:
 
     def new_cache(self) -> list[Cache]:
         """Fresh per-layer caches for one sequence."""
+        kv_bits = None if self.options.kv_quant is None else KV_BITS[self.options.kv_quant]
         return make_caches(
-            list(self.cache_layout), self.max_context, self.policy.compute_dtype, self.options.ring_capacity
+            list(self.cache_layout), self.max_context, self.policy.compute_dtype, self.options.ring_capacity, kv_bits
         )
 
 
@@ -128,8 +129,21 @@ def _check_kv_quant(arch: dict[str, Any], hooks: plugins.FamilyHooks, kv_quant: 
     if reason:
         msg = f"kv_quant={kv_quant!r} refused by family {hooks.spec.name!r}: {reason}"
         raise FamilyRefusalError(msg)
-    msg = f"kv_quant={kv_quant!r} is not available in this turbospark version; open with kv_quant=None"
-    raise OptionError(msg)
+
+
+def _check_kv_groups(layout: tuple[CacheSpec | StateSpec, ...], kv_quant: str | None) -> None:
+    """Quantized KV rows need a head dimension that a quantization group (32/64) divides."""
+    if kv_quant is None:
+        return
+    for i, spec in enumerate(layout):
+        dims = [] if isinstance(spec, StateSpec) else [spec.head_dim, spec.v_head_dim or spec.head_dim]
+        bad = [d for d in dims if kv_group_size(d) is None]
+        if bad:
+            msg = (
+                f"kv_quant={kv_quant!r} needs head dims divisible by 32, but cache {i} has "
+                f"head_dim {bad[0]}; open with kv_quant=None"
+            )
+            raise OptionError(msg)
 
 
 def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks) -> None:
@@ -174,8 +188,10 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
         _check_hadamard(manifest, hooks)  # 6
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
         layout = tuple(hooks.cache_layout(manifest.arch) or ())
+        _check_kv_groups(layout, opts.kv_quant)
     max_context = _max_context(manifest.arch, opts)
-    per_sequence = sum(spec.bytes_at(max_context, 4, ring_capacity=opts.ring_capacity) for spec in layout)
+    itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
+    per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
     kv_bytes = per_sequence * opts.session_slots
     policy = ComputePolicy.choose(
         unpacked_bytes=index.float_bytes(4),

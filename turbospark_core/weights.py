@@ -53,12 +53,20 @@ class Linear:
 
 
 class Embedding:
-    """Token embedding table, also usable as a tied output head."""
+    """Token embedding table, also usable as a tied output head.
 
-    def __init__(self, table: Linear) -> None:
+    Rows come back in ``dtype`` (the compute dtype), whatever the storage.
+    """
+
+    def __init__(self, table: Linear, dtype: mx.Dtype | None = None) -> None:
         self.table = table
+        self.dtype = dtype
 
     def __call__(self, ids: mx.array) -> mx.array:
+        rows = self._rows(ids)
+        return rows if self.dtype is None or rows.dtype == self.dtype else rows.astype(self.dtype)
+
+    def _rows(self, ids: mx.array) -> mx.array:
         t = self.table
         if t.quant is None:
             return t.weight[ids]
@@ -218,7 +226,7 @@ class WeightStore:
 
     def embedding(self, base: str) -> Embedding:
         """The embedding table ``<base>.weight``."""
-        return Embedding(self.linear(base))
+        return Embedding(self.linear(base), self.policy.compute_dtype)
 
     def experts(self, prefix: str, gate: str, up: str, down: str) -> ExpertBank:
         """The routed experts under ``prefix`` (stacked ``[E, out, in]`` matrices)."""

@@ -29,7 +29,7 @@ def convert(
     dtype: str | None = None,
     quantize: str | None = None,
     group_size: int = 64,
-    dequantize: bool = False,
+    strict: bool = False,
     force: bool = False,
     show_progress: bool = False,
 ) -> Manifest:
@@ -41,7 +41,9 @@ def convert(
         dtype: Cast float tensors to ``bfloat16``/``float16``/``float32``.
         quantize: ``q4`` or ``q8``: quantize float matrices (MLX affine).
         group_size: Quantization group size (32, 64, 128).
-        dequantize: GGUF only: dequantize block types with no exact MLX mapping.
+        strict: GGUF only: refuse block types with no exact MLX mapping (e.g.
+            Q6_K) instead of dequantizing them to float; dequantized tensors
+            are listed in the manifest's provenance (``dequantized``).
         force: Replace a non-empty ``dst``.
         show_progress: Draw a progress bar on stderr.
 
@@ -49,14 +51,15 @@ def convert(
         ConversionError: The source is unreadable or has something unsupported.
         UnknownFamilyError: No installed plugin serves the source's model type.
     """
-    options = ConvertOptions(dtype=dtype, quantize=quantize, group_size=group_size, dequantize=dequantize)
+    options = ConvertOptions(dtype=dtype, quantize=quantize, group_size=group_size, dequantize=not strict)
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":
         from turbospark_core.convert.gguf import gguf_source
 
-        arch, items, texts, total = gguf_source(src, options)
+        arch, items, texts, total, dequantized = gguf_source(src, options)
     elif src.is_dir():
         arch, items, texts, total = _hf_source(src)
+        dequantized = {}
     else:
         msg = f"{src} is neither a checkpoint directory nor a .gguf file"
         raise ConversionError(msg)
@@ -75,7 +78,7 @@ def convert(
             text_files=texts,
             family=hooks.spec.name,
             distribution=hooks.spec.distribution,
-            provenance=_provenance(src, options),
+            provenance=_provenance(src, options, dequantized),
         )
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -111,8 +114,10 @@ def _evaluate(tensors: dict[str, mx.array], show: bool) -> None:
         mx.eval(tensors[name])
 
 
-def _provenance(src: Path, options: ConvertOptions) -> dict[str, Any]:
+def _provenance(src: Path, options: ConvertOptions, dequantized: dict[str, list[str]]) -> dict[str, Any]:
+    extra = {"dequantized": dequantized} if dequantized else {}
     return {
+        **extra,
         "source": str(src.resolve()),
         "source_kind": "gguf" if src.suffix == ".gguf" else "checkpoint",
         "converter": f"turbospark {__version__}",

@@ -13,7 +13,7 @@ from turbospark_core.convert.assemble import ConvertOptions
 from turbospark_core.convert.gguf_reader import GGUFSource, open_gguf, unpermute_rotary_rows
 from turbospark_core.convert.gguf_tokenizer import tokenizer_files_from_gguf
 from turbospark_core.convert.records import SourceTensor, TensorTarget
-from turbospark_core.errors import UnknownFamilyError
+from turbospark_core.errors import ConversionError, UnknownFamilyError
 
 Item = tuple[TensorTarget | None, SourceTensor, None]
 _EMPTY = np.zeros((0,), np.float32)
@@ -28,8 +28,19 @@ def _generation_config(src: GGUFSource) -> str:
     return json.dumps(config, indent=1)
 
 
-def gguf_source(path: Path, options: ConvertOptions) -> tuple[dict[str, Any], Iterator[Item], dict[str, str], int]:
-    """Arch config, mapped tensors, tokenizer files and tensor count of a GGUF file."""
+def gguf_source(
+    path: Path, options: ConvertOptions
+) -> tuple[dict[str, Any], Iterator[Item], dict[str, str], int, dict[str, list[str]]]:
+    """Arch config, mapped tensors, tokenizer files, tensor count and dequantized tensors of a GGUF file.
+
+    Block types with an exact MLX form (see ``gguf_reader.EXACT_TYPES``) stay
+    quantized. The others are dequantized to float when ``options.dequantize``
+    (the default), else refused, naming every such tensor, before any is read.
+
+    Returns:
+        ``(arch, items, texts, total, dequantized)``, where ``dequantized`` maps a
+        GGML type name to the tensors that will be stored as float.
+    """
     src = open_gguf(path)
     arch = plugins.arch_from_gguf(src.architecture, src.metadata)
     if arch is None:
@@ -41,12 +52,15 @@ def gguf_source(path: Path, options: ConvertOptions) -> tuple[dict[str, Any], It
         )
         raise UnknownFamilyError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
+    targets = {name: hooks.gguf_tensor_target(arch, name) for name in src.tensor_names()}
+    dequantized = _inexact(src, targets)
+    if dequantized and not options.dequantize:
+        raise ConversionError(_strict_refusal(path, dequantized))
     texts = tokenizer_files_from_gguf(src)
     texts["generation_config.json"] = _generation_config(src)
 
     def items() -> Iterator[Item]:
-        for name in src.tensor_names():
-            target = hooks.gguf_tensor_target(arch, name)
+        for name, target in targets.items():
             if target is None or target.name is None:
                 yield target, SourceTensor(name=name, data=_EMPTY), None
                 continue
@@ -55,4 +69,23 @@ def gguf_source(path: Path, options: ConvertOptions) -> tuple[dict[str, Any], It
                 tensor = SourceTensor(name=name, data=unpermute_rotary_rows(tensor.data, target.unpermute_heads))
             yield target, tensor, None
 
-    return arch, items(), texts, len(src.tensor_names())
+    return arch, items(), texts, len(targets), dequantized
+
+
+def _inexact(src: GGUFSource, targets: dict[str, TensorTarget | None]) -> dict[str, list[str]]:
+    """GGML type -> kept tensors whose type has no exact MLX form."""
+    out: dict[str, list[str]] = {}
+    kinds = src.tensor_types()
+    for name, target in targets.items():
+        if target is not None and target.name is not None and src.needs_dequantize(name):
+            out.setdefault(kinds[name], []).append(name)
+    return out
+
+
+def _strict_refusal(path: Path, dequantized: dict[str, list[str]]) -> str:
+    listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(dequantized.items()))
+    return (
+        f"--strict: {path} holds tensors with no exact MLX form ({listed}); MLX affine groups "
+        f"are 32, 64 or 128 wide, so these would have to be dequantized to float; convert "
+        f"without --strict to accept that"
+    )

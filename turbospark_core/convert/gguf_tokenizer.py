@@ -124,8 +124,8 @@ def _byte_level_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
 def _sentencepiece_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     """A SentencePiece BPE tokenizer (``tokenizer.ggml.model == "llama"``: Llama 2, Gemma...).
 
-    Spaces become "▁" (with a leading one when ``add_space_prefix``), there is no
-    pre-tokenizer, characters outside the vocabulary fall back to ``<0xXX>`` byte
+    Spaces become "▁" (plus one leading "▁" when ``add_space_prefix``), nothing
+    splits the text before the model, characters outside the vocabulary fall back to ``<0xXX>`` byte
     tokens, and merges come from ``tokenizer.ggml.merges`` or, when absent, from the
     piece scores: SentencePiece merges the adjacent pair whose joined piece scores highest.
     """
@@ -142,6 +142,7 @@ def _sentencepiece_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(model)
     prefix = bool(src.metadata.get(_KEY + "add_space_prefix", True))
     replace = normalizers.Replace(" ", _SPACE)
+    # With a prefix, each text segment between added tokens gets one "▁" (as llama.cpp does)
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)

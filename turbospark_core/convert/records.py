@@ -12,7 +12,7 @@ class AffineQuantized:
     """An MLX affine-quantized matrix: ``w = scales * q + biases`` per group.
 
     Attributes:
-        weight: uint32 array ``[rows, cols * bits // 32]``, MLX packing (element
+        weight: uint32 array (numpy or mx) ``[..., rows, cols * bits // 32]``, MLX packing (element
             ``i`` of a word at bits ``i * bits``, low bits first).
         scales: ``[rows, cols // group_size]`` float array (float16/float32).
         biases: same shape and dtype as ``scales``.
@@ -34,13 +34,14 @@ class AffineQuantized:
         rows, words = self.weight.shape[-2], self.weight.shape[-1]
         return (rows, words * 32 // self.bits)
 
-    def take_rows(self, order: np.ndarray) -> AffineQuantized:
-        """Reorder rows (groups run along a row, so this is exact)."""
+    def take_rows(self, order: np.ndarray | mx.array) -> AffineQuantized:
+        """Reorder (or select) rows along the row axis, ``-2`` (groups run along a
+        row, so this is exact); a leading expert axis is kept."""
         return attrs.evolve(
             self,
-            weight=self.weight[order],
-            scales=self.scales[order],
-            biases=None if self.biases is None else self.biases[order],
+            weight=self.weight[..., order, :],
+            scales=self.scales[..., order, :],
+            biases=None if self.biases is None else self.biases[..., order, :],
         )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import attrs
 import mlx.core as mx
 
 from turbospark_core.convert.records import AffineQuantized, TensorTarget
@@ -108,7 +107,7 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
 def _rows(data: Any, start: int) -> Any:
     """Every other row (axis -2) from ``start``: the gate (0) or up (1) half of a fused projection."""
     if isinstance(data, AffineQuantized):
-        return attrs.evolve(data, weight=data.weight[..., start::2, :], scales=data.scales[..., start::2, :])
+        return data.take_rows(slice(start, None, 2))
     return data[..., start::2, :]
 
 

@@ -24,6 +24,8 @@ _POSITIVE = (
 
 @attrs.frozen(kw_only=True)
 class Args:
+    """The flow's configuration, read from the install's arch config by :meth:`from_arch`."""
+
     model_type: str
     hidden_size: int
     num_hidden_layers: int
@@ -45,6 +47,11 @@ class Args:
 
     @classmethod
     def from_arch(cls, arch: dict[str, Any]) -> Args:
+        """Build from an arch config.
+
+        Raises:
+            ArchConfigError: Every problem :meth:`problems` finds, each naming its key.
+        """
         problems = cls.problems(arch)
         if problems:
             raise ArchConfigError("; ".join(problems))
@@ -71,6 +78,7 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
+        """What the flow cannot serve in ``arch`` (empty when valid), each naming the key."""
         out = [
             f"{key!r} must be positive (got {arch.get(key)!r})"
             for key in _POSITIVE

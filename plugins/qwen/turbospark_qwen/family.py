@@ -186,7 +186,7 @@ class GatedDeltaNet:
         past = mx.zeros((B, self.kernel - 1, C), qkv.dtype) if cache is None else cache.get("conv", B)
         window = mx.concatenate([past.astype(qkv.dtype), qkv], axis=1)
         if cache is not None:
-            cache.set("conv", window[:, L:])
+            cache.set("conv", mx.contiguous(window[:, L:]))
         out = window[:, :L] * self.conv1d[0]
         for j in range(1, self.kernel):
             out = out + window[:, j : j + L] * self.conv1d[j]

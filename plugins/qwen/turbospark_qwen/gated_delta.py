@@ -7,7 +7,7 @@ rate ``beta_t`` and L2-normalized ``q_t`` (scaled by ``Dk**-0.5``) and ``k_t``::
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - k_t^T exp(g_t) S_{t-1}))^T
     o_t = S_t^T q_t
 
-The chunked form processes ``CHUNK`` tokens with matrix products: inside a
+The chunked form processes a chunk of tokens with matrix products: inside a
 chunk the corrections ``u`` solve a unit lower-triangular system
 ``(I + A) u = beta v - (beta exp(gamma) k)^T S_0``, and only the state is
 carried from chunk to chunk. Every operation is lazy: a prefill chunk is one
@@ -16,9 +16,12 @@ graph, evaluated once by the caller.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 
-CHUNK = 64
+CPU_CHUNK = 16  # measured fastest with MLX's CPU matmul (16: 260 ms, 64: 400 ms for 512 tokens)
+GPU_CHUNK = 64
 L2_EPS = 1e-6
 
 
@@ -92,12 +95,17 @@ def chunked(
     g: mx.array,
     beta: mx.array,
     state: mx.array,
-    chunk: int = CHUNK,
-    inverse=unit_lower_inverse,
+    chunk: int | None = None,
+    inverse: Callable[[mx.array], mx.array] = unit_lower_inverse,
 ) -> tuple[mx.array, mx.array]:
-    """The whole sequence in chunks (``[B, H, L, D]`` layout, float32)."""
+    """The whole sequence in chunks of ``chunk`` tokens (``[B, H, L, D]`` layout, float32).
+
+    Only the state crosses chunk boundaries: the loop over chunks builds one
+    lazy graph, two small matrix products per chunk.
+    """
     B, H, L, _ = q.shape
     Dv = v.shape[-1]
+    chunk = chunk or (CPU_CHUNK if mx.default_device() == mx.cpu else GPU_CHUNK)
     C = min(chunk, L)
     q, k, v, g, beta = _pad_to_chunks([q, k, v, g, beta], L, C)
     N = q.shape[2] // C

@@ -1,0 +1,399 @@
+#!/usr/bin/env python
+"""turbospark vs mlx-lm on a random Qwen 3.5-shaped (gated-DeltaNet hybrid) model, side by side.
+
+The script writes a Hugging Face checkpoint directory (``model_type`` ``qwen3_5``,
+``model.language_model.*`` names, bf16 random normal * 0.02, with ``A_log`` and
+the gated-norm weights float32 as in released checkpoints), converts it with
+``turbospark_core.convert.convert`` and loads the same directory with
+``mlx_lm.load``. For each runtime in turn it opens the model (timed), warms up,
+resets MLX's peak-memory counter and runs one greedy generation on the same
+prompt ids, then prints prompt tok/s, generation tok/s, peak memory and open
+time for both, and the ratios.
+
+``--recurrence`` also times the gated delta rule alone at the model's shapes:
+turbospark's chunked prefill against the token-by-token compiled step (one
+lazy graph either way).
+
+Sizes: ``small`` (~0.09B: 12 layers, hidden 512) is the default because MLX's
+CPU matmul on a shared 2-core machine runs at ~1-3 GFLOP/s; ``0.5b`` (~0.58B:
+24 layers, hidden 1024, Qwen3.5-0.8B's layer shapes with a 32k vocabulary)
+is the issue's shape.
+
+mlx-lm is a benchmark-only dependency: turbospark itself never imports it.
+
+Usage::
+
+    python benchmarks/compare_qwen.py [--size small|0.5b] [--prompt-tokens 128]
+        [--gen-tokens 32] [--workdir DIR] [--recurrence] [--f32-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+WARMUP_PROMPT = 16
+WARMUP_TOKENS = 4
+
+_COMMON: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "full_attention_interval": 4,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+}
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {
+        **_COMMON,
+        "hidden_size": 512,
+        "num_hidden_layers": 12,
+        "intermediate_size": 1536,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+    },
+    "0.5b": {
+        **_COMMON,
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "intermediate_size": 3584,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+    },
+}
+
+
+def log(msg: str) -> None:
+    """Progress, on stderr."""
+    print(f"[compare_qwen] {msg}", file=sys.stderr, flush=True)
+
+
+def release() -> None:
+    """Drop unreachable MLX buffers so the next runtime starts clean."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+# ---------------------------------------------------------------- checkpoint
+def tensor_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Qwen 3.5 text checkpoint of config ``c``."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim, n_v = c["linear_num_value_heads"] * c["linear_value_head_dim"], c["linear_num_value_heads"]
+    conv_dim = 2 * key_dim + value_dim
+    inter = c["intermediate_size"]
+    root = "model.language_model"
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{root}.embed_tokens.weight": (c["vocab_size"], h),
+        f"{root}.norm.weight": (h,),
+        "lm_head.weight": (c["vocab_size"], h),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"{root}.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.mlp.gate_proj.weight": (inter, h),
+            f"{p}.mlp.up_proj.weight": (inter, h),
+            f"{p}.mlp.down_proj.weight": (h, inter),
+        }
+        if (i + 1) % c["full_attention_interval"]:
+            a = f"{p}.linear_attn"
+            shapes |= {
+                f"{a}.in_proj_qkv.weight": (conv_dim, h),
+                f"{a}.in_proj_z.weight": (value_dim, h),
+                f"{a}.in_proj_b.weight": (n_v, h),
+                f"{a}.in_proj_a.weight": (n_v, h),
+                f"{a}.conv1d.weight": (conv_dim, 1, c["linear_conv_kernel_dim"]),
+                f"{a}.dt_bias": (n_v,),
+                f"{a}.A_log": (n_v,),
+                f"{a}.norm.weight": (c["linear_value_head_dim"],),
+                f"{a}.out_proj.weight": (h, value_dim),
+            }
+        else:
+            s = f"{p}.self_attn"
+            n, kv = c["num_attention_heads"], c["num_key_value_heads"]
+            shapes |= {
+                f"{s}.q_proj.weight": (2 * n * hd, h),
+                f"{s}.k_proj.weight": (kv * hd, h),
+                f"{s}.v_proj.weight": (kv * hd, h),
+                f"{s}.o_proj.weight": (h, n * hd),
+                f"{s}.q_norm.weight": (hd,),
+                f"{s}.k_norm.weight": (hd,),
+            }
+    return shapes
+
+
+def _random_tensor(name: str, shape: tuple[int, ...]) -> mx.array:
+    if name.endswith("A_log"):  # float32, as released checkpoints keep it
+        return mx.log(mx.random.uniform(1.0, 16.0, shape))
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + mx.random.normal(shape) * 0.02
+    if name.endswith("dt_bias"):
+        return mx.ones(shape, dtype=mx.bfloat16)
+    return (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
+
+
+def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per id (prompts are ids; this only lets both load)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(dst / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+
+
+def random_checkpoint(dst: Path, text_config: dict[str, Any], seed: int = 0) -> int:
+    """Write the checkpoint directory (reused when present); returns the parameter count."""
+    shapes = tensor_shapes(text_config)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    if (dst / "config.json").exists():
+        log(f"reusing random checkpoint {dst}")
+        return n_params
+    log(f"writing random Qwen 3.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    tensors = {name: _random_tensor(name, shape) for name, shape in shapes.items()}
+    mx.eval(tensors)
+    mx.save_safetensors(str(dst / "model.safetensors"), tensors, metadata={"format": "pt"})
+    del tensors
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_config,
+        "tie_word_embeddings": False,
+    }
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    write_word_tokenizer(dst, text_config["vocab_size"])
+    return n_params
+
+
+def convert_install(src: Path, dst: Path) -> float:
+    """``turbospark convert SRC DST`` (skipped when ``dst`` already holds an install); seconds taken."""
+    from turbospark_core.convert import convert
+
+    if (dst / "manifest.json").exists():
+        log(f"reusing turbospark install {dst}")
+        return 0.0
+    t0 = time.perf_counter()
+    convert(src, dst, force=True)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- runtimes
+def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
+    """Open (timed), warm up, one greedy generation; turbospark's own stats."""
+    import turbospark_core
+
+    release()
+    t0 = time.perf_counter()
+    runner = turbospark_core.open(install, max_context=len(ids) + gen_tokens + 64)
+    open_s = time.perf_counter() - t0
+    log(f"  turbospark opened in {open_s:.2f}s ({runner.opened.policy.reason})")
+    runner.generate(ids[:WARMUP_PROMPT], max_tokens=WARMUP_TOKENS, temperature=0.0)
+    mx.reset_peak_memory()
+    g = runner.generate(ids, max_tokens=gen_tokens, temperature=0.0)
+    out = {"prompt_tps": g.stats.prompt_tps, "generation_tps": g.stats.generation_tps,
+           "peak_memory": g.stats.peak_memory, "open_s": open_s, "tokens": list(g.tokens)}
+    del runner, g
+    release()
+    return out
+
+
+def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
+    """mlx_lm.load (timed), warm up, one greedy generation; stats from stream_generate."""
+    import mlx_lm
+
+    release()
+    t0 = time.perf_counter()
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    open_s = time.perf_counter() - t0
+    log(f"  mlx-lm loaded in {open_s:.2f}s")
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], Any]:
+        toks, last = [], None
+        for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
+            last = resp
+            toks.append(int(resp.token))
+        return toks, last
+
+    run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
+    mx.reset_peak_memory()
+    toks, last = run(ids, gen_tokens)
+    out = {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
+           "peak_memory": last.peak_memory, "open_s": open_s, "tokens": toks}
+    del model, tokenizer
+    release()
+    return out
+
+
+_ZERO_CENTERED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".norm.weight", "_norm.weight")
+
+
+def float32_check(install: Path, model_dir: Path, ids: list[int]) -> str:
+    """Prompt logits of turbospark vs mlx-lm with float32 weights (a correctness check at scale).
+
+    mlx-lm's sanitize adds the 1 of the (1 + w) norms in bf16; the check
+    reloads those norms as ``1 + w`` computed in float32, as the reference does.
+    """
+    import mlx_lm
+    import turbospark_core
+    from mlx.utils import tree_map
+
+    ts = turbospark_core.open(install, max_context=len(ids) + 8).logits(ids)
+    release()
+    model, _ = mlx_lm.load(str(model_dir))
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    norms = [
+        (name.replace("model.language_model.", "language_model.model."), 1.0 + w.astype(mx.float32))
+        for name, w in mx.load(str(model_dir / "model.safetensors")).items()
+        if name.endswith(_ZERO_CENTERED) and "linear_attn" not in name
+    ]
+    model.load_weights(norms, strict=False)
+    ml = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    del model
+    release()
+    rel = float(np.abs(ts - ml).max() / np.abs(ml).max())
+    agree = float((ts.argmax(-1) == ml.argmax(-1)).mean())
+    return f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
+
+
+# ---------------------------------------------------------------- recurrence alone
+def bench_recurrence(c: dict[str, Any], lengths: list[int], repeats: int = 3) -> list[list[str]]:
+    """Chunked prefill vs the token-by-token compiled step, at the model's DeltaNet shapes."""
+    from turbospark_qwen import gated_delta as gd
+
+    H, Dk, Dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    rows = [["tokens", "chunked (ms)", "token-by-token (ms)", "speedup", "max rel diff"]]
+    for L in lengths:
+        q, k = (gd.l2_normalize(mx.random.normal((1, H, L, Dk))) for _ in range(2))
+        v = mx.random.normal((1, H, L, Dv))
+        g = -mx.random.uniform(0.01, 2.0, (1, H, L))
+        beta = mx.sigmoid(mx.random.normal((1, H, L)))
+        state = mx.zeros((1, H, Dk, Dv))
+        args = (q * Dk**-0.5, k, v, g, beta, state)
+        mx.eval(args)
+        times, outs = {}, {}
+        for name, fn in (("chunked", gd.chunked), ("step", gd.recurrent)):
+            outs[name] = fn(*args)[0]
+            mx.eval(outs[name])
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                mx.eval(fn(*args))
+            times[name] = (time.perf_counter() - t0) / repeats * 1e3
+        diff = float(mx.abs(outs["chunked"] - outs["step"]).max() / mx.abs(outs["step"]).max())
+        rows.append([str(L), f"{times['chunked']:.1f}", f"{times['step']:.1f}",
+                     f"{times['step'] / times['chunked']:.2f}x", f"{diff:.1e}"])
+    return rows
+
+
+# ---------------------------------------------------------------- report
+def render(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(label: str, ts: dict[str, Any], ml: dict[str, Any]) -> str:
+    rows = [["model", "runtime", "prompt tok/s", "gen tok/s", "peak mem (GB)", "open (s)"]]
+    for name, r in (("turbospark", ts), ("mlx-lm", ml)):
+        rows.append([label, name, f"{r['prompt_tps']:.1f}", f"{r['generation_tps']:.2f}",
+                     f"{r['peak_memory']:.3f}", f"{r['open_s']:.2f}"])
+    rows.append([label, "ratio ts/mlx-lm", f"{ts['prompt_tps'] / ml['prompt_tps']:.2f}x",
+                 f"{ts['generation_tps'] / ml['generation_tps']:.2f}x",
+                 f"{ts['peak_memory'] / ml['peak_memory']:.2f}x", f"{ts['open_s'] / ml['open_s']:.2f}x"])
+    n = min(len(ts["tokens"]), len(ml["tokens"]))
+    same = next((i for i in range(n) if ts["tokens"][i] != ml["tokens"][i]), n)
+    note = (f"greedy tokens agree {same}/{n} (random weights give near-tied logits; turbospark computes "
+            "in float32 on the CPU, mlx-lm in bf16)")
+    return render(rows) + "\n" + note
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
+    ap.add_argument("--recurrence", action="store_true", help="also time the gated delta rule alone")
+    ap.add_argument("--f32-check", action="store_true", help="also compare prompt logits with mlx-lm in float32")
+    args = ap.parse_args(argv)
+    if args.prompt_tokens < WARMUP_PROMPT or args.gen_tokens < 2:
+        ap.error(f"--prompt-tokens must be >= {WARMUP_PROMPT} and --gen-tokens >= 2")
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="turbospark-qwen-bench-")
+        work = Path(tmp.name)
+    else:
+        work = args.workdir
+        work.mkdir(parents=True, exist_ok=True)
+    log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
+    try:
+        c = SIZES[args.size]
+        ckpt, install = work / f"qwen3_5-{args.size}.hf", work / f"qwen3_5-{args.size}.turbospark"
+        n_params = random_checkpoint(ckpt, c)
+        log(f"converted in {convert_install(ckpt, install):.1f}s")
+        ids = np.random.default_rng(1).integers(3, c["vocab_size"], size=args.prompt_tokens).tolist()
+        log("turbospark ...")
+        ts = bench_turbospark(install, ids, args.gen_tokens)
+        log("mlx-lm ...")
+        ml = bench_mlx_lm(ckpt, ids, args.gen_tokens)
+        label = f"random qwen3_5 {n_params / 1e9:.2f}B bf16"
+        print(report(label, ts, ml))
+        print(f"prompt {len(ids)} tokens, {args.gen_tokens} generated; MLX {mx.__version__} on {mx.default_device()}")
+        if args.f32_check:
+            print(float32_check(install, ckpt, ids))
+        if args.recurrence:
+            print("\ngated delta rule alone (B=1, float32):")
+            print(render(bench_recurrence(c, [16, 64, args.prompt_tokens, 512])))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

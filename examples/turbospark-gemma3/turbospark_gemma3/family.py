@@ -1,0 +1,227 @@
+# Copyright 2026 the turbospark-gemma3 authors. Apache-2.0.
+"""The Gemma 3 text decoder: sliding/global attention with q/k norms, sandwich norms, GELU-tanh MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.rope import Rope
+from turbospark_core.weights import WeightStore
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "query_pre_attn_scalar",
+             "sliding_window", "rope_theta", "rope_local_base_freq")
+
+
+@attrs.frozen(kw_only=True)
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    query_pre_attn_scalar: float
+    sliding_window: int
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    rope_theta: float
+    rope_local_base_freq: float
+    rope_scaling: dict[str, Any] | None = attrs.field(eq=False)
+    max_position_embeddings: int
+    final_logit_softcapping: float | None
+    norm_adds_one: bool
+
+    @classmethod
+    def from_arch(cls, arch: dict[str, Any]) -> Args:
+        problems = cls.problems(arch)
+        if problems:
+            raise ArchConfigError("; ".join(problems))
+        return cls(
+            model_type=arch["model_type"],
+            hidden_size=arch["hidden_size"],
+            num_hidden_layers=arch["num_hidden_layers"],
+            num_attention_heads=arch["num_attention_heads"],
+            num_key_value_heads=arch["num_key_value_heads"],
+            head_dim=arch["head_dim"],
+            vocab_size=arch["vocab_size"],
+            rms_norm_eps=float(arch["rms_norm_eps"]),
+            query_pre_attn_scalar=float(arch["query_pre_attn_scalar"]),
+            sliding_window=arch["sliding_window"],
+            layer_types=arch["layer_types"],
+            rope_theta=float(arch["rope_theta"]),
+            rope_local_base_freq=float(arch["rope_local_base_freq"]),
+            rope_scaling=arch.get("rope_scaling"),
+            max_position_embeddings=arch.get("max_position_embeddings") or 131072,
+            final_logit_softcapping=arch.get("final_logit_softcapping"),
+            norm_adds_one=bool(arch["norm_adds_one"]),
+        )
+
+    @staticmethod
+    def problems(arch: dict[str, Any]) -> list[str]:
+        out = [
+            f"{key!r} must be positive (got {arch.get(key)!r})"
+            for key in _POSITIVE
+            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0
+        ]
+        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+            out.append(
+                f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={arch['num_key_value_heads']}"
+            )
+        types = arch.get("layer_types") or []
+        if len(types) != arch.get("num_hidden_layers") or set(types) - {SLIDING, FULL}:
+            out.append(f"layer_types must list {SLIDING!r}/{FULL!r} once per layer (got {types!r})")
+        if arch.get("hidden_activation") not in ACTIVATIONS:
+            out.append(f"hidden_activation {arch.get('hidden_activation')!r} is not one of {ACTIVATIONS}")
+        if arch.get("attn_logit_softcapping") is not None:
+            out.append(f"attn_logit_softcapping={arch['attn_logit_softcapping']!r} is not supported (Gemma 2 style)")
+        if arch.get("use_bidirectional_attention"):
+            out.append("use_bidirectional_attention=True (an encoder variant) is not supported")
+        if arch.get("rope_local_scaling") is not None:
+            out.append(f"rope scaling on sliding layers {arch['rope_local_scaling']!r} is not supported")
+        if not isinstance(arch.get("norm_adds_one"), bool):
+            out.append(f"norm_adds_one must be true or false (got {arch.get('norm_adds_one')!r})")
+        return out
+
+
+class RMSNorm:
+    """Gemma's RMSNorm: normalize in float32, scale by (1 + w) computed in float32."""
+
+    def __init__(self, w: WeightStore, name: str, eps: float, adds_one: bool) -> None:
+        weight = w.tensor(name).astype(mx.float32)
+        self.weight = 1.0 + weight if adds_one else weight
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
+
+
+class Attention:
+    def __init__(self, args: Args, w: WeightStore, prefix: str, sliding: bool) -> None:
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.query_pre_attn_scalar**-0.5
+        self.window = args.sliding_window if sliding else None
+        self.q_proj = w.linear(f"{prefix}.q_proj")
+        self.k_proj = w.linear(f"{prefix}.k_proj")
+        self.v_proj = w.linear(f"{prefix}.v_proj")
+        self.o_proj = w.linear(f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(w, f"{prefix}.q_norm.weight", args.rms_norm_eps, args.norm_adds_one)
+        self.k_norm = RMSNorm(w, f"{prefix}.k_norm.weight", args.rms_norm_eps, args.norm_adds_one)
+        # Local layers rotate with their own base and no scaling
+        self.rope = Rope.from_config(
+            dims=args.head_dim,
+            theta=args.rope_local_base_freq if sliding else args.rope_theta,
+            scaling=None if sliding else args.rope_scaling,
+            max_positions=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is None:
+            mask = _causal_mask(L, self.window)
+        else:
+            k, v = cache.update_and_fetch(k, v)
+            mask = cache.mask(L)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _causal_mask(n: int, window: int | None) -> mx.array | str | None:
+    if n == 1:
+        return None
+    if window is None or n <= window:
+        return "causal"
+    q, k = mx.arange(n)[:, None], mx.arange(n)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+class MLP:
+    def __init__(self, w: WeightStore, prefix: str) -> None:
+        self.gate_proj = w.linear(f"{prefix}.gate_proj")
+        self.up_proj = w.linear(f"{prefix}.up_proj")
+        self.down_proj = w.linear(f"{prefix}.down_proj")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _residual(x: mx.array, y: mx.array) -> mx.array:
+    if x.dtype != mx.float16:
+        return x + y
+    # Gemma's activations overflow float16: add in float32 and clip
+    bound = mx.finfo(mx.float16).max
+    return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -bound, bound).astype(mx.float16)
+
+
+class Block:
+    def __init__(self, args: Args, w: WeightStore, i: int) -> None:
+        prefix = f"model.layers.{i}"
+        self.sliding = args.layer_types[i] == SLIDING
+        self.self_attn = Attention(args, w, f"{prefix}.self_attn", self.sliding)
+        self.mlp = MLP(w, f"{prefix}.mlp")
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(w, f"{prefix}.{name}.weight", args.rms_norm_eps, args.norm_adds_one)
+
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        h = _residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache)))
+        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+
+
+class Model:
+    def __init__(self, args: Args, w: WeightStore) -> None:
+        self.args = args
+        self.embed_tokens = w.embedding("model.embed_tokens")
+        # sqrt(hidden) as a float32 scalar, narrowed to the activations' dtype (as transformers does)
+        self.embed_scale = mx.array(math.sqrt(args.hidden_size), mx.float32)
+        self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(w, "model.norm.weight", args.rms_norm_eps, args.norm_adds_one)
+        # Tied head unless the install carries its own lm_head
+        self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
+        mx.eval(self._norm_weights())
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        h = h * self.embed_scale.astype(h.dtype)
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if cache is None else cache[i])
+        h = self.norm(h)
+        out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
+        out = out.astype(mx.float32)
+        cap = self.args.final_logit_softcapping
+        return out if cap is None else mx.tanh(out / cap) * cap
+
+    def _norm_weights(self) -> list[mx.array]:
+        # (1 + w) once at build, not on every forward
+        out = [self.norm.weight]
+        for b in self.blocks:
+            norms = (b.input_layernorm, b.post_attention_layernorm, b.pre_feedforward_layernorm,
+                     b.post_feedforward_layernorm, b.self_attn.q_norm, b.self_attn.k_norm)
+            out += [n.weight for n in norms]
+        return out
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.blocks

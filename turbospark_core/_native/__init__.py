@@ -1,0 +1,1 @@
+"""Native helpers built at install time (optional: the runtime works without them)."""

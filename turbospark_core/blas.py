@@ -1,0 +1,68 @@
+"""Make MLX's CPU matmuls use an optimized BLAS, before MLX is imported.
+
+MLX's Linux CPU wheel links a reference BLAS (~2 GFLOP/s). At import,
+turbospark loads a small shim (built at install) that defines the ``cblas_*gemm``
+symbols MLX calls and forwards them to OpenBLAS from the ``scipy-openblas32``
+wheel. ``TURBOSPARK_BLAS=reference`` turns it off. :data:`STATUS` says what
+happened, for ``turbospark inspect`` and the compute policy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+OFF_ENV = "TURBOSPARK_BLAS"
+STATUS = "not attempted"
+
+
+def _shim_path() -> Path | None:
+    here = Path(__file__).parent / "_native"
+    found = sorted(here.glob("_blas_shim*.so"))
+    return found[0] if found else None
+
+
+def _openblas_path() -> Path | None:
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(spec.submodule_search_locations[0], "lib").glob("libscipy_openblas*.so*"))
+    return found[0] if found else None
+
+
+def _set_threads(openblas: Path) -> None:
+    lib = ctypes.CDLL(str(openblas), mode=ctypes.RTLD_LOCAL)
+    setter = getattr(lib, "scipy_openblas_set_num_threads", None)
+    if setter is not None:
+        # MLX runs its own CPU stream thread; one BLAS thread measured fastest here
+        setter(int(os.environ.get("OPENBLAS_NUM_THREADS", "1")))
+
+
+def activate() -> str:
+    """Load the shim (once). Returns and records a one-line status."""
+    global STATUS
+    if STATUS != "not attempted":
+        return STATUS
+    STATUS = _activate()
+    return STATUS
+
+
+def _activate() -> str:
+    if os.environ.get(OFF_ENV, "").lower() == "reference":
+        return f"reference BLAS ({OFF_ENV}=reference)"
+    if not sys.platform.startswith("linux"):
+        return "platform BLAS (not Linux)"
+    if "mlx.core" in sys.modules:
+        return "reference BLAS: mlx was imported before turbospark_core; import turbospark_core first"
+    shim, openblas = _shim_path(), _openblas_path()
+    if shim is None or openblas is None:
+        missing = "the BLAS shim (not built at install)" if shim is None else "scipy-openblas32"
+        return f"reference BLAS: {missing} is missing"
+    lib = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
+    if not lib.turbospark_blas_bind(str(openblas).encode(), b"scipy_"):
+        return f"reference BLAS: could not bind {openblas.name}"
+    _set_threads(openblas)
+    return f"OpenBLAS ({openblas.name}) via the turbospark BLAS shim"

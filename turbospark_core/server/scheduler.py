@@ -1,0 +1,304 @@
+"""The server's one MLX thread: admits requests onto session slots and interleaves them token by token.
+
+HTTP threads call :meth:`Scheduler.submit` and read the returned
+:class:`Job`'s ``events`` queue; everything that touches MLX (opening the
+install, prefill, decode, closing a generation) runs on the worker thread.
+Each admitted request owns one parked session slot until it finishes, so
+round-robin stepping of the requests' text streams cannot mix their caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable, Iterator
+
+import attrs
+
+from turbospark_core.errors import TurbosparkError
+from turbospark_core.runner import Runner, TextStream
+from turbospark_core.server.protocol import APIError, GenerationRequest
+from turbospark_core.sessions import common_prefix
+
+log = logging.getLogger("turbospark.server")
+
+PIECE, DONE, ERROR = "piece", "done", "error"
+DEFAULT_MAX_QUEUE = 256
+PINNED, AUTO = "session:", "auto-"
+
+
+@attrs.define(eq=False)
+class Job:
+    """One request in flight. ``events`` yields ``(PIECE, str)``... then ``(DONE, Generation)`` or ``(ERROR, exc)``."""
+
+    request: GenerationRequest
+    events: queue.SimpleQueue[tuple[str, Any]] = attrs.Factory(queue.SimpleQueue)
+    submitted: float = attrs.Factory(time.perf_counter)
+    slot: str | None = None
+    _cancelled: threading.Event = attrs.Factory(threading.Event)
+    _stream: TextStream | None = None
+    _pieces: Iterator[str] | None = None
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this request (the client went away); safe from any thread."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled.is_set()
+
+
+class SlotTable:
+    """Which parked session each request runs on (worker thread only).
+
+    A request naming ``session_id`` gets that session (waiting while another
+    request uses it). Otherwise it takes the idle parked session whose cached
+    tokens share the longest prefix with its prompt, when that prefix covers
+    at least half of what the session holds (a later turn, or a retry, of
+    that conversation); a new conversation takes a free slot, else the least
+    recently used idle one (whose common prefix, such as a shared system
+    prompt, is still reused). The table mirrors the runner's session pool key
+    for key and makes room itself, so the pool never evicts a busy session.
+    """
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner = runner
+        self.capacity = runner.sessions.slots
+        self._keys: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.busy: set[str] = set()
+        self._made = 0
+
+    def choose(self, request: GenerationRequest) -> str | None:
+        """A slot key for ``request``, marked busy; ``None`` when it must wait."""
+        if len(self.busy) >= self.capacity:
+            return None
+        if request.session_id is not None:
+            key = PINNED + request.session_id
+            if key in self.busy:
+                return None
+            if key not in self._keys:
+                self._make_room()
+            return self._take(key)
+        return self._take(self._auto_slot(request.prompt))
+
+    def release(self, key: str) -> None:
+        """The request on ``key`` finished; the session stays parked."""
+        self.busy.discard(key)
+
+    def tokens(self, key: str) -> list[int]:
+        """What the session ``key`` holds."""
+        return self._runner.session(key).tokens
+
+    def _auto_slot(self, prompt: list[int]) -> str:
+        idle = [k for k in reversed(self._keys) if k not in self.busy]  # most recent first: wins ties
+        scored = [(common_prefix(self.tokens(k), prompt), k) for k in idle if k.startswith(AUTO)]
+        match, best = max(scored, key=lambda s: s[0], default=(0, None))
+        if best is not None and match > 0 and 2 * match >= len(self.tokens(best)):
+            return best
+        if len(self._keys) < self.capacity:
+            return self._new_auto()
+        victim = idle[-1]
+        if victim.startswith(AUTO):
+            return victim
+        self._drop(victim)
+        return self._new_auto()
+
+    def _new_auto(self) -> str:
+        self._made += 1
+        return f"{AUTO}{self._made}"
+
+    def _make_room(self) -> None:
+        if len(self._keys) >= self.capacity:
+            self._drop(next(k for k in self._keys if k not in self.busy))
+
+    def _drop(self, key: str) -> None:
+        del self._keys[key]
+        self._runner.sessions.drop(key)
+
+    def _take(self, key: str) -> str:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        self.busy.add(key)
+        return key
+
+
+@attrs.define
+class Counters:
+    """Requests the worker finished, by outcome."""
+
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+class Scheduler:
+    """Owns the Runner and the one thread that runs it.
+
+    Args:
+        opener: Builds the :class:`Runner`; called on the worker thread, since
+            MLX streams are per thread (arrays made lazily on one thread
+            cannot be evaluated on another).
+        max_queue: Most requests waiting for a slot before new ones get 503.
+    """
+
+    def __init__(self, opener: Callable[[], Runner], *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        self._opener = opener
+        self.max_queue = max_queue
+        self.runner: Runner | None = None
+        self.counters = Counters()
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._slots: SlotTable | None = None
+        self._stopping = False
+        self._ready = threading.Event()
+        self._open_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="turbospark-worker", daemon=True)
+
+    # ------------------------------------------------------------- any thread
+    def start(self) -> Runner:
+        """Start the worker and open the install on it; re-raises an open failure."""
+        self._thread.start()
+        self._ready.wait()
+        if self._open_error is not None:
+            raise self._open_error
+        assert self.runner is not None  # set before _ready when the open succeeded
+        return self.runner
+
+    def submit(self, request: GenerationRequest) -> Job:
+        """Queue ``request``; read the answer from the returned job's ``events``.
+
+        Raises:
+            APIError: 503 when the queue is full or the server is stopping.
+        """
+        job = Job(request)
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            if len(self._pending) >= self.max_queue:
+                msg = f"{len(self._pending)} requests are already waiting for a session slot; retry later"
+                raise APIError(503, msg, type="server_error", code="server_busy")
+            self._pending.append(job)
+            self._cond.notify()
+        return job
+
+    def snapshot(self) -> dict[str, int]:
+        """Active and queued requests, and finished ones by outcome."""
+        with self._cond:
+            return {"active": len(self._active), "queued": len(self._pending), **attrs.asdict(self.counters)}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the worker: requests still in flight get a 503 error event."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------- worker thread
+    def _main(self) -> None:
+        try:
+            self.runner = self._opener()
+            self._slots = SlotTable(self.runner)
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+            self._open_error = e
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self._drain()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._active or self._pending):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                admitted = self._admit()
+            for job in admitted:
+                self._begin(job)
+            for job in list(self._active):
+                self._step(job)
+
+    def _admit(self) -> list[Job]:
+        """Make waiting jobs that can get a slot active (lock held), first come first served."""
+        assert self._slots is not None
+        admitted = []
+        for job in list(self._pending):
+            if job.cancelled:
+                self._pending.remove(job)
+                self.counters.cancelled += 1
+                continue
+            key = self._slots.choose(job.request)
+            if key is not None:
+                job.slot = key
+                self._pending.remove(job)
+                self._active.append(job)
+                admitted.append(job)
+        return admitted
+
+    def _begin(self, job: Job) -> None:
+        assert self.runner is not None and job.slot is not None
+        req = job.request
+        try:
+            job._stream = self.runner.session(job.slot).stream(req.prompt, req.max_tokens, **req.sampling)
+            job._pieces = iter(job._stream)
+        except Exception as e:  # noqa: BLE001 - reported to the request's client
+            self._finish(job, ERROR, e)
+
+    def _step(self, job: Job) -> None:
+        """Advance ``job`` by one text piece (one token, or a few when text is held back)."""
+        if job.cancelled:
+            self._close(job)
+            self.counters.cancelled += 1
+            return
+        assert job._pieces is not None and job._stream is not None
+        try:
+            piece = next(job._pieces)
+        except StopIteration:
+            self._finish(job, DONE, job._stream.result)
+        except Exception as e:  # noqa: BLE001 - reported to the request's client
+            self._finish(job, ERROR, e)
+        else:
+            job.events.put((PIECE, piece))
+
+    def _finish(self, job: Job, kind: str, value: Any) -> None:
+        self._close(job)
+        if kind == DONE:
+            self.counters.completed += 1
+        else:
+            self.counters.failed += 1
+            if not isinstance(value, (APIError, TurbosparkError)):
+                log.error("request %s failed", job.request.request_id, exc_info=value)
+        job.events.put((kind, value))
+
+    def _close(self, job: Job) -> None:
+        """End ``job``'s generation here, on the worker, so its session is saved before the slot is reused."""
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+        for gen in (job._pieces, getattr(job._stream, "_iter", None)):
+            # TextStream has no close(): closing its inner generator runs the
+            # runner's cleanup (session tokens saved) now rather than at GC time.
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+        job._stream = job._pieces = None
+        if job.slot is not None and self._slots is not None:
+            self._slots.release(job.slot)
+
+    def _drain(self) -> None:
+        gone = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        with self._cond:
+            waiting = list(self._pending) + list(self._active)
+            self._pending.clear()
+        for job in waiting:
+            self._close(job)
+            job.events.put((ERROR, gone))
