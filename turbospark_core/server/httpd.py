@@ -449,5 +449,4 @@ def serve(install: str | Path, *, verbose: bool = False, **options: Any) -> None
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    print("DEBUG interrupt", file=sys.stderr, flush=True)
     raise KeyboardInterrupt
