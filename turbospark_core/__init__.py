@@ -32,6 +32,10 @@ def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's 
 
     Raises:
         TurbosparkError: A subclass naming what is wrong and how to fix it.
+
+    Note:
+        MLX streams are per thread: use the Runner on the thread that opened
+        it (``turbospark serve`` opens and runs on one worker thread).
     """
     from turbospark_core import plugins
     from turbospark_core.loader import open_install

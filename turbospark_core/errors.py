@@ -64,3 +64,11 @@ class ConversionError(TurbosparkError, ValueError):
 
 class TokenizerError(TurbosparkError, ValueError):
     """The tokenizer files are missing or unusable, or a chat template failed."""
+
+
+def refuse_unknown(given: object, known: set[str], what: str) -> None:
+    """Raise :class:`OptionError` naming every key of ``given`` not in ``known``."""
+    unknown = sorted(set(given) - known)  # type: ignore[call-overload]
+    if unknown:
+        msg = f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        raise OptionError(msg)

@@ -64,7 +64,24 @@ class _Rows:
         return self.parts[0].shape[2]
 
 
-class KVCache:
+class _KVBuffers:
+    """The key/value row buffers shared by the full and the ring cache."""
+
+    _k: _Rows | None
+    _v: _Rows | None
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The whole key buffer (all allocated rows; dequantized when quantized)."""
+        return None if self._k is None else self._k.decode()
+
+    @property
+    def values(self) -> mx.array | None:
+        """The whole value buffer."""
+        return None if self._v is None else self._v.decode()
+
+
+class KVCache(_KVBuffers):
     """Keys and values of one full-attention layer, grown ``step`` tokens at a time.
 
     Args:
@@ -87,16 +104,6 @@ class KVCache:
         self._k: _Rows | None = None
         self._v: _Rows | None = None
         self.offset = 0
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The whole key buffer (capacity rows; dequantized when quantized)."""
-        return None if self._k is None else self._k.decode()
-
-    @property
-    def values(self) -> mx.array | None:
-        """The whole value buffer."""
-        return None if self._v is None else self._v.decode()
 
     def _zeros(self, batch: int, rows: int, dim: int) -> _Rows:
         return _Rows.encode(mx.zeros((batch, self.spec.n_kv_heads, rows, dim), self.dtype), self.kv_bits, self.dtype)
@@ -155,7 +162,7 @@ class KVCache:
         return [] if self._k is None or self._v is None else [*self._k.parts, *self._v.parts]
 
 
-class RingKVCache:
+class RingKVCache(_KVBuffers):
     """Keys and values of one sliding-window layer, in a ring bounded by its capacity.
 
     Memory stays flat as the context grows: at most ``capacity`` (default: the
@@ -187,16 +194,6 @@ class RingKVCache:
         self.positions: mx.array | None = None  # absolute position held by each slot
         self.offset = 0
         self._fetched_positions: mx.array | None = None
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The ring's key buffer (``capacity`` rows once allocated)."""
-        return None if self._k is None else self._k.decode()
-
-    @property
-    def values(self) -> mx.array | None:
-        """The ring's value buffer."""
-        return None if self._v is None else self._v.decode()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Add ``keys``/``values`` ``[B, H, L, D]``; return what the new queries may attend to."""

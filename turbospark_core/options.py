@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from turbospark_core.errors import OptionError
+from turbospark_core.errors import OptionError, refuse_unknown
 from turbospark_core.memory import parse_budget
 
 KV_QUANT = (None, "q8", "q4")
@@ -57,9 +57,5 @@ class OpenOptions:
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:
         """Build from ``open(**options)``, refusing unknown option names."""
-        known = {a.name for a in attrs.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            msg = f"unknown open option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            raise OptionError(msg)
+        refuse_unknown(options, {a.name for a in attrs.fields(cls)}, "open")
         return cls(**options)

@@ -288,6 +288,10 @@ class TextStream:
         p = self._progress
         self._result = Generation(text="".join(self._pieces), tokens=list(p.tokens), stats=p.stats())
 
+    def close(self) -> None:
+        """Stop early: the session (if any) keeps exactly the tokens its caches hold."""
+        self._iter.close()
+
     @property
     def result(self) -> Generation:
         """The finished generation (raises if the stream was not exhausted)."""

@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.errors import OptionError
+from turbospark_core.errors import OptionError, refuse_unknown
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
@@ -45,11 +45,7 @@ class SamplingParams:
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> SamplingParams:
         """Build from ``generate(**sampling)``, refusing unknown option names."""
-        known = {a.name for a in attrs.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            msg = f"unknown sampling option(s) {', '.join(unknown)}; known: {', '.join(sorted(known | {'stop'}))}"
-            raise OptionError(msg)
+        refuse_unknown(options, {a.name for a in attrs.fields(cls)}, "sampling")
         return cls(**options)
 
     @property

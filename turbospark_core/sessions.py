@@ -106,6 +106,10 @@ class SessionPool:
         self._states.move_to_end(session_id)
         return state
 
+    def peek(self, session_id: str) -> SequenceState | None:
+        """The parked state, without touching the LRU order (``None`` if absent)."""
+        return self._states.get(session_id)
+
     def drop(self, session_id: str) -> None:
         """Forget a session (no error if absent)."""
         self._states.pop(session_id, None)

@@ -91,7 +91,8 @@ class SlotTable:
 
     def tokens(self, key: str) -> list[int]:
         """What the session ``key`` holds."""
-        return self._runner.session(key).tokens
+        state = self._runner.sessions.peek(key)
+        return [] if state is None else list(state.tokens)
 
     def _auto_slot(self, prompt: list[int]) -> str:
         idle = [k for k in reversed(self._keys) if k not in self.busy]  # most recent first: wins ties
@@ -284,12 +285,10 @@ class Scheduler:
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
-        for gen in (job._pieces, getattr(job._stream, "_iter", None)):
-            # TextStream has no close(): closing its inner generator runs the
-            # runner's cleanup (session tokens saved) now rather than at GC time.
-            close = getattr(gen, "close", None)
-            if close is not None:
-                close()
+        # closing runs the runner's cleanup (session tokens saved) now, not at GC time
+        for gen in (job._pieces, job._stream):
+            if gen is not None:
+                gen.close()
         job._stream = job._pieces = None
         if job.slot is not None and self._slots is not None:
             self._slots.release(job.slot)
