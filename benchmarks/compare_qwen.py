@@ -22,7 +22,7 @@ mlx-lm is a benchmark-only dependency: turbospark itself never imports it.
 
 Usage::
 
-    python benchmarks/compare_qwen.py [--size small|0.5b] [--prompt-tokens 128]
+    python benchmarks/compare_qwen.py [--size 0.5b|small] [--prompt-tokens 128]
         [--gen-tokens 32] [--workdir DIR] [--recurrence] [--f32-check]
 """
 
