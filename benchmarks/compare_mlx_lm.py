@@ -22,6 +22,13 @@ Models:
   loads the checkpoint directory itself. Its tokenizer is a synthetic
   word-level one covering the whole vocabulary; prompts are token ids.
 
+Each runtime is measured in its own child process, so open time and peak memory
+are not shared and each gets the BLAS it gets in normal use: importing
+``turbospark_core`` (before MLX) loads its shim that sends MLX's CPU float32
+matmuls to OpenBLAS; a process that only imports mlx-lm keeps the reference
+BLAS bundled in MLX's Linux wheel (``--mlx-lm-openblas`` gives mlx-lm the shim
+too, to separate the BLAS from the rest).
+
 mlx-lm is a benchmark-only dependency: turbospark itself never imports it.
 
 Usage::
@@ -38,14 +45,18 @@ import importlib.util
 import json
 import math
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import mlx.core as mx
 import numpy as np
+
+# NB: mlx is imported inside functions: a process that benchmarks turbospark must
+# import turbospark_core before mlx (its BLAS shim binds at import), and the
+# mlx-lm child must not import turbospark_core at all (unless --mlx-lm-openblas).
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WARMUP_PROMPT = 16
@@ -94,6 +105,8 @@ def log(msg: str) -> None:
 
 def release() -> None:
     """Drop unreachable MLX buffers so the next runtime starts clean."""
+    import mlx.core as mx
+
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -128,6 +141,8 @@ def mlx_lm_dir_from_install(install: Path, dst: Path) -> None:
     uint32, ``X.scales``, ``X.biases``); mlx-lm reads per-module quantization
     overrides from ``config["quantization"][module_path]``.
     """
+    import mlx.core as mx
+
     if (dst / "config.json").exists():
         log(f"reusing mlx-lm dir {dst}")
         return
@@ -225,6 +240,8 @@ def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
 
 def random_llama_checkpoint(dst: Path, seed: int = 0) -> int:
     """A Hugging Face llama checkpoint dir with random bf16 weights (normal * 0.02); returns #params."""
+    import mlx.core as mx
+
     c = RANDOM_CONFIG
     h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     hd = c["head_dim"]
@@ -254,7 +271,7 @@ def random_llama_checkpoint(dst: Path, seed: int = 0) -> int:
     log(f"writing random llama checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
     dst.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    tensors: dict[str, mx.array] = {}
+    tensors: dict[str, Any] = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
             tensors[name] = mx.ones(shape, dtype=mx.bfloat16)
@@ -289,7 +306,10 @@ def held_bytes_per_token(total: int, embed_bytes: int, tied: bool) -> int:
 
 def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
     """Open the install (timed), warm up, run once; turbospark's own Generation.stats."""
-    import turbospark_core
+    import turbospark_core  # first: its BLAS shim binds before mlx loads
+    from turbospark_core import blas
+
+    import mlx.core as mx
 
     release()
     t0 = time.perf_counter()
@@ -321,6 +341,7 @@ def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str
         "bytes_per_token": held_bytes_per_token(held, embed_bytes, tied),
         "note": policy.reason,
         "vocab": int(arch["vocab_size"]),
+        "blas": blas.STATUS,
     }
     del runner, g, opened
     release()
@@ -334,9 +355,16 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bo
     to float32 and take the greedy first token of the prompt, to tell a
     precision difference (turbospark computes in float32 on the CPU) from a bug.
     """
+    import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten, tree_map
 
+    if "turbospark_core" in sys.modules:
+        from turbospark_core import blas
+
+        blas_status = blas.STATUS
+    else:
+        blas_status = "MLX's bundled BLAS (reference on Linux)"
     release()
     t0 = time.perf_counter()
     model, tokenizer = mlx_lm.load(str(model_dir))
@@ -370,6 +398,7 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bo
         "weights_held": held,
         "bytes_per_token": held_bytes_per_token(held, embed_bytes, tied),
         "note": f"weights held as stored ({', '.join(dtypes)})",
+        "blas": blas_status,
     }
     if f32_check and "uint32" not in dtypes:
         log("  mlx-lm float32 check: one prefill with float32 weights")
@@ -382,17 +411,21 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bo
 
 
 def measure_bandwidth() -> float:
-    """Rough streaming-read bandwidth (bytes/s): best of 10 MLX sums over a 512 MB float32 array."""
-    a = mx.random.uniform(shape=(128 * 2**20,))
-    mx.eval(a)
+    """Rough streaming-read bandwidth (bytes/s) of a 512 MB float32 array (numpy, all cores).
+
+    The best of 5 ``sum`` and 5 matrix-vector products (OpenBLAS sgemv, the
+    decode-step pattern) over the array, which is far larger than any cache.
+    """
+    a = np.random.default_rng(0).random(128 * 2**20, dtype=np.float32)
+    m, v = a.reshape(-1, 1024), np.ones(1024, dtype=np.float32)
     best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        mx.eval(a.sum())
-        best = min(best, time.perf_counter() - t0)
+    for op in (a.sum, lambda: m @ v):
+        for _ in range(5):
+            t0 = time.perf_counter()
+            op()
+            best = min(best, time.perf_counter() - t0)
     nbytes = a.nbytes
-    del a
-    release()
+    del a, m
     return nbytes / best
 
 
@@ -408,7 +441,7 @@ def render(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -467,6 +500,7 @@ def report(results: list[dict[str, Any]], bandwidth: float | None) -> str:
             f"  weights held: turbospark {ts['weights_held'] / 1e9:.3f} GB ({ts['note']}); "
             f"mlx-lm {ml['weights_held'] / 1e9:.3f} GB ({ml['note']})"
         )
+        out.append(f"  BLAS: turbospark {ts['blas']}; mlx-lm {ml['blas']}")
         if "f32_first_token" in ml:
             f32 = ml["f32_first_token"]
             same_f32 = "same as" if ts["tokens"][:1] == [f32] else "DIFFERENT from"
@@ -514,6 +548,34 @@ def prepare_random(work: Path, n_prompt: int) -> dict[str, Any]:
 
 
 PREPARE: dict[str, Callable[[Path, int], dict[str, Any]]] = {"smollm2": prepare_smollm2, "random": prepare_random}
+WORKER_FLAG = "--_worker"
+
+
+def run_worker(runtime: str, model_path: Path, ids: list[int], gen_tokens: int, work: Path, **extra: Any) -> dict[str, Any]:
+    """Benchmark one runtime in a child process (its own imports, BLAS, allocator and peak memory)."""
+    spec_file = work / f"job-{runtime}.json"
+    out_file = work / f"result-{runtime}.json"
+    out_file.unlink(missing_ok=True)
+    spec = {"runtime": runtime, "path": str(model_path), "ids": ids, "gen_tokens": gen_tokens, "out": str(out_file)}
+    spec_file.write_text(json.dumps({**spec, **extra}))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), WORKER_FLAG, str(spec_file)], check=False)
+    if proc.returncode != 0 or not out_file.exists():
+        raise SystemExit(f"the {runtime} run failed (exit status {proc.returncode}); see its messages above")
+    return json.loads(out_file.read_text())
+
+
+def worker(spec_file: str) -> int:
+    """Child-process entry: run one runtime as a user would import it, write its result as JSON."""
+    spec = json.loads(Path(spec_file).read_text())
+    path, ids, gen = Path(spec["path"]), spec["ids"], spec["gen_tokens"]
+    if spec["runtime"] == "turbospark":
+        result = bench_turbospark(path, ids, gen)
+    else:
+        if spec.get("openblas"):
+            import turbospark_core.blas  # noqa: F401  (binds OpenBLAS before mlx loads)
+        result = bench_mlx_lm(path, ids, gen, spec.get("f32_check", False))
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         help="float checkpoints: also take mlx-lm's first greedy token with float32 weights (one more prefill)",
     )
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth-bound column")
+    ap.add_argument(
+        "--mlx-lm-openblas",
+        action="store_true",
+        help="run mlx-lm with turbospark's OpenBLAS shim loaded too (default: MLX's own BLAS, as mlx-lm users get)",
+    )
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in PREPARE]
@@ -544,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = args.workdir
         work.mkdir(parents=True, exist_ok=True)
+    import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)
+
+    import mlx.core as mx
+
     log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
     try:
         bandwidth = None
@@ -556,9 +627,17 @@ def main(argv: list[str] | None = None) -> int:
             prep = PREPARE[name](work, args.prompt_tokens)
             res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
             log(f"== {name}: turbospark ({len(prep['ids'])} prompt tokens, {args.gen_tokens} generated)")
-            res["turbospark"] = bench_turbospark(prep["install"], prep["ids"], args.gen_tokens)
+            res["turbospark"] = run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
             log(f"== {name}: mlx-lm")
-            res["mlx-lm"] = bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens, args.f32_check)
+            res["mlx-lm"] = run_worker(
+                "mlx-lm",
+                prep["mlx_dir"],
+                prep["ids"],
+                args.gen_tokens,
+                work,
+                f32_check=args.f32_check,
+                openblas=args.mlx_lm_openblas,
+            )
             same, n = agreement(res["turbospark"]["tokens"], res["mlx-lm"]["tokens"])
             log(f"   greedy tokens agree {same}/{n}")
             results.append(res)
@@ -574,4 +653,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == WORKER_FLAG:
+        raise SystemExit(worker(sys.argv[2]))
     raise SystemExit(main())

@@ -119,3 +119,54 @@ def test_growth_after_trim_keeps_content() -> None:
     keys, values = cache.update_and_fetch(*_kv(7, 1))
     assert _positions(keys) == list(range(8))
     assert values.shape == (1, 2, 8, 3)
+
+
+# ------------------------------------------------------------ quantized KV
+
+
+@pytest.mark.parametrize(("bits", "tol"), [(8, 1e-2), (4, 0.2)])
+def test_quantized_cache_round_trips_within_its_precision(bits: int, tol: float) -> None:
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import KVCache
+
+    cache = KVCache(CacheSpec.full(2, 64), 600, mx.float32, kv_bits=bits)
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
+    v = mx.random.normal((1, 2, 300, 64), key=mx.random.key(2))
+    got_k, got_v = cache.update_and_fetch(k[:, :, :290], v[:, :, :290])
+    for t in range(290, 300):  # crosses the 256-token growth step one token at a time
+        got_k, got_v = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert got_k.shape == k.shape and got_k.dtype == mx.float32
+    assert float(mx.abs(got_k - k).max() / mx.abs(k).max()) < tol
+    assert float(mx.abs(got_v - v).max() / mx.abs(v).max()) < tol
+    packed = cache.state[0]
+    assert packed.dtype == mx.uint32 and packed.shape[-1] == 64 * bits // 32
+
+
+def test_quantized_ring_attends_like_the_float_ring() -> None:
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import RingKVCache
+
+    spec = CacheSpec.sliding(2, 32, window=8)
+    q = mx.random.normal((1, 2, 30, 32), key=mx.random.key(3))
+    k = mx.random.normal((1, 2, 30, 32), key=mx.random.key(4))
+    v = mx.random.normal((1, 2, 30, 32), key=mx.random.key(5))
+    outs = {}
+    for bits in (None, 8):
+        ring = RingKVCache(spec, 100, mx.float32, kv_bits=bits)
+        parts, start = [], 0
+        for n in (11, 1, 1, 5, 1, 1, 10):
+            kk, vv = ring.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
+            parts.append(mx.fast.scaled_dot_product_attention(
+                q[:, :, start : start + n], kk, vv, scale=0.2, mask=ring.mask(n)))
+            start += n
+        outs[bits] = mx.concatenate(parts, axis=2)
+        assert ring.keys.shape[2] == 8  # memory stays flat at the window
+    assert float(mx.abs(outs[8] - outs[None]).max()) < 2e-2
+
+
+def test_kv_quant_refused_for_heads_no_group_divides(f32_install) -> None:
+    import turbospark_core
+    from turbospark_core.errors import OptionError
+
+    with pytest.raises(OptionError, match="head_dim 16"):
+        turbospark_core.open(f32_install, kv_quant="q4")

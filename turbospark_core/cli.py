@@ -53,16 +53,34 @@ def _open(args: argparse.Namespace) -> Any:
         options["max_context"] = args.max_context
     if getattr(args, "memory_budget", None) is not None:
         options["memory_budget"] = args.memory_budget
+    for name in ("residency", "expert_slots"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     return turbospark_core.open(args.install, **options)
 
 
-def _print_stats(stats: Any) -> None:
+def _print_stats(stats: Any, file: Any = None) -> None:
     print(
         f"\nprompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
         f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tok/s | "
         f"peak memory {stats.peak_memory:.3f} GB",
-        file=sys.stderr,
+        file=file or sys.stderr,
     )
+    if getattr(stats, "experts", None) is not None:
+        print(stats.experts.summary(), file=file or sys.stderr)
+
+
+def _expert_slots(value: str) -> int | str:
+    """``--expert-slots``: a positive count or ``auto`` (the open checks the value)."""
+    try:
+        return value if value == "auto" else int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of slots or 'auto'") from None
+
+
+def _add_expert_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--residency", choices=("auto", "resident", "streamed"), default=None, help="MoE experts: all in memory, an LRU of slots, or by budget")
+    p.add_argument("--expert-slots", type=_expert_slots, default=None, help="MoE streamed: experts kept per routed layer, or 'auto'")
 
 
 def _stream_out(pieces: Any) -> None:
@@ -84,6 +102,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         strict=args.strict,
         force=args.force,
         show_progress=not args.quiet,
+        experts_file=args.experts_file,
     )
     size = sum(e.size for e in manifest.files.values())
     print(
@@ -149,6 +168,13 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
+    if opened.experts is not None:
+        layers = opened.experts.layout.layers.values()
+        record = max(layer.stride for layer in layers)
+        print(
+            f"experts      experts.bin: {len(layers)} routed layers x {opened.experts.layout.max_experts} experts, "
+            f"records of {_human(record)}; {opened.experts.plan.describe()}"
+        )
     arch = {k: v for k, v in m.arch.items() if not isinstance(v, (dict, list))}
     print("arch         " + json.dumps(arch, sort_keys=True))
     print(f"\n{'tensor':<52} {'storage':<22} {'shape':<20} {'bytes':>10}")
@@ -163,6 +189,17 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         if bad:
             raise TurbosparkError(f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`")
         print("checksums    all files match their sha256")
+    if args.stats:
+        _probe_stats(runner, args.stats_tokens)
+
+
+def _probe_stats(runner: Any, tokens: int) -> None:
+    """``inspect --stats``: decode a short greedy probe and print its throughput and expert counters."""
+    gen = runner.generate("Hello", max_tokens=tokens, temperature=0.0)
+    _print_stats(gen.stats, file=sys.stdout)
+    total = runner.expert_stats()
+    if total is not None:
+        print("since open   " + total.summary())
 
 
 def cmd_families(args: argparse.Namespace) -> None:
@@ -201,7 +238,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
-    p.add_argument("-v", "--verbose", action="store_true", help="print throughput and memory")
+    _add_expert_options(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="print throughput, memory and MoE expert stats")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    p.add_argument(
+        "--experts-file",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE: pack routed experts into experts.bin, one aligned record per (layer, expert), for streaming",
+    )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("generate", help="complete a prompt")
@@ -234,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("install")
     p.add_argument("--verify", action="store_true", help="check every file's sha256")
     p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_expert_options(p)
+    p.add_argument("--stats", action="store_true", help="decode a short probe; print throughput and MoE expert stats")
+    p.add_argument("--stats-tokens", type=int, default=16, help="tokens the --stats probe decodes")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("families", help="installed family plugins and the model types they serve")
     p.set_defaults(func=cmd_families)

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import plugins
+from turbospark_core import moe, plugins
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
@@ -17,11 +17,13 @@ from turbospark_core.errors import (
     ArchConfigError,
     FamilyRefusalError,
     InstallError,
+    MemoryBudgetError,
     NotAnInstallError,
     OptionError,
 )
 from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
 from turbospark_core.manifest import (
+    EXPERTS,
     HADAMARD,
     MANIFEST,
     WEIGHTS,
@@ -54,6 +56,7 @@ class OpenedModel:
     estimate: MemoryEstimate
     startup_stats: StartupStats
     generation_config: dict[str, Any]
+    experts: moe.ExpertStore | None = attrs.field(default=None, eq=False)
 
     def new_cache(self) -> list[Cache]:
         """Fresh per-layer caches for one sequence."""
@@ -193,20 +196,20 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
     itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
     kv_bytes = per_sequence * opts.session_slots
-    policy = ComputePolicy.choose(
-        unpacked_bytes=index.float_bytes(4),
-        stored_bytes=index.stored_bytes(),
-        budget=max(0, opts.memory_budget - kv_bytes),
-    )
+    with timer.phase("expert_setup"):
+        expert_layout = _expert_layout(manifest, index, opts)  # 10, read before the estimate that counts slots
+    policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
     weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
-    estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes)
+    estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
+    _check_expert_budget(estimate, plan, opts, max_context)
     estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
     with timer.phase("weights_mapping"):
         weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
     with timer.phase("kv_scratch"):
         pass  # 9: caches are preallocated per sequence in steps (OpenedModel.new_cache)
     with timer.phase("expert_setup"):
-        pass  # 10: experts are resident, held by the weight store's ExpertBank objects
+        experts = _open_experts(manifest, expert_layout, plan, policy)  # 10
+        weights.use_experts(experts)
     with timer.phase("family_state"):
         model = _build_family(manifest, hooks, weights, layout, policy)  # 11
     with timer.phase("weights_mapping"):
@@ -229,11 +232,76 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
         estimate=estimate,
         startup_stats=StartupStats(),
         generation_config=_generation_config(root, manifest),
+        experts=experts,
     )
     if opts.warmup:
         with timer.phase("family_state"):
             _warmup(opened)  # 15
     return attrs.evolve(opened, startup_stats=timer.finish())
+
+
+def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> moe.ExpertLayout | None:
+    """Step 10: the ``experts`` section validated against experts.bin's size and the slot option."""
+    if manifest.experts is None:
+        moe.refuse_streaming_without_file(index.tensors, opts.residency)
+        return None
+    path = manifest.path(EXPERTS)
+    layout = moe.ExpertLayout.from_section(manifest.experts, manifest.files[EXPERTS].size, str(path))
+    if opts.residency != moe.RESIDENT:
+        moe.check_slots(layout, opts.expert_slots)
+    return layout
+
+
+def _choose_policy(
+    index: TensorIndex, layout: moe.ExpertLayout | None, opts: OpenOptions, kv_bytes: int
+) -> tuple[ComputePolicy, moe.ExpertPlan | None]:
+    """The compute policy and, for MoE installs, the expert plan: float32 resident, stored resident,
+    float32 streamed, stored streamed, the first that fits the budget (residency permitting)."""
+    room = max(0, opts.memory_budget - kv_bytes)
+    f32, stored = index.float_bytes(4), index.stored_bytes()
+    if layout is None:
+        return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room), None
+    for residency in moe.residencies(opts.residency, opts.expert_slots, layout):
+        as_f32 = moe.plan_experts(layout, residency, opts.expert_slots, room - f32, unpack=True)
+        as_stored = moe.plan_experts(layout, residency, opts.expert_slots, room - stored, unpack=False)
+        if as_f32 is not None or as_stored is not None:
+            break
+    f32_plan = as_f32 or moe.minimal_plan(layout, residency, opts.expert_slots, unpack=True)
+    stored_plan = as_stored or moe.minimal_plan(layout, residency, opts.expert_slots, unpack=False)
+    policy = ComputePolicy.choose(
+        unpacked_bytes=f32 + f32_plan.held_bytes, stored_bytes=stored + stored_plan.held_bytes, budget=room
+    )
+    return policy, f32_plan if policy.unpack else stored_plan
+
+
+def _check_expert_budget(estimate: MemoryEstimate, plan: moe.ExpertPlan | None, opts: OpenOptions, max_context: int) -> None:
+    """An over-budget MoE open names the expert knobs too."""
+    if plan is None or estimate.total <= opts.memory_budget:
+        return
+    if plan.residency != moe.STREAMED:
+        knob = "open with residency='streamed' (or 'auto') to keep only some experts in memory"
+    elif isinstance(opts.expert_slots, int):
+        knob = f"lower expert_slots (now {opts.expert_slots})"
+    else:
+        knob = f"even the fewest workable slots ({plan.slots} per layer, the model's top_k) do not fit"
+    msg = (
+        f"opening needs ~{estimate.total / 1e9:.2f} GB (weights {estimate.weights / 1e9:.2f} GB, "
+        f"KV at max_context={max_context} x {opts.session_slots} slot(s) {estimate.kv / 1e9:.2f} GB, "
+        f"experts {plan.describe()}) but memory_budget is {opts.memory_budget / 1e9:.2f} GB; "
+        f"{knob}, lower max_context or session_slots, or raise memory_budget"
+    )
+    raise MemoryBudgetError(msg)
+
+
+def _open_experts(
+    manifest: Manifest, layout: moe.ExpertLayout | None, plan: moe.ExpertPlan | None, policy: ComputePolicy
+) -> moe.ExpertStore | None:
+    """Step 10: read every expert (resident) or set up the slot reads (streamed)."""
+    if layout is None or plan is None:
+        return None
+    store = moe.ExpertStore(manifest.path(EXPERTS), layout, plan, policy)
+    store.setup()
+    return store
 
 
 def _max_context(arch: dict[str, Any], opts: OpenOptions) -> int:

@@ -154,10 +154,12 @@ def load_manifest(root: Path) -> Manifest:
         msg = f"{where}: arch has no 'model_type' string; re-run `turbospark convert`"
         raise ManifestError(msg)
     sections = {key: _optional_object(raw, key, where) for key in _SECTIONS}
+    files = _file_table(raw, where)
+    _check_paired(sections, files, where)
     return Manifest(
         root=root,
         arch=arch,
-        files=_file_table(raw, where),
+        files=files,
         quantization=sections["quantization"] or {},
         family=raw.get("family"),
         distribution=raw.get("distribution"),
@@ -168,6 +170,17 @@ def load_manifest(root: Path) -> Manifest:
 
 
 _SECTIONS = ("quantization", "hadamard", "experts", "provenance")
+_SECTION_FILES = {"experts": EXPERTS}  # a section that describes a file comes with it, and back
+
+
+def _check_paired(sections: dict[str, Any], files: dict[str, FileEntry], where: Path) -> None:
+    for key, name in _SECTION_FILES.items():
+        if (sections[key] is None) != (name not in files):
+            has, lacks = (f"an {key!r} section", f"{name!r} in its file table") if sections[key] is not None else (
+                f"{name!r} in its file table", f"an {key!r} section"
+            )
+            msg = f"{where} has {has} but no {lacks}; the install is incomplete, re-run `turbospark convert`"
+            raise ManifestError(msg)
 
 
 def _optional_object(raw: dict[str, Any], key: str, where: Path) -> dict[str, Any] | None:

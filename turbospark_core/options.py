@@ -10,7 +10,7 @@ from turbospark_core.errors import OptionError, refuse_unknown
 from turbospark_core.memory import parse_budget
 
 KV_QUANT = (None, "q8", "q4")
-RESIDENCY = ("resident", "auto")  # "streamed" arrives with expert streaming
+RESIDENCY = ("resident", "auto", "streamed")  # MoE experts: every expert in memory, by budget, or an LRU of slots
 
 
 def _expert_slots(value: Any) -> int | str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import mlx.core as mx
@@ -14,7 +14,7 @@ from turbospark_core.kv_cache import Cache
 from turbospark_core.loader import OpenedModel
 from turbospark_core.sampling import Sampler, SamplingParams
 from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
-from turbospark_core.stats import GenerationStats, StartupStats
+from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
 
@@ -43,10 +43,14 @@ class _Progress:
     decode_s: float = 0.0
     reused_tokens: int = 0
     finish_reason: str = "length"
+    expert_source: Callable[[], ExpertStats | None] = lambda: None
+    experts_before: ExpertStats | None = None
 
     def stats(self) -> GenerationStats:
         n = len(self.tokens)
+        now = self.expert_source()
         return GenerationStats(
+            experts=None if now is None or self.experts_before is None else now.since(self.experts_before),
             prompt_tokens=self.prompt_tokens,
             prompt_tps=self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0,
             generation_tokens=n,
@@ -70,6 +74,11 @@ class Runner:
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
 
     # ------------------------------------------------------------- facts
+    def expert_stats(self) -> ExpertStats | None:
+        """MoE expert counters since open (hits, misses, bytes read, load time); ``None`` without experts.bin."""
+        experts = self._opened.experts
+        return None if experts is None else experts.stats()
+
     @property
     def startup_stats(self) -> StartupStats:
         """Milliseconds per open phase."""
@@ -203,6 +212,7 @@ class Runner:
         if max_tokens == 0:
             return
         mx.reset_peak_memory()
+        progress.expert_source, progress.experts_before = self.expert_stats, self.expert_stats()
         detok = self.tokenizer.detokenizer()
         matcher = StopMatcher(stop)
         state = state if state is not None else SequenceState(self._opened.new_cache)

@@ -58,6 +58,61 @@ class PhaseTimer:
 
 
 @attrs.frozen(kw_only=True)
+class ExpertStats:
+    """MoE expert residency counters (streamed: slot hits and misses, bytes and time spent loading).
+
+    Attributes:
+        residency: ``"resident"`` or ``"streamed"``.
+        slots: Experts held per routed layer.
+        hits: Routed experts found in a slot (one per distinct expert, layer and batch).
+        misses: Routed experts loaded from ``experts.bin``.
+        bytes_read: Bytes read from ``experts.bin`` for misses.
+        load_ms: Time spent loading misses (read + unpack into slots).
+        tokens: Token rows routed through the first routed layer.
+    """
+
+    residency: str
+    slots: int
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    load_ms: float = 0.0
+    tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups (1.0 when nothing was looked up)."""
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 1.0
+
+    @property
+    def load_ms_per_token(self) -> float:
+        """Loading time per routed token."""
+        return self.load_ms / self.tokens if self.tokens else 0.0
+
+    def since(self, before: ExpertStats) -> ExpertStats:
+        """The counters accumulated after ``before`` was taken."""
+        return attrs.evolve(
+            self,
+            hits=self.hits - before.hits,
+            misses=self.misses - before.misses,
+            bytes_read=self.bytes_read - before.bytes_read,
+            load_ms=self.load_ms - before.load_ms,
+            tokens=self.tokens - before.tokens,
+        )
+
+    def summary(self) -> str:
+        """One line for ``--verbose`` and ``inspect --stats``."""
+        if self.residency != "streamed":
+            return f"experts: {self.residency}"
+        return (
+            f"experts: streamed, {self.slots} slots/layer | hits {self.hits}, misses {self.misses} "
+            f"(hit rate {self.hit_rate:.1%}) | read {self.bytes_read / 1e6:.1f} MB, "
+            f"load {self.load_ms:.1f} ms ({self.load_ms_per_token:.2f} ms/token)"
+        )
+
+
+@attrs.frozen(kw_only=True)
 class GenerationStats:
     """Throughput of one generation, with mlx-lm's field names."""
 
@@ -68,3 +123,4 @@ class GenerationStats:
     peak_memory: float  # GB
     finish_reason: str = "stop"
     reused_tokens: int = 0  # prompt tokens served from a session's cache
+    experts: ExpertStats | None = None  # MoE installs: expert counters over this generation

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
 from turbospark_core.tensor_index import QuantSpec, TensorIndex
+
+if TYPE_CHECKING:
+    from turbospark_core.moe import ExpertStore, StreamedExpertBank
 
 
 class Linear:
@@ -154,6 +157,11 @@ class WeightStore:
         self._raw = mx.load(str(path))
         self._used: set[str] = set()
         self._pending: list[mx.array] = []
+        self._experts: ExpertStore | None = None
+
+    def use_experts(self, store: ExpertStore | None) -> None:
+        """Serve routed experts from ``experts.bin`` (open step 10) instead of this container."""
+        self._experts = store
 
     def has(self, name: str) -> bool:
         """Whether tensor (or quantized matrix base) ``name`` exists."""
@@ -228,8 +236,14 @@ class WeightStore:
         """The embedding table ``<base>.weight``."""
         return Embedding(self.linear(base), self.policy.compute_dtype)
 
-    def experts(self, prefix: str, gate: str, up: str, down: str) -> ExpertBank:
-        """The routed experts under ``prefix`` (stacked ``[E, out, in]`` matrices)."""
+    def experts(self, prefix: str, gate: str, up: str, down: str) -> ExpertBank | StreamedExpertBank:
+        """The routed experts under ``prefix`` (stacked ``[E, out, in]`` matrices).
+
+        From ``experts.bin`` when the install has one: resident or streamed as
+        the open's residency plan says; both answer ``glu`` and ``num_experts``.
+        """
+        if self._experts is not None and self._experts.has(prefix):
+            return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
             self.linear(f"{prefix}.{gate}"),
             self.linear(f"{prefix}.{up}"),
@@ -241,7 +255,10 @@ class WeightStore:
         if self._pending:
             mx.eval(self._pending)
             self._pending.clear()
+        if self._experts is not None:
+            self._experts.materialize()
 
     def unused(self) -> list[str]:
         """Tensors the family never asked for (a sign of a mismatched install)."""
-        return sorted(set(self._raw) - self._used)
+        layers = [] if self._experts is None else [f"{p} (experts.bin)" for p in self._experts.unused()]
+        return sorted(set(self._raw) - self._used) + layers

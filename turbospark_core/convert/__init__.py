@@ -13,6 +13,7 @@ import mlx.core as mx
 from turbospark_core import __version__, plugins
 from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
+from turbospark_core.convert.experts import split_experts, top_k_from_config
 from turbospark_core.convert.records import SourceTensor, TensorTarget
 from turbospark_core.convert.writer import finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
@@ -32,6 +33,7 @@ def convert(
     strict: bool = False,
     force: bool = False,
     show_progress: bool = False,
+    experts_file: bool = True,
 ) -> Manifest:
     """Make an install at ``dst`` from ``src``.
 
@@ -46,20 +48,27 @@ def convert(
             are listed in the manifest's provenance (``dequantized``).
         force: Replace a non-empty ``dst``.
         show_progress: Draw a progress bar on stderr.
+        experts_file: MoE only: pack the routed experts into ``experts.bin``
+            (one aligned record per layer and expert, for streaming) instead of
+            ``model_weights.safetensors``.
 
     Raises:
         ConversionError: The source is unreadable or has something unsupported.
         UnknownFamilyError: No installed plugin serves the source's model type.
     """
-    options = ConvertOptions(dtype=dtype, quantize=quantize, group_size=group_size, dequantize=not strict)
+    options = ConvertOptions(
+        dtype=dtype, quantize=quantize, group_size=group_size, dequantize=not strict, experts_file=experts_file
+    )
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":
         from turbospark_core.convert.gguf import gguf_source
 
         arch, items, texts, total, dequantized = gguf_source(src, options)
+        top_k = None  # GGUF: the first routed call checks the slot count against the router's k
     elif src.is_dir():
         arch, items, texts, total = _hf_source(src)
         dequantized = {}
+        top_k = top_k_from_config(hf.read_config(src))
     else:
         msg = f"{src} is neither a checkpoint directory nor a .gguf file"
         raise ConversionError(msg)
@@ -70,11 +79,15 @@ def convert(
         map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
         tensors, quantization = assembler.finish()
         _evaluate(tensors, show_progress)
+        pack = None
+        if options.experts_file:
+            tensors, quantization, pack = split_experts(tensors, quantization, top_k=top_k)
         write_install(
             staging,
             arch=arch,
             tensors=tensors,
             quantization=quantization,
+            experts=pack,
             text_files=texts,
             family=hooks.spec.name,
             distribution=hooks.spec.distribution,

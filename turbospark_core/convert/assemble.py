@@ -24,6 +24,7 @@ class ConvertOptions:
     quantize: str | None = None
     group_size: int = 64
     dequantize: bool = False
+    experts_file: bool = True  # MoE: routed experts go to experts.bin
 
     def __attrs_post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 from turbospark_core.errors import ConversionError
 from turbospark_core.moe import (
     ALIGNMENT,
+    EXPERT_TENSOR,
     LEAVES,
     ExpertLayout,
     ExpertTensor,
@@ -21,8 +21,6 @@ from turbospark_core.moe import (
 )
 from turbospark_core.tensor_index import QuantSpec
 
-# <layer prefix ending in ".experts">.<projection>.<leaf>, e.g. model.layers.3.mlp.experts.gate_proj.weight
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>[^.]+)\.(?P<leaf>weight|scales|biases|bias)$")
 # Hugging Face config keys for "experts per token" (checked at the top level and in text_config)
 HF_TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts")
 _DTYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.uint8: "U8"}
@@ -56,7 +54,7 @@ class ExpertPack:
             for prefix, layer in self.layout.layers.items():
                 if f.tell() != layer.offset:
                     f.write(b"\0" * (layer.offset - f.tell()))
-                _write_layer(f, layer, self.tensors[prefix])
+                _write_layer(f, layer, self.tensors.pop(prefix))  # written layers are let go
         return self.layout.to_section()
 
 
@@ -73,7 +71,7 @@ def _write_layer(f: Any, layer: LayerLayout, tensors: dict[str, mx.array]) -> No
         buf = np.zeros((stop - start, layer.stride), dtype=np.uint8)
         for proj in layer.projections.values():
             for leaf, t in proj.tensors.items():
-                part = raw[f"{proj.name}.{leaf}"][start:stop].reshape(stop - start, -1)
+                part = np.ascontiguousarray(raw[f"{proj.name}.{leaf}"][start:stop]).reshape(stop - start, -1)
                 buf[:, t.offset : t.offset + t.nbytes] = part.view(np.uint8).reshape(stop - start, -1)
         f.write(buf.tobytes())
 
@@ -82,7 +80,7 @@ def _groups(tensors: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
     """Prefix -> "proj.leaf" -> tensor, for names shaped like routed experts."""
     found: dict[str, dict[str, mx.array]] = {}
     for name, arr in tensors.items():
-        m = _EXPERT_TENSOR.match(name)
+        m = EXPERT_TENSOR.match(name)
         if m:
             found.setdefault(m["prefix"], {})[f"{m['proj']}.{m['leaf']}"] = arr
     return {prefix: parts for prefix, parts in found.items() if _stacked(parts)}

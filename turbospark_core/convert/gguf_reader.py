@@ -309,6 +309,18 @@ class GGUFSource:
             raise ConversionError(msg)
         return SourceTensor(name=name, data=_decode(info, self._read_raw(info), self.path, dequantize))
 
+    def read_raw(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes as uint8 rows ``(..., rows, bytes_per_row)`` (for checks with gguf.quants).
+
+        Raises:
+            ConversionError: Unknown name or unreadable data.
+        """
+        info = self._infos.get(name)
+        if info is None:
+            msg = f"GGUF file {self.path} has no tensor {name!r}; see tensor_names() for what it holds"
+            raise ConversionError(msg)
+        return self._read_raw(info).reshape(_byte_shape(info))
+
     def tensors(self, *, dequantize: bool = False) -> Iterator[SourceTensor]:
         """Yield every tensor in file order (see :meth:`read_tensor`).
 

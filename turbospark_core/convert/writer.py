@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from turbospark_core.errors import ConversionError
-from turbospark_core.manifest import MANIFEST, WEIGHTS, FileEntry, Manifest, sha256_file
+from turbospark_core.manifest import EXPERTS, MANIFEST, WEIGHTS, FileEntry, Manifest, sha256_file
+
+if TYPE_CHECKING:
+    from turbospark_core.convert.experts import ExpertPack
 
 
 def prepare_destination(dst: Path, *, force: bool) -> Path:
@@ -34,13 +37,19 @@ def write_install(
     family: str,
     distribution: str,
     provenance: dict[str, Any],
+    experts: ExpertPack | None = None,
 ) -> Manifest:
-    """Write every file into ``staging`` and the manifest naming each with size and sha256."""
+    """Write every file into ``staging`` and the manifest naming each with size and sha256.
+
+    ``experts`` (MoE installs) is written to ``experts.bin`` with its layout as the
+    manifest's ``experts`` section.
+    """
     mx.save_safetensors(str(staging / WEIGHTS), tensors, metadata={"format": "mlx"})
+    section = None if experts is None else experts.write(staging / EXPERTS)
     for name, text in text_files.items():
         (staging / name).write_text(text)
     files = {}
-    for name in [WEIGHTS, *sorted(text_files)]:
+    for name in [WEIGHTS, *([EXPERTS] if section else []), *sorted(text_files)]:
         size = (staging / name).stat().st_size
         files[name] = FileEntry(size=size, sha256=sha256_file(staging / name, size))
     manifest = Manifest(
@@ -50,6 +59,7 @@ def write_install(
         quantization=quantization,
         family=family,
         distribution=distribution,
+        experts=section,
         provenance=provenance,
     )
     (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))

@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' helper module, under --import-mode=importlib
 
-from tiny_gemma3 import TINY, build_tiny_fixture  # noqa: E402
+from tiny_gemma3 import TINY, build_tiny_fixture
+
 
 @pytest.fixture(scope="session")
 def turbospark_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -8,14 +8,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tiny_gemma3 import SPECIALS, TINY_CONFIG, random_weights, tokenizer_json
+from turbospark_gemma3 import convert as gconvert
 
 import turbospark_core
 from turbospark_core import cli
 from turbospark_core.convert import convert
 from turbospark_core.errors import ConversionError
-from turbospark_gemma3 import convert as gconvert
-
-from tiny_gemma3 import SPECIALS, TINY_CONFIG, random_weights, tokenizer_json
 
 
 # ------------------------------------------------------------------ Hugging Face configs
@@ -98,6 +97,15 @@ def test_gguf_27b_query_scale_and_linear_rope() -> None:
     assert arch["norm_adds_one"] is False and arch["rope_local_base_freq"] == 10000.0
     smaller = gconvert.arch_from_gguf("gemma3", _gguf_md(block_count=34))
     assert smaller["query_pre_attn_scalar"] == 128
+
+
+def test_gguf_sliding_pattern_as_period_or_flags() -> None:
+    by_period = gconvert.arch_from_gguf("gemma3", _gguf_md(block_count=4, **{"attention.sliding_window_pattern": 2}))
+    assert by_period["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    flags = [True, False, True, True]
+    by_flags = gconvert.arch_from_gguf("gemma3", _gguf_md(block_count=4, **{"attention.sliding_window_pattern": flags}))
+    assert by_flags["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert gconvert.arch_from_gguf("gemma3", _gguf_md())["layer_types"].count("full_attention") == 10  # 62 // 6
 
 
 def test_gguf_unknown_rope_scaling_is_refused_by_name() -> None:

@@ -10,14 +10,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_gemma3 import TINY, TINY_CONFIG
+from turbospark_gemma3 import convert, plugin
+from turbospark_gemma3.family import Args, _causal_mask, _residual
 
 import turbospark_core
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ArchConfigError
-from turbospark_gemma3 import convert, plugin
-from turbospark_gemma3.family import Args, _causal_mask, _residual
-
-from tiny_gemma3 import TINY, TINY_CONFIG
 
 BASE = convert.arch_from_hf(TINY_CONFIG)
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+import turbospark_gemma3
+from tiny_gemma3 import TINY
 
 import turbospark_core
-import turbospark_gemma3
 from turbospark_core import cli, plugins
 from turbospark_core.convert import convert
 from turbospark_core.errors import UnknownFamilyError
-
-from tiny_gemma3 import TINY
 
 # What a third-party plugin may import from turbospark: the documented public surface
 PUBLIC = {

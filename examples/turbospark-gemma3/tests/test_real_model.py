@@ -67,13 +67,14 @@ def test_install_keeps_gguf_blocks_exact(gemma3_270m_install: Path) -> None:
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.3.ffn_down.weight"])
 def test_real_blocks_dequantize_exactly(gemma3_270m_gguf: Path, name: str) -> None:
-    import gguf
+    from gguf import GGMLQuantizationType, quants
 
-    ref = next(t for t in gguf.GGUFReader(gemma3_270m_gguf).tensors if t.name == name)
-    aq = open_gguf(gemma3_270m_gguf).read_tensor(name).data
+    src = open_gguf(gemma3_270m_gguf)
+    expected = quants.dequantize(src.read_raw(name), GGMLQuantizationType[src.tensor_types()[name]])
+    aq = src.read_tensor(name).data
     got = mx.dequantize(mx.array(aq.weight), mx.array(aq.scales.astype(np.float32)),
                         mx.array(aq.biases.astype(np.float32)), group_size=aq.group_size, bits=aq.bits)
-    assert np.array_equal(np.array(got), gguf.quants.dequantize(ref.data, ref.tensor_type))
+    assert np.array_equal(np.array(got), expected)
 
 
 # ------------------------------------------------------------------ the tokenizer rebuilt from the GGUF
@@ -100,9 +101,10 @@ def test_tokenizer_round_trips(runner: turbospark_core.Runner) -> None:
 def test_tokenizer_agrees_with_sentencepiece(runner: turbospark_core.Runner, gemma3_270m_gguf: Path) -> None:
     """Google's SentencePiece on the same pieces, scores and types is the oracle.
 
-    Runs of spaces are left out: Gemma's user-defined pieces ("  ", "   ", ...) are matched
-    on the raw text by llama.cpp and transformers (and so here); SentencePiece escapes the
-    spaces first and never uses them.
+    Left out: runs of spaces, as Gemma's user-defined pieces ("  ", "   ", ...) are matched
+    on the raw text by llama.cpp and transformers (and so here) while SentencePiece escapes
+    the spaces first and never uses them; and control tokens, which SentencePiece never
+    reads from text.
     """
     spm = pytest.importorskip("sentencepiece")
     model_pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
@@ -119,7 +121,7 @@ def test_tokenizer_agrees_with_sentencepiece(runner: turbospark_core.Runner, gem
     proto.normalizer_spec.add_dummy_prefix = False
     proto.normalizer_spec.remove_extra_whitespaces = False
     oracle = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
-    texts = [t for t in _varied_strings(400) if "  " not in t]
+    texts = [t for t in _varied_strings(400) if "  " not in t and "_of_turn>" not in t]
     assert len(texts) > 300
     differ = [t for t in texts if runner.tokenizer.encode(t, add_special_tokens=False) != oracle.encode(t)]
     assert differ == []

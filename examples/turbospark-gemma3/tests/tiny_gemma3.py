@@ -84,7 +84,14 @@ def random_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
 
 def tokenizer_json(vocab_size: int) -> str:
     """A Gemma-style tokenizer: BPE with byte fallback over "▁"-escaped text, no pre-tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        processors,
+    )
 
     pieces = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + ["▁", *"abcdefghijklmnopqrstuvwxyz.,"]
     letters = "etaoinshrdlu"

@@ -125,8 +125,12 @@ def arch_from_gguf(architecture: str, md: dict[str, Any]) -> dict[str, Any]:
     heads = int(get("attention.head_count"))
     layers = int(get("block_count"))
     head_dim = int(get("attention.key_length") or hidden // heads)
+    # llama.cpp fixes the pattern at 6 for gemma3; newer files may carry it (a period, or one flag per layer)
     pattern = get("attention.sliding_window_pattern")
-    pattern = pattern if isinstance(pattern, int) and pattern > 0 else SLIDING_PATTERN
+    if isinstance(pattern, list) and len(pattern) == layers:
+        layer_types = [SLIDING if swa else FULL for swa in pattern]
+    else:
+        layer_types = _layer_types({}, layers, pattern if isinstance(pattern, int) and pattern > 0 else SLIDING_PATTERN)
     return {
         "model_type": "gemma3_text",
         "hidden_size": hidden,
@@ -140,7 +144,7 @@ def arch_from_gguf(architecture: str, md: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length") or 131072),
         "query_pre_attn_scalar": float(hidden // heads if layers == _LAYERS_27B else head_dim),
         "sliding_window": int(get("attention.sliding_window") or 4096),
-        "layer_types": _layer_types({}, layers, pattern),
+        "layer_types": layer_types,
         "rope_theta": float(get("rope.freq_base", GLOBAL_THETA)),
         "rope_local_base_freq": float(get("rope.freq_base_swa", LOCAL_THETA)),
         "rope_scaling": _gguf_rope_scaling(architecture, md),

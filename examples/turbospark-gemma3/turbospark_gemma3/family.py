@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from turbospark_core.errors import ArchConfigError
 from turbospark_core.kv_cache import KVCache, RingKVCache

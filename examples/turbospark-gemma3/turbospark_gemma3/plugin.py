@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from turbospark_core import hookimpl
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.context import FamilyContext
 from turbospark_core.convert.records import TensorTarget
 from turbospark_core.registry import FamilySpec
-
-from turbospark_gemma3 import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert
+from turbospark_gemma3 import (
+    DISTRIBUTION,
+    FAMILY,
+    GGUF_ARCHITECTURES,
+    MODEL_TYPES,
+    convert,
+)
 from turbospark_gemma3.family import SLIDING, Args, Model
 
 # Gemma 3's turn markers (<start_of_turn>user ... <end_of_turn>); a system message opens the first user turn

@@ -55,3 +55,10 @@ def test_stream_matches_generate(runner: turbospark_core.Runner) -> None:
     stream = runner.stream(prompt, max_tokens=12)
     pieces = list(stream)
     assert "".join(pieces) == runner.generate(prompt, max_tokens=12).text == stream.result.text
+
+
+def test_q8_kv_cache_keeps_greedy_output(smollm2_install: Path, runner: turbospark_core.Runner) -> None:
+    quantized = turbospark_core.open(smollm2_install, max_context=2048, kv_quant="q8")
+    prompt = "The three primary colors are"
+    assert quantized.generate(prompt, max_tokens=24).tokens == runner.generate(prompt, max_tokens=24).tokens
+    assert quantized.opened.estimate.kv < runner.opened.estimate.kv / 3
