@@ -18,6 +18,11 @@ Models (``--models``):
 * ``moe``: the 26B-A4B shape scaled down: a routed-expert block beside the
   dense MLP, K = V on the full layers (one global KV head).
 
+Each runtime runs in its own child process (``compare_mlx_lm.run_worker``),
+with the BLAS it gets in normal use (``--mlx-lm-openblas`` gives mlx-lm
+turbospark's OpenBLAS shim too). On the CPU, mlx-lm loads a float32 copy of
+the MoE checkpoint: MLX's CPU ``gather_mm`` (its experts) is float32-only.
+
 The sliding window is 128 tokens (released models: 512-1024) so that the
 default 256-token prompt already runs the ring buffer past its window.
 
@@ -28,7 +33,7 @@ written here carries it in both places. mlx-lm is a benchmark-only dependency.
 Usage::
 
     python benchmarks/compare_gemma4.py [--prompt-tokens 256] [--gen-tokens 64]
-        [--models e,moe] [--workdir DIR]
+        [--models e,moe] [--workdir DIR] [--f32-check] [--mlx-lm-openblas]
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import turbospark_core  # noqa: F401  (first: its BLAS shim binds before mlx loads, as in normal use)
+
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared runtime runners and report)
+import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -246,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--models", default="e,moe", help="comma list of: " + ", ".join(TEXT_CONFIGS))
     ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
+    ap.add_argument("--f32-check", action="store_true", help="also take mlx-lm's first greedy token in float32")
+    ap.add_argument(
+        "--mlx-lm-openblas",
+        action="store_true",
+        help="run mlx-lm with turbospark's OpenBLAS shim loaded too (default: MLX's own BLAS, as mlx-lm users get)",
+    )
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in TEXT_CONFIGS for m in models):
@@ -266,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             prep = prepare(work, name, args.prompt_tokens)
             res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
             base.log(f"== {name}: turbospark")
-            res["turbospark"] = base.bench_turbospark(prep["install"], prep["ids"], args.gen_tokens)
+            res["turbospark"] = base.run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
             base.log(f"== {name}: mlx-lm")
-            res["mlx-lm"] = base.bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens)
+            res["mlx-lm"] = base.run_worker(
+                "mlx-lm", prep["mlx_dir"], prep["ids"], args.gen_tokens, work,
+                f32_check=args.f32_check, openblas=args.mlx_lm_openblas,
+            )
             results.append(res)
         print(
             f"turbospark vs mlx-lm, Gemma 4 shapes ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, "

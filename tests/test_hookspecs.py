@@ -111,6 +111,7 @@ def test_every_loaded_plugin_answers_none_for_a_foreign_arch() -> None:
         "hf_config": FOREIGN,
         "architecture": "__not_a_family__",
         "metadata": {},
+        "tensor_names": [],
         "arch": FOREIGN,
         "name": "model.norm.weight",
         "data": mx.zeros((4,)),
@@ -185,11 +186,11 @@ GGUF_METADATA = {
 
 def test_hook_arch_from_gguf(llama: plugins.FamilyHooks) -> None:
     plugins.load_plugins()
-    arch = plugins.pm.hook.arch_from_gguf(architecture="llama", metadata=GGUF_METADATA)
-    assert arch["model_type"] == "llama"
+    arch = plugins.pm.hook.arch_from_gguf(architecture="llama", metadata=GGUF_METADATA, tensor_names=["token_embd.weight"])
+    assert arch["model_type"] == "llama" and arch["tie_word_embeddings"] is True  # no output.weight
     assert (arch["hidden_size"], arch["num_key_value_heads"], arch["head_dim"], arch["vocab_size"]) == (64, 2, 16, 512)
     assert llama.arch_problems(arch) == []
-    assert plugins.pm.hook.arch_from_gguf(architecture="__not_a_family__", metadata={}) is None
+    assert plugins.pm.hook.arch_from_gguf(architecture="__not_a_family__", metadata={}, tensor_names=[]) is None
 
 
 def test_hook_hf_tensor_target(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:

@@ -60,7 +60,7 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
 
 
 @hookspec(firstresult=True)
-def arch_from_gguf(architecture: str, metadata: dict[str, Any]) -> Arch | None:
+def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> Arch | None:
     """Map GGUF metadata onto the install's arch config.
 
     Fires during ``turbospark convert`` of a GGUF file. Return ``None`` if
@@ -70,6 +70,8 @@ def arch_from_gguf(architecture: str, metadata: dict[str, Any]) -> Arch | None:
     Args:
         architecture: The GGUF ``general.architecture`` value.
         metadata: Every GGUF key/value as plain Python values.
+        tensor_names: The file's tensor names (e.g. to tell a tied head:
+            no ``output.weight``).
     """
 
 

@@ -371,16 +371,49 @@ def _linear(proj: ProjectionLayout, held: dict[str, mx.array], unpack: bool) -> 
 
 def _empty_slots(proj: ProjectionLayout, slots: int, policy: ComputePolicy) -> dict[str, mx.array]:
     """Slot tensors ``[slots, ...]`` in held form (zeros until an expert is loaded)."""
-    if policy.unpack:
+    if policy.unpack:  # from a real buffer (mx.zeros may broadcast a scalar), so slots can be written in place
         dtype = policy.compute_dtype
-        held = {"weight": mx.zeros((slots, proj.out_features, proj.in_features), dtype)}
+        held = {"weight": mx.array(np.zeros((slots, proj.out_features, proj.in_features), np.float32)).astype(dtype)}
         if "bias" in proj.tensors:
-            held["bias"] = mx.zeros((slots, proj.out_features), dtype)
+            held["bias"] = mx.array(np.zeros((slots, proj.out_features), np.float32)).astype(dtype)
     else:
         end = max(t.offset + t.nbytes for t in proj.tensors.values())
         held = _from_records(proj, np.zeros((slots, end), np.uint8))
     mx.eval(held)
     return held
+
+
+def _writable_views(held: dict[str, dict[str, mx.array]]) -> dict[str, dict[str, np.ndarray]] | None:
+    """numpy views sharing the slot tensors' memory (CPU), or ``None`` where MLX memory is not host memory."""
+    if mx.default_device() != mx.cpu:
+        return None
+    views: dict[str, dict[str, np.ndarray]] = {}
+    for name, leaves in held.items():
+        views[name] = {}
+        for leaf, arr in leaves.items():
+            view = np.asarray(arr)
+            if arr.dtype != mx.float32 or not (view.flags.writeable and view.flags.c_contiguous):
+                return None
+            view.flat[0] = 1.0  # probe: a write through the view must be what MLX reads
+            shared = arr.reshape(-1)[0].item() == 1.0
+            view.flat[0] = 0.0
+            if not shared:
+                return None
+            views[name][leaf] = view
+    return views
+
+
+def _widen_into(raw: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    """One stored float tensor (bytes) into a float32 slot, exactly as ``astype(float32)`` would."""
+    flat = out.reshape(-1)
+    if dtype == "F32":
+        flat.view(np.uint8)[:] = raw
+    elif dtype == "F16":
+        flat[:] = raw.view(np.float16)
+    else:  # BF16 is the high half of a float32
+        bits = flat.view(np.uint32)
+        bits[:] = raw.view(np.uint16)
+        bits <<= 16
 
 
 def _from_records(proj: ProjectionLayout, records: np.ndarray) -> dict[str, mx.array]:
@@ -531,6 +564,8 @@ class StreamedExpertBank:
         self.slots = min(store.plan.slots, layer.num_experts)
         unpack = store.plan.unpack
         self._held = held
+        # CPU float32 slots are written in place (one pass from the read buffer); elsewhere by MLX slice updates
+        self._views = _writable_views(held) if unpack else None
         self._bank = ExpertBank(*(_linear(layer.projections[n], self._held[n], unpack) for n in roles))
         self._slot_of = np.full(layer.num_experts, -1, np.int64)
         self._expert_in = np.full(self.slots, -1, np.int64)
@@ -556,8 +591,12 @@ class StreamedExpertBank:
         uniq = np.unique(idx)
         if len(uniq) <= self.slots:
             self._ensure(uniq)
-            return self._bank.glu(x, mx.array(self._slot_of[idx].astype(np.uint32)), activation)
-        return self._glu_grouped(x, idx, uniq, activation)
+            y = self._bank.glu(x, mx.array(self._slot_of[idx].astype(np.uint32)), activation)
+        else:
+            y = self._glu_grouped(x, idx, uniq, activation)
+        if self._views is not None:
+            mx.eval(y)  # nothing may still read a slot when the next call writes it in place
+        return y
 
     def _check(self, idx: np.ndarray) -> None:
         k = idx.shape[-1] if idx.ndim else 0
@@ -622,15 +661,36 @@ class StreamedExpertBank:
         for start in range(0, experts.size, batch):
             part, into = experts[start : start + batch], slots[start : start + batch]
             records = self._read(part)
-            for name in self.roles:
-                proj = self.layer.projections[name]
-                held = _held(proj, _from_records(proj, records), self.store.policy)
-                for leaf, arr in held.items():
-                    target = self._held[name][leaf]
-                    for i, s in enumerate(into.tolist()):
-                        target[s : s + 1] = arr[i : i + 1]
-            mx.eval([a for h in self._held.values() for a in h.values()])
+            if self._views is not None:
+                self._write_in_place(records, into.tolist())
+            else:
+                self._write_functional(records, into.tolist())
             self.store.counters.bytes_read += part.size * stride
+
+    def _write_in_place(self, records: np.ndarray, into: list[int]) -> None:
+        for name in self.roles:
+            proj, views = self.layer.projections[name], self._views[name]  # type: ignore[index]
+            if proj.quant is not None:  # MLX dequantizes (bit-identical to the resident bank), then copy
+                held = _held(proj, _from_records(proj, records), self.store.policy)
+                mx.eval(held)
+                for leaf, arr in held.items():
+                    src = np.asarray(arr)
+                    for i, s in enumerate(into):
+                        views[leaf][s] = src[i]
+                continue
+            for leaf, t in proj.tensors.items():
+                for i, s in enumerate(into):
+                    _widen_into(records[i, t.offset : t.offset + t.nbytes], t.dtype, views[leaf][s])
+
+    def _write_functional(self, records: np.ndarray, into: list[int]) -> None:
+        for name in self.roles:
+            proj = self.layer.projections[name]
+            held = _held(proj, _from_records(proj, records), self.store.policy)
+            for leaf, arr in held.items():
+                target = self._held[name][leaf]
+                for i, s in enumerate(into):
+                    target[s : s + 1] = arr[i : i + 1]
+        mx.eval([a for h in self._held.values() for a in h.values()])
 
     def _read(self, experts: np.ndarray) -> np.ndarray:
         """Records of ``experts`` (sorted) into the staging buffer, one read per run of neighbours."""

@@ -175,7 +175,7 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
     return pm.hook.arch_from_hf_config(hf_config=hf_config)
 
 
-def arch_from_gguf(architecture: str, metadata: dict[str, Any]) -> dict[str, Any] | None:
+def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any] | None:
     """Ask every plugin to map GGUF metadata (first answer wins)."""
     load_plugins()
-    return pm.hook.arch_from_gguf(architecture=architecture, metadata=metadata)
+    return pm.hook.arch_from_gguf(architecture=architecture, metadata=metadata, tensor_names=tensor_names)

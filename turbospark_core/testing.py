@@ -63,19 +63,22 @@ def turbospark_fixtures(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="session")
-def turbospark_install(tmp_path_factory: pytest.TempPathFactory, turbospark_fixtures: Path) -> Any:
-    """``make(fixture_name, variant)`` -> path of an install converted once per session.
+def turbospark_install(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """``make(fixture_name, variant, root=None)`` -> path of an install converted once per session.
 
-    ``variant`` is ``"float32"`` (the checkpoint as is) or ``"bf16"`` (its ``bf16/`` copy).
+    ``variant`` is ``"float32"`` (the checkpoint as is) or ``"bf16"`` (its
+    ``bf16/`` copy). ``root`` defaults to the shared fixtures root; the
+    conformance tests pass their (overridable) ``turbospark_fixtures``.
     """
     from turbospark_core.convert import convert
 
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[Path, str, str], Path] = {}
+    default_root = find_fixtures_root(request.config)
 
-    def make(name: str, variant: str = "float32") -> Path:
-        key = (name, variant)
+    def make(name: str, variant: str = "float32", root: Path | None = None) -> Path:
+        key = (root or default_root, name, variant)
         if key not in made:
-            src = turbospark_fixtures / name / ("bf16" if variant == "bf16" else "")
+            src = key[0] / name / ("bf16" if variant == "bf16" else "")
             dst = tmp_path_factory.mktemp(f"{name}-{variant}") / "install"
             convert(src, dst)
             made[key] = dst
@@ -108,16 +111,21 @@ class FamilyConformance:
         return np.load(turbospark_fixtures / fixture_name / "references.npz")
 
     @pytest.fixture
-    def runner(self, turbospark_install: Any, fixture_name: str) -> Any:
-        import turbospark_core
-
-        return turbospark_core.open(turbospark_install(fixture_name, "float32"))
+    def install(self, turbospark_install: Any, turbospark_fixtures: Path, fixture_name: str) -> Any:
+        """``install(variant)`` -> this fixture's install, from this class's fixtures root."""
+        return lambda variant="float32": turbospark_install(fixture_name, variant, root=turbospark_fixtures)
 
     @pytest.fixture
-    def bf16_runner(self, turbospark_install: Any, fixture_name: str) -> Any:
+    def runner(self, install: Any) -> Any:
         import turbospark_core
 
-        return turbospark_core.open(turbospark_install(fixture_name, "bf16"))
+        return turbospark_core.open(install("float32"))
+
+    @pytest.fixture
+    def bf16_runner(self, install: Any) -> Any:
+        import turbospark_core
+
+        return turbospark_core.open(install("bf16"))
 
     # ------------------------------------------------------------ parity
     def test_float32_logits_match_reference(self, runner: Any, refs: Any) -> None:
@@ -214,14 +222,14 @@ class FamilyConformance:
         assert hooks.arch_problems(arch) == []
         assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
 
-    def test_invalid_arch_is_refused_by_name(self, turbospark_install: Any, fixture_name: str, tmp_path: Path) -> None:
+    def test_invalid_arch_is_refused_by_name(self, install: Any, tmp_path: Path) -> None:
         import json
         import shutil
 
         import turbospark_core
         from turbospark_core.errors import ArchConfigError
 
-        src = turbospark_install(fixture_name, "float32")
+        src = install("float32")
         bad = tmp_path / "bad"
         shutil.copytree(src, bad)
         manifest = json.loads((bad / "manifest.json").read_text())

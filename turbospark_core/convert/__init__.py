@@ -57,7 +57,7 @@ def convert(
         UnknownFamilyError: No installed plugin serves the source's model type.
     """
     options = ConvertOptions(
-        dtype=dtype, quantize=quantize, group_size=group_size, dequantize=not strict, experts_file=experts_file
+        dtype=dtype, quantize=quantize, group_size=group_size, strict=strict, experts_file=experts_file
     )
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":

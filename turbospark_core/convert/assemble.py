@@ -23,7 +23,7 @@ class ConvertOptions:
     dtype: str | None = None
     quantize: str | None = None
     group_size: int = 64
-    dequantize: bool = False
+    strict: bool = False  # GGUF: refuse block types with no exact MLX form
     experts_file: bool = True  # MoE: routed experts go to experts.bin
 
     def __attrs_post_init__(self) -> None:

@@ -34,15 +34,15 @@ def gguf_source(
     """Arch config, mapped tensors, tokenizer files, tensor count and dequantized tensors of a GGUF file.
 
     Block types with an exact MLX form (see ``gguf_reader.EXACT_TYPES``) stay
-    quantized. The others are dequantized to float when ``options.dequantize``
-    (the default), else refused, naming every such tensor, before any is read.
+    quantized. The others are dequantized to float (the default), or, under
+    ``options.strict``, refused, naming every such tensor, before any is read.
 
     Returns:
         ``(arch, items, texts, total, dequantized)``, where ``dequantized`` maps a
         GGML type name to the tensors that will be stored as float.
     """
     src = open_gguf(path)
-    arch = plugins.arch_from_gguf(src.architecture, src.metadata)
+    arch = plugins.arch_from_gguf(src.architecture, src.metadata, src.tensor_names())
     if arch is None:
         reg = plugins.registry()
         served = ", ".join(a for s in reg.families() for a in s.gguf_architectures) or "none"
@@ -54,7 +54,7 @@ def gguf_source(
     hooks = plugins.family_hooks(arch["model_type"])
     targets = {name: hooks.gguf_tensor_target(arch, name) for name in src.tensor_names()}
     dequantized = _inexact(src, targets)
-    if dequantized and not options.dequantize:
+    if dequantized and options.strict:
         raise ConversionError(_strict_refusal(path, dequantized))
     texts = tokenizer_files_from_gguf(src)
     texts["generation_config.json"] = _generation_config(src)
@@ -64,7 +64,7 @@ def gguf_source(
             if target is None or target.name is None:
                 yield target, SourceTensor(name=name, data=_EMPTY), None
                 continue
-            tensor = src.read_tensor(name, dequantize=options.dequantize)
+            tensor = src.read_tensor(name, dequantize=not options.strict)
             if target.unpermute_heads:
                 tensor = SourceTensor(name=name, data=unpermute_rotary_rows(tensor.data, target.unpermute_heads))
             yield target, tensor, None

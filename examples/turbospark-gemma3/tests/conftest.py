@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,12 @@ def turbospark_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gemma3-fixtures")
     build_tiny_fixture(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def turbospark_install(turbospark_install: Any, turbospark_fixtures: Path) -> Any:
+    """The harness's install maker, defaulting to this plugin's fixture root."""
+    return lambda name, variant="float32", root=None: turbospark_install(name, variant, root or turbospark_fixtures)
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,8 @@ def test_install_holds_only_what_the_flow_reads(turbospark_install: Any) -> None
     assert "model.layers.1.self_attn.k_proj.weight" in names
     assert not {n for n in names if n.startswith(("model.layers.3.self_attn.k", "model.layers.4.self_attn.k"))}
     assert not {n for n in names if "vision" in n or "audio" in n}
-    moe = set(mx.load(str(turbospark_install("gemma4_moe") / "model_weights.safetensors")))
-    assert {"model.layers.2.experts.gate_proj.weight", "model.layers.2.experts.down_proj.weight"} <= moe
+    moe_install = turbospark_install("gemma4_moe")
+    moe = set(mx.load(str(moe_install / "model_weights.safetensors")))
     assert "model.layers.2.self_attn.v_proj.weight" not in moe  # K = V on the full layer
+    experts = json.loads((moe_install / "manifest.json").read_text())["experts"]["layers"]
+    assert set(experts["model.layers.2.experts"]["projections"]) == {"gate_proj", "up_proj", "down_proj"}

@@ -63,6 +63,7 @@ def _with(change: dict[str, Any]) -> dict[str, Any]:
         ({"layer_types": [SLIDING, FULL]}, "layer_types"),
         ({"hidden_activation": "silu"}, "hidden_activation"),
         ({"full_rope_type": "yarn"}, "yarn"),
+        ({"rope_parameters": {SLIDING: BASE["rope_parameters"][SLIDING]}}, "full_attention"),
         ({"num_kv_shared_layers": 5}, "num_kv_shared_layers"),
         ({"layer_types": [FULL, FULL, FULL, SLIDING, FULL]}, "sliding_attention"),
         ({"moe": {"num_experts": 4, "top_k": 5, "moe_intermediate_size": 8}}, "top_k"),

@@ -23,8 +23,8 @@ def test_quantized_mlx_lm_directory(turbospark_fixtures: Path, tmp_path: Path) -
     mlx_dir = tmp_path / "mlx"
     mlx_lm.convert(str(src), str(mlx_dir), quantize=True, q_group_size=32, q_bits=8)
     manifest = convert(mlx_dir, tmp_path / "install")
-    print(sorted(manifest.quantization))
-    assert "model.layers.0.experts.gate_proj" in manifest.quantization  # switch_glu names mapped
+    gate = manifest.experts["layers"]["model.layers.0.experts"]["projections"]["gate_proj"]  # switch_glu mapped
+    assert gate["quantization"]["bits"] == 8
     refs = np.load(turbospark_fixtures / "gemma4_moe" / "references.npz")
     got = turbospark_core.open(tmp_path / "install").logits(refs["prompt_ids"].tolist())
     assert float((got.argmax(-1) == refs["logits"].argmax(-1)).mean()) >= 0.95

@@ -94,9 +94,11 @@ class Args:
             return out
         if arch.get("hidden_activation") not in ACTIVATIONS:
             out.append(f"hidden_activation={arch.get('hidden_activation')!r} is not one of {ACTIVATIONS}")
-        for kind, p in (arch.get("rope_parameters") or {}).items():
-            if p.get("rope_type") not in ROPE_TYPES:
-                out.append(f"rope_parameters[{kind!r}] rope_type {p.get('rope_type')!r} is not one of {ROPE_TYPES}")
+        rope = arch.get("rope_parameters") or {}
+        for kind in LAYER_TYPES:
+            rope_type = (rope.get(kind) or {}).get("rope_type")
+            if rope_type not in ROPE_TYPES:
+                out.append(f"rope_parameters[{kind!r}] rope_type {rope_type!r} is not one of {ROPE_TYPES}")
         out += _sharing_problems(arch, types)
         moe = arch.get("moe")
         if moe and not 0 < (moe.get("top_k") or 0) <= (moe.get("num_experts") or 0):
@@ -217,7 +219,9 @@ class Attention:
         q = self.rope(mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
         kv = shared if shared is not None else self._own_kv(x, cache, offset)
         k, v, mask = kv
-        out = mx.fast.scaled_dot_product_attention(q, k, v.astype(q.dtype), scale=1.0, mask=mask)
+        if k.dtype != q.dtype:  # caches may be held in another dtype than the activations
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), kv
 
 
@@ -259,7 +263,10 @@ class Block:
         self.eps = args.rms_norm_eps
         self.self_attn = Attention(args, w, i)
         self.mlp = MLP(w, f"{prefix}.mlp")
-        norm = lambda name: w.tensor(f"{prefix}.{name}.weight")  # noqa: E731
+
+        def norm(name: str) -> mx.array:
+            return w.tensor(f"{prefix}.{name}.weight")
+
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
@@ -310,6 +317,7 @@ class Model:
         self.embed_scale = args.hidden_size**0.5
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
         self.kv_sources = [args.kv_source(i) for i in range(args.num_hidden_layers)]
+        self.kv_shared_from = {s for i, s in enumerate(self.kv_sources) if s != i}
         self.norm = w.tensor("model.norm.weight")
         self.ple_dim = args.hidden_size_per_layer_input
         if self.ple_dim:
@@ -331,12 +339,15 @@ class Model:
         h = self.embed_tokens(inputs) * self.embed_scale
         per_layer = self._per_layer_inputs(inputs, h) if self.ple_dim else None
         offset = cache[0].offset if cache else 0
-        kvs: list[tuple | None] = []
+        # K/V (and mask) of the layers that KV-shared layers read, from this same pass:
+        # a ring may already have dropped rows an earlier query of a long chunk needs
+        stored: dict[int, tuple] = {}
         for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources)):
             c = cache[i] if cache and src == i else None
             pl = None if per_layer is None else per_layer[:, :, i, :]
-            h, kv = block(h, c, offset, kvs[src] if src != i else None, pl)
-            kvs.append(kv)
+            h, kv = block(h, c, offset, stored.get(src) if src != i else None, pl)
+            if i in self.kv_shared_from:
+                stored[i] = kv
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = (self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)).astype(mx.float32)
         cap = self.args.final_logit_softcapping

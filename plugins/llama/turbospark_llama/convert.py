@@ -143,8 +143,8 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 _GGUF_SCALING = ("linear", "yarn")
 
 
-def arch_from_gguf(architecture: str, md: dict[str, Any]) -> dict[str, Any]:
-    """The install's arch config from GGUF ``llama.*`` metadata."""
+def arch_from_gguf(architecture: str, md: dict[str, Any], tensor_names: list[str] | None = None) -> dict[str, Any]:
+    """The install's arch config from GGUF ``llama.*`` metadata (a file without ``output.weight`` ties the head)."""
     def get(key: str, default: Any = None) -> Any:
         return md.get(f"{architecture}.{key}", default)
 
@@ -166,7 +166,7 @@ def arch_from_gguf(architecture: str, md: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": _gguf_rope_scaling(architecture, md),
         "max_position_embeddings": int(get("context_length") or 4096),
-        "tie_word_embeddings": False,  # decided by whether output.weight exists
+        "tie_word_embeddings": tensor_names is not None and "output.weight" not in tensor_names,
         "qk_norm": None,
         "moe": None,
     }

@@ -38,10 +38,10 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @hookimpl
-def arch_from_gguf(architecture: str, metadata: dict[str, Any]) -> dict[str, Any] | None:
+def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any] | None:
     if architecture not in GGUF_ARCHITECTURES:
         return None
-    return convert.arch_from_gguf(architecture, metadata)
+    return convert.arch_from_gguf(architecture, metadata, tensor_names)
 
 
 @hookimpl
