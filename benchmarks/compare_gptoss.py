@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
 import mlx.core as mx
 import numpy as np
 

@@ -27,7 +27,8 @@ class ComputePolicy:
         """Pick the policy for the default device within ``budget`` bytes."""
         on_cpu = mx.default_device() == mx.cpu
         if not on_cpu:
-            return cls(unpack=False, compute_dtype=mx.float16, reason="gpu: quantized kernels")
+            # bf16 activations: float16 overflows in some families (Gemma)
+            return cls(unpack=False, compute_dtype=mx.bfloat16, reason="gpu: stored weights, quantized kernels")
         if unpacked_bytes <= budget:
             return cls(
                 unpack=True,
