@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import turbospark_core  # first: the BLAS shim binds before MLX loads
+
 HERE = Path(__file__).resolve()
 DEFAULT_FIXTURES = HERE.parents[2] / "shared" / "fixtures"
 
@@ -79,7 +81,6 @@ def _tensors(args: argparse.Namespace, mx: Any) -> dict[str, Any]:
 
 
 def build(args: argparse.Namespace, dst: Path) -> None:
-    import turbospark_core  # noqa: F401 - BLAS shim before mlx
     import mlx.core as mx
 
     from turbospark_core import plugins
@@ -118,7 +119,6 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
-    import turbospark_core
     from turbospark_core import moe
 
     root = Path(spec["install"])
@@ -179,7 +179,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, str(HERE), "--run-one", json.dumps(spec)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(HERE), "--run-one", json.dumps(spec)], capture_output=True, text=True, check=False
+    )
     if out.returncode:
         print(out.stderr, file=sys.stderr)
         return {"name": spec["name"], "error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}

@@ -17,7 +17,13 @@ from turbospark_core.cli import main
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
 from turbospark_core.convert.experts import split_experts, top_k_from_config
-from turbospark_core.errors import InstallError, ManifestError, MemoryBudgetError, OptionError, TensorStorageError
+from turbospark_core.errors import (
+    InstallError,
+    ManifestError,
+    MemoryBudgetError,
+    OptionError,
+    TensorStorageError,
+)
 from turbospark_core.manifest import EXPERTS, WEIGHTS, load_manifest
 from turbospark_core.weights import ExpertBank
 
@@ -90,8 +96,8 @@ def test_experts_bin_holds_exactly_the_stacked_tensors(moe_install: Callable[...
     want = {n: a for n, a in mx.load(str(plain / WEIGHTS)).items() if moe.EXPERT_TENSOR.match(n)}
     got = moe.read_expert_tensors(load_manifest(packed))
     assert set(got) == set(want) and want
-    for name in want:
-        assert got[name].dtype == want[name].dtype and mx.array_equal(got[name], want[name]).item(), name
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and mx.array_equal(got[name], arr).item(), name
     quant_plain = load_manifest(plain).quantization
     quant_packed = load_manifest(packed).quantization
     assert not [b for b in quant_packed if moe.EXPERT_TENSOR.match(b + ".weight")]
@@ -268,6 +274,10 @@ def test_slots_below_top_k_are_refused_by_name(moe_install: Callable[..., Path],
     with pytest.raises(OptionError):
         turbospark_core.open(root, expert_slots=1)  # auto with explicit slots streams
     turbospark_core.open(root, residency="resident", expert_slots=1)  # resident ignores the slot count
+    plan = turbospark_core.open(root, expert_slots=4).opened.experts.plan  # auto with explicit slots streams
+    assert (plan.residency, plan.slots) == ("streamed", 4)
+    plan = turbospark_core.open(root, residency="streamed", expert_slots=99).opened.experts.plan
+    assert (plan.residency, plan.slots) == ("streamed", 8)  # capped at the expert count
 
 
 def test_without_top_k_in_the_install_the_first_call_refuses(moe_copy: Path, tamper) -> None:

@@ -210,3 +210,23 @@ def test_policy_on_gpu_keeps_quantized_kernels(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     policy = ComputePolicy.choose(unpacked_bytes=1, stored_bytes=1, budget=10**12)
     assert not policy.unpack and "gpu" in policy.reason
+
+
+def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    from turbospark_core import weights as W
+
+    E, D, I = 8, 32, 16
+    gate = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(0)), mx.random.normal((E, I), key=mx.random.key(1)))
+    up = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(2)))
+    down = W.Linear(mx.random.normal((E, D, I), key=mx.random.key(3)))
+    bank = W.ExpertBank(gate, up, down)
+    x = mx.random.normal((2, 40, D), key=mx.random.key(4))
+    idx = mx.random.randint(0, E, (2, 40, 2), key=mx.random.key(5))
+
+    def act(a: mx.array, b: mx.array) -> mx.array:
+        return a * mx.sigmoid(a) * b
+
+    monkeypatch.setattr(W, "SORT_THRESHOLD", 10**9)
+    unsorted = bank.glu(x, idx, act)
+    monkeypatch.setattr(W, "SORT_THRESHOLD", 1)
+    assert mx.array_equal(bank.glu(x, idx, act), unsorted)

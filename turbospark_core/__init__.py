@@ -26,9 +26,12 @@ def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's 
     Args:
         path: The install directory (made by ``turbospark convert``).
         **options: ``max_context`` (tokens), ``expert_slots`` (positive int or
-            ``"auto"``), ``residency`` (``"resident"``/``"auto"``),
+            ``"auto"``), ``residency`` (``"resident"``/``"streamed"``/``"auto"``:
+            routed MoE experts held in memory, or an LRU of ``expert_slots``
+            per layer read from ``experts.bin``),
             ``memory_budget`` (bytes or ``"8GB"``; default 80% of free RAM),
-            ``kv_quant`` (``None``), ``warmup`` (bool).
+            ``kv_quant`` (``None``/``"q8"``/``"q4"``), ``session_slots``,
+            ``ring_capacity``, ``warmup`` (bool).
 
     Raises:
         TurbosparkError: A subclass naming what is wrong and how to fix it.

@@ -16,6 +16,7 @@ import os
 import re
 import time
 import weakref
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,10 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.compute import ComputePolicy
-from turbospark_core.errors import InstallError, OptionError
+from turbospark_core.errors import InstallError, OptionError, TensorStorageError
 from turbospark_core.manifest import EXPERTS, Manifest
 from turbospark_core.stats import ExpertStats
-from turbospark_core.tensor_index import FLOAT_DTYPES, PACKED_DTYPES, QuantSpec, TensorStorageError
+from turbospark_core.tensor_index import FLOAT_DTYPES, PACKED_DTYPES, QuantSpec
 from turbospark_core.weights import ExpertBank, Linear
 
 ALIGNMENT = 4096
@@ -71,6 +72,7 @@ class ExpertTensor:
         return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as written in the manifest."""
         return {"offset": self.offset, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
@@ -97,10 +99,12 @@ class ProjectionLayout:
 
     @property
     def out_features(self) -> int:
+        """Rows of the matrix."""
         return self.tensors["weight"].shape[0]
 
     @property
     def in_features(self) -> int:
+        """Columns of the matrix once dequantized."""
         cols = self.tensors["weight"].shape[-1]
         return cols if self.quant is None else cols * 32 // self.quant.bits
 
@@ -112,6 +116,7 @@ class ProjectionLayout:
         return 4 * (self.out_features * self.in_features + (0 if bias is None else math.prod(bias.shape)))
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as written in the manifest."""
         quant = None if self.quant is None else attrs.asdict(self.quant)
         return {"quantization": quant, "tensors": {leaf: t.to_json() for leaf, t in self.tensors.items()}}
 
@@ -164,6 +169,7 @@ class LayerLayout:
 
     @property
     def end(self) -> int:
+        """The byte after the layer's last record."""
         return self.offset + self.num_experts * self.stride
 
     def held_bytes(self, unpack: bool) -> int:
@@ -171,6 +177,7 @@ class LayerLayout:
         return sum(p.held_bytes(unpack) for p in self.projections.values())
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as written in the manifest."""
         return {
             "offset": self.offset,
             "num_experts": self.num_experts,
@@ -195,7 +202,7 @@ class LayerLayout:
         if layer.offset % alignment or layer.stride % alignment:
             raise _fail(where, f"offset {layer.offset} and stride {layer.stride} must be multiples of {alignment}")
         spans = sorted((t.offset, t.offset + t.nbytes, f"{p.name}.{leaf}") for p in layer.projections.values() for leaf, t in p.tensors.items())
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a), (start, _, b) in pairwise(spans):
             if start < end:
                 raise _fail(where, f"tensors {a} and {b} overlap in the expert record")
         if spans[-1][1] > layer.stride:
@@ -246,7 +253,7 @@ class ExpertLayout:
 
     def _check_bounds(self, file_size: int, where: str) -> None:
         spans = sorted((layer.offset, layer.end, prefix) for prefix, layer in self.layers.items())
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a), (start, _, b) in pairwise(spans):
             if start < end:
                 raise _fail(where, f"layers {a!r} and {b!r} overlap in experts.bin")
         if spans[-1][1] > file_size:
@@ -257,6 +264,7 @@ class ExpertLayout:
 
     @property
     def max_experts(self) -> int:
+        """The most experts any routed layer has."""
         return max(layer.num_experts for layer in self.layers.values())
 
     def slot_bytes(self, slots: int, unpack: bool) -> int:
@@ -279,6 +287,7 @@ class ExpertPlan:
     held_bytes: int
 
     def describe(self) -> str:
+        """One line for ``turbospark inspect`` and refusals."""
         form = "float32" if self.unpack else "stored form"
         what = "all experts" if self.residency == RESIDENT else f"{self.slots} slots per routed layer"
         return f"{self.residency}: {what}, {form}, {self.held_bytes / 1e9:.3f} GB"
@@ -312,7 +321,7 @@ def plan_experts(layout: ExpertLayout, residency: str, expert_slots: int | str, 
         need = layout.slot_bytes(layout.max_experts, unpack)
         return ExpertPlan(residency=RESIDENT, slots=layout.max_experts, unpack=unpack, held_bytes=need) if need <= room else None
     fewest = layout.top_k or 1
-    need_for = lambda n: layout.slot_bytes(n, unpack) + layout.staging_bytes(n)  # noqa: E731
+    need_for = lambda n: layout.slot_bytes(n, unpack) + layout.staging_bytes(n)
     if isinstance(expert_slots, int):
         slots = min(expert_slots, layout.max_experts)
     else:  # the most slots that fit: bisect, the need grows with the slot count
@@ -482,6 +491,7 @@ class ExpertStore:
         return buf
 
     def has(self, prefix: str) -> bool:
+        """Whether ``prefix`` is a routed layer of experts.bin."""
         return prefix in self.layout.layers
 
     def bank(self, prefix: str, gate: str, up: str, down: str) -> ExpertBank | StreamedExpertBank:
@@ -499,6 +509,7 @@ class ExpertStore:
         return bank
 
     def materialize(self) -> None:
+        """Evaluate the resident experts' float32 form once (open step 11's end)."""
         if self._pending:
             mx.eval(self._pending)
             self._pending.clear()

@@ -119,14 +119,32 @@ class ExpertBank:
         Returns:
             ``[..., k, D]``: each chosen expert's output (unweighted).
         """
+        if indices.size >= SORT_THRESHOLD:
+            return self._glu_sorted(x, indices, activation)
         xe = mx.expand_dims(x, (-2, -3))
         h = activation(_gather(self.gate, xe, indices), _gather(self.up, xe, indices))
         return _gather(self.down, h, indices).squeeze(-2)
 
+    def _glu_sorted(
+        self, x: mx.array, indices: mx.array, activation: Callable[[mx.array, mx.array], mx.array]
+    ) -> mx.array:
+        # Many (token, expert) pairs: group them by expert so each expert's rows are contiguous
+        k = indices.shape[-1]
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        rows = mx.expand_dims(x.reshape(-1, x.shape[-1])[order // k], -2)
+        idx = flat[order]
+        h = activation(_gather(self.gate, rows, idx, True), _gather(self.up, rows, idx, True))
+        y = _gather(self.down, h, idx, True).squeeze(-2)
+        return y[mx.argsort(order)].reshape(*indices.shape, y.shape[-1])
 
-def _gather(proj: Linear, x: mx.array, indices: mx.array) -> mx.array:
+
+SORT_THRESHOLD = 64
+
+
+def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = False) -> mx.array:
     if proj.quant is None:
-        y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices)
+        y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
     else:
         y = mx.gather_qmm(
             x,
@@ -134,6 +152,7 @@ def _gather(proj: Linear, x: mx.array, indices: mx.array) -> mx.array:
             proj.scales,
             proj.biases,
             rhs_indices=indices,
+            sorted_indices=is_sorted,
             transpose=True,
             group_size=proj.quant.group_size,
             bits=proj.quant.bits,

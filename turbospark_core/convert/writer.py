@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from turbospark_core.errors import ConversionError
-from turbospark_core.manifest import EXPERTS, MANIFEST, WEIGHTS, FileEntry, Manifest, sha256_file
+from turbospark_core.manifest import (
+    EXPERTS,
+    MANIFEST,
+    WEIGHTS,
+    FileEntry,
+    Manifest,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from turbospark_core.convert.experts import ExpertPack
