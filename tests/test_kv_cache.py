@@ -170,3 +170,13 @@ def test_kv_quant_refused_for_heads_no_group_divides(f32_install) -> None:
 
     with pytest.raises(OptionError, match="head_dim 16"):
         turbospark_core.open(f32_install, kv_quant="q4")
+
+
+def test_causal_mask_without_cache() -> None:
+    from turbospark_core.kv_cache import causal_mask
+
+    assert causal_mask(1) is None and causal_mask(1, 4) is None
+    assert causal_mask(5) == "causal" and causal_mask(4, 4) == "causal"
+    m = np.array(causal_mask(6, 3))
+    want = np.array([[0 <= i - j < 3 for j in range(6)] for i in range(6)])
+    assert (m == want).all()

@@ -22,6 +22,20 @@ def _refuse_overflow(end: int, max_context: int) -> None:
 KV_BITS = {"q8": 8, "q4": 4}
 
 
+def causal_mask(n: int, window: int | None = None) -> mx.array | str | None:
+    """The mask for ``n`` fresh tokens of a pass without a cache (a cached pass asks its cache).
+
+    ``None`` for one token, ``"causal"`` when no window cuts in, else a boolean
+    ``[n, n]`` mask: causal and at most ``window`` tokens back (the token itself included).
+    """
+    if n <= 1:
+        return None
+    if window is None or n <= window:
+        return "causal"
+    q, k = mx.arange(n)[:, None], mx.arange(n)[None, :]
+    return (k <= q) & (k > q - window)
+
+
 def kv_group_size(head_dim: int) -> int | None:
     """The quantization group for KV rows of ``head_dim`` (64, else 32), or ``None``."""
     return next((g for g in (64, 32) if head_dim % g == 0), None)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from tiny_gemma3 import TINY, TINY_CONFIG
 from turbospark_gemma3 import convert, plugin
-from turbospark_gemma3.family import Args, _causal_mask, _residual
+from turbospark_core.kv_cache import causal_mask as _causal_mask
+from turbospark_gemma3.family import Args, _residual
 
 import turbospark_core
 from turbospark_core.cache_spec import CacheSpec

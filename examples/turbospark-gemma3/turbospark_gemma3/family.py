@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx import nn
 
 from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
 from turbospark_core.rope import Rope
 from turbospark_core.weights import WeightStore
 
@@ -135,7 +135,7 @@ class Attention:
         offset = 0 if cache is None else cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is None:
-            mask = _causal_mask(L, self.window)
+            mask = causal_mask(L, self.window)
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
@@ -143,13 +143,6 @@ class Attention:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _causal_mask(n: int, window: int | None) -> mx.array | str | None:
-    if n == 1:
-        return None
-    if window is None or n <= window:
-        return "causal"
-    q, k = mx.arange(n)[:, None], mx.arange(n)[None, :]
-    return (k <= q) & (k > q - window)
 
 
 class MLP:

@@ -12,7 +12,7 @@ import numpy as np
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
 from turbospark_core.rope import Rope
 from turbospark_core.weights import WeightStore
 
@@ -172,15 +172,6 @@ def gelu_tanh(x: mx.array) -> mx.array:
     return nn.gelu_approx(x)
 
 
-def _causal_mask(n: int, window: int | None) -> mx.array | str | None:
-    # For a pass without a cache; a cached pass asks its cache (the ring masks by position)
-    if n <= 1:
-        return None
-    if window is None or n <= window:
-        return "causal"
-    q = mx.arange(n)[:, None]
-    k = mx.arange(n)[None, :]
-    return (k <= q) & (k > q - window)
 
 
 class Attention:
@@ -209,7 +200,7 @@ class Attention:
         k = self.rope(mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
         v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
         if cache is None:
-            return k, v, _causal_mask(L, self.window)
+            return k, v, causal_mask(L, self.window)
         k, v = cache.update_and_fetch(k, v)
         return k, v, cache.mask(L)
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache
+from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.weights import WeightStore
 
@@ -114,11 +114,6 @@ def _layer_problems(arch: dict[str, Any]) -> list[str]:
     return []
 
 
-def window_mask(n: int, window: int) -> mx.array:
-    """Boolean ``[n, n]`` mask: causal and at most ``window`` tokens back (the token itself included)."""
-    q = mx.arange(n)[:, None]
-    k = mx.arange(n)[None, :]
-    return (k <= q) & (k > q - window)
 
 
 def clamped_swiglu(alpha: float, limit: float) -> Callable[[mx.array, mx.array], mx.array]:
@@ -160,10 +155,8 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        elif self.window is not None and L > self.window:
-            mask = window_mask(L, self.window)
         else:
-            mask = "causal" if L > 1 else None
+            mask = causal_mask(L, self.window)
         out = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=self.scale, mask=mask, sinks=self.sinks.astype(q.dtype)
         )

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import Cache
+from turbospark_core.kv_cache import Cache, causal_mask
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.weights import WeightStore
 
@@ -154,13 +154,6 @@ def cache_layout(args: Args) -> list[CacheSpec]:
     ]
 
 
-def sliding_mask(n: int, window: int) -> mx.array | str | None:
-    """Causal mask over ``n`` fresh tokens, limited to the last ``window`` keys."""
-    if n <= window:
-        return "causal" if n > 1 else None
-    q = mx.arange(n)[:, None]
-    k = mx.arange(n)[None, :]
-    return (k <= q) & (k > q - window)
 
 
 class Attention:
@@ -242,7 +235,7 @@ class Model:
         L = h.shape[1]
         # Without a cache every layer sees the whole sequence; caches build their own masks
         full_mask = "causal" if L > 1 else None
-        window_mask = sliding_mask(L, self.args.sliding_window) if cache is None else None
+        window_mask = causal_mask(L, self.args.sliding_window) if cache is None else None
         for i, block in enumerate(self.blocks):
             mask = window_mask if block.is_sliding else full_mask
             h = block(h, mask, None if cache is None else cache[i])
