@@ -108,7 +108,7 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -120,14 +120,20 @@ class Attention:
         if self.qk_norm == "head":
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
+        B, _, L, _ = q.shape
         mask = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        q, k, v = self.project(x, 0 if cache is None else cache.offset)
+        return self.o_proj(self.attend(q, k, v, cache))
 
 
 class MLP:
@@ -179,7 +185,21 @@ class Block:
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
+        # One-token decode has fixed shapes: compile the pure parts around the cache update
+        self._decode_qkv = mx.compile(self._qkv)
+        self._decode_rest = mx.compile(self._rest) if isinstance(self.mlp, MLP) else self._rest
+
+    def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(mx.fast.rms_norm(x, self.input_layernorm, self.eps), offset)
+
+    def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
+        h = x + self.self_attn.o_proj(attended)
+        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        if x.shape[1] == 1 and cache is not None:
+            q, k, v = self._decode_qkv(x, mx.array(cache.offset))
+            return self._decode_rest(x, self.self_attn.attend(q, k, v, cache))
         h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
         return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
 

