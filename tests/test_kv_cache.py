@@ -8,7 +8,7 @@ import pytest
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ContextOverflowError
-from turbospark_core.kv_cache import KVCache, check_room, make_caches
+from turbospark_core.kv_cache import KVCache, make_caches
 
 SPEC = CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3)
 
@@ -93,13 +93,6 @@ def test_overflow_is_refused_with_a_clear_message() -> None:
     assert _positions(keys) == list(range(8))
 
 
-def test_check_room_refuses_before_compute() -> None:
-    caches = make_caches([SPEC, SPEC], max_context=8, dtype=mx.float32)
-    assert len(caches) == 2 and all(isinstance(c, KVCache) for c in caches)
-    check_room(caches, 8)
-    with pytest.raises(ContextOverflowError, match="max_context=8"):
-        check_room(caches, 9)
-    check_room([], 10**9)  # no caches (a cacheless family): nothing to refuse
 
 
 def test_trim_drops_the_last_tokens() -> None:

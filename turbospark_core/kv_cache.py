@@ -386,17 +386,3 @@ def restore_caches(caches: list[Cache], snaps: list[dict[str, Any]]) -> None:
     """Restore every layer's cache from :func:`snapshot_caches`."""
     for cache, snap in zip(caches, snaps, strict=True):
         cache.restore(snap)
-
-
-def check_room(caches: list[KVCache], extra: int) -> None:
-    """Refuse, before any compute, a step that would overflow the context."""
-    if not caches:
-        return
-    cache = caches[0]
-    if cache.offset + extra > cache.max_context:
-        msg = (
-            f"context of {cache.offset + extra} tokens exceeds "
-            f"max_context={cache.max_context}; shorten the prompt or max_tokens, "
-            f"or open with a larger max_context"
-        )
-        raise ContextOverflowError(msg)

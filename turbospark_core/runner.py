@@ -52,7 +52,8 @@ class _Progress:
         return GenerationStats(
             experts=None if now is None or self.experts_before is None else now.since(self.experts_before),
             prompt_tokens=self.prompt_tokens,
-            prompt_tps=self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0,
+            # tokens actually prefilled per second (a session's reused prefix is not recomputed)
+            prompt_tps=(self.prompt_tokens - self.reused_tokens) / self.prompt_s if self.prompt_s else 0.0,
             generation_tokens=n,
             generation_tps=n / self.decode_s if self.decode_s else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
