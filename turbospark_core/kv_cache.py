@@ -52,7 +52,7 @@ class _Rows:
     @classmethod
     def encode(cls, x: mx.array, bits: int | None, dtype: mx.Dtype) -> _Rows:
         if bits is None:
-            return cls((x.astype(dtype),), None, dtype)
+            return cls((x if x.dtype == dtype else x.astype(dtype),), None, dtype)
         group = kv_group_size(x.shape[-1])
         return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
 
