@@ -323,7 +323,8 @@ def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str
     opened = runner.opened
     index, policy = opened.index, opened.policy
     arch = opened.manifest.arch
-    embed = "model.embed_tokens"
+    # the input embedding table (its name varies by family: embed_tokens, embedding, ...)
+    embed = next(n[: -len(".weight")] for n in sorted(index.tensors) if "embed" in n and n.endswith(".weight"))
     if policy.unpack:
         embed_bytes = math.prod(index.logical_shape(embed)) * 4
     else:

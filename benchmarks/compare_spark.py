@@ -26,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -39,8 +38,9 @@ import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS
 import mlx.core as mx
 import numpy as np
 
-WARMUP_PROMPT = 16
-WARMUP_TOKENS = 4
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
+
 SPECIALS = ("<unk>", "<s>", "</s>")
 
 _COMMON: dict[str, Any] = {
@@ -76,16 +76,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def log(msg: str) -> None:
-    """Progress, on stderr."""
-    print(f"[compare_spark] {msg}", file=sys.stderr, flush=True)
 
 
-def release() -> None:
-    """Drop unreachable MLX buffers so the next runtime starts clean."""
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -148,9 +140,9 @@ def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
     shapes = tensor_shapes(cfg)
     n_params = sum(math.prod(s) for s in shapes.values())
     if (dst / "config.json").exists():
-        log(f"reusing random checkpoint {dst}")
+        base.log(f"reusing random checkpoint {dst}")
         return n_params
-    log(f"writing random Spark 2.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
+    base.log(f"writing random Spark 2.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
     dst.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     tensors = {
@@ -166,109 +158,16 @@ def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
     return n_params
 
 
-def convert_install(src: Path, dst: Path) -> float:
-    """``turbospark convert SRC DST`` (skipped when ``dst`` holds an install); seconds taken."""
-    from turbospark_core.convert import convert
-
-    if (dst / "manifest.json").exists():
-        log(f"reusing turbospark install {dst}")
-        return 0.0
-    t0 = time.perf_counter()
-    convert(src, dst, force=True)
-    seconds = time.perf_counter() - t0
-    log(f"converted {src.name} -> {dst.name} in {seconds:.1f}s")
-    return seconds
 
 
 # ---------------------------------------------------------------- runtimes
-def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
-    """Open (timed), warm up, one greedy generation; turbospark's own Generation.stats."""
-    import turbospark_core
-
-    release()
-    t0 = time.perf_counter()
-    runner = turbospark_core.open(install, max_context=len(ids) + gen_tokens + 64)
-    open_s = time.perf_counter() - t0
-    log(f"turbospark opened in {open_s:.2f}s ({runner.opened.policy.reason})")
-    runner.generate(ids[:WARMUP_PROMPT], max_tokens=WARMUP_TOKENS, temperature=0.0)
-    mx.reset_peak_memory()
-    g = runner.generate(ids, max_tokens=gen_tokens, temperature=0.0)
-    out = {
-        "prompt_tps": g.stats.prompt_tps,
-        "generation_tps": g.stats.generation_tps,
-        "peak_memory": g.stats.peak_memory,
-        "open_s": open_s,
-        "tokens": list(g.tokens),
-        "note": runner.opened.policy.reason,
-    }
-    del runner, g
-    release()
-    return out
 
 
-def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
-    """mlx_lm.load (timed), warm up, one greedy generation; stats from stream_generate."""
-    import mlx_lm
-
-    release()
-    t0 = time.perf_counter()
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    open_s = time.perf_counter() - t0
-    log(f"mlx-lm loaded in {open_s:.2f}s")
-
-    def run(prompt: list[int], n: int) -> tuple[list[int], Any]:
-        toks, last = [], None
-        for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
-            last = resp
-            if not (resp.finish_reason == "stop" and resp.token in tokenizer.eos_token_ids):
-                toks.append(int(resp.token))
-        return toks, last
-
-    run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
-    mx.reset_peak_memory()
-    toks, last = run(ids, gen_tokens)
-    out = {
-        "prompt_tps": last.prompt_tps,
-        "generation_tps": last.generation_tps,
-        "peak_memory": last.peak_memory,
-        "open_s": open_s,
-        "tokens": toks,
-        "note": "weights held as stored (bfloat16)",
-    }
-    del model, tokenizer
-    release()
-    return out
 
 
 # ---------------------------------------------------------------- report
-def render(rows: list[list[str]]) -> str:
-    """A plain-text table; the first row is the header."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
-def report(label: str, ts: dict[str, Any], ml: dict[str, Any]) -> str:
-    """The side-by-side table, ratios and greedy-token agreement."""
-    keys = ("prompt_tps", "generation_tps", "peak_memory", "open_s")
-    rows = [["model", "runtime", "prompt tok/s", "gen tok/s", "peak mem (GB)", "open (s)"]]
-    for name, r in (("turbospark", ts), ("mlx-lm", ml)):
-        rows.append([label, name, *(f"{r[k]:.3f}" if k == "peak_memory" else f"{r[k]:.2f}" for k in keys)])
-    rows.append([label, "ratio ts/mlx-lm", *(f"{ts[k] / ml[k]:.2f}x" if ml[k] else "-" for k in keys)])
-    n = min(len(ts["tokens"]), len(ml["tokens"]))
-    same = next((i for i in range(n) if ts["tokens"][i] != ml["tokens"][i]), n)
-    return "\n".join(
-        [
-            render(rows),
-            "",
-            f"greedy tokens agree {same}/{n} (random weights: near-ties make only the first few informative)",
-            f"turbospark: {ts['note']}; mlx-lm: {ml['note']}",
-        ]
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     args = ap.parse_args(argv)
-    if args.prompt_tokens < WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {WARMUP_PROMPT} and --gen-tokens >= 2")
+    if args.prompt_tokens < base.WARMUP_PROMPT or args.gen_tokens < 2:
+        ap.error(f"--prompt-tokens must be >= {base.WARMUP_PROMPT} and --gen-tokens >= 2")
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="turbospark-spark-bench-")
@@ -287,22 +186,28 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = args.workdir
         work.mkdir(parents=True, exist_ok=True)
-    log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
+    base.log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
     try:
         ckpt, install = work / f"spark-{args.size}.hf", work / f"spark-{args.size}.turbospark"
         n_params = random_checkpoint(ckpt, args.size)
-        convert_install(ckpt, install)
+        base.convert_install(ckpt, install)
         cfg = spark_config(args.size)
         ids = np.random.default_rng(1).integers(len(SPECIALS), cfg["vocab_size"], size=args.prompt_tokens).tolist()
-        ts = bench_turbospark(install, ids, args.gen_tokens)
-        ml = bench_mlx_lm(ckpt, ids, args.gen_tokens)
-        label = f"random spark2_5 {n_params / 1e9:.2f}B bf16"
+        result: dict[str, Any] = {
+            "label": f"random spark2_5 {n_params / 1e9:.2f}B bf16",
+            "prompt_tokens": len(ids),
+            "note": "random weights: greedy ties make token agreement informative only for the first few tokens",
+        }
+        base.log("== turbospark")
+        result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
+        base.log("== mlx-lm")
+        result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
         print(
             f"turbospark vs mlx-lm ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, {mx.default_device()}, "
             f"size {args.size}, window {cfg['sliding_window']}, prompt {args.prompt_tokens} tokens, "
             f"{args.gen_tokens} generated, greedy)"
         )
-        print(report(label, ts, ml))
+        print(base.report([result], None))
     finally:
         if tmp is not None:
             tmp.cleanup()
