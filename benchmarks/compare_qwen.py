@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -42,8 +41,9 @@ import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS
 import mlx.core as mx
 import numpy as np
 
-WARMUP_PROMPT = 16
-WARMUP_TOKENS = 4
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
+
 
 _COMMON: dict[str, Any] = {
     "model_type": "qwen3_5_text",
@@ -93,16 +93,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def log(msg: str) -> None:
-    """Progress, on stderr."""
-    print(f"[compare_qwen] {msg}", file=sys.stderr, flush=True)
 
 
-def release() -> None:
-    """Drop unreachable MLX buffers so the next runtime starts clean."""
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -187,9 +179,9 @@ def random_checkpoint(dst: Path, text_config: dict[str, Any], seed: int = 0) -> 
     shapes = tensor_shapes(text_config)
     n_params = sum(math.prod(s) for s in shapes.values())
     if (dst / "config.json").exists():
-        log(f"reusing random checkpoint {dst}")
+        base.log(f"reusing random checkpoint {dst}")
         return n_params
-    log(f"writing random Qwen 3.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
+    base.log(f"writing random Qwen 3.5 checkpoint ({n_params / 1e9:.3f}B params, bf16) to {dst}")
     dst.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     tensors = {name: _random_tensor(name, shape) for name, shape in shapes.items()}
@@ -207,63 +199,11 @@ def random_checkpoint(dst: Path, text_config: dict[str, Any], seed: int = 0) -> 
     return n_params
 
 
-def convert_install(src: Path, dst: Path) -> float:
-    """``turbospark convert SRC DST`` (skipped when ``dst`` already holds an install); seconds taken."""
-    from turbospark_core.convert import convert
-
-    if (dst / "manifest.json").exists():
-        log(f"reusing turbospark install {dst}")
-        return 0.0
-    t0 = time.perf_counter()
-    convert(src, dst, force=True)
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- runtimes
-def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
-    """Open (timed), warm up, one greedy generation; turbospark's own stats."""
-    import turbospark_core
-
-    release()
-    t0 = time.perf_counter()
-    runner = turbospark_core.open(install, max_context=len(ids) + gen_tokens + 64)
-    open_s = time.perf_counter() - t0
-    log(f"  turbospark opened in {open_s:.2f}s ({runner.opened.policy.reason})")
-    runner.generate(ids[:WARMUP_PROMPT], max_tokens=WARMUP_TOKENS, temperature=0.0)
-    mx.reset_peak_memory()
-    g = runner.generate(ids, max_tokens=gen_tokens, temperature=0.0)
-    out = {"prompt_tps": g.stats.prompt_tps, "generation_tps": g.stats.generation_tps,
-           "peak_memory": g.stats.peak_memory, "open_s": open_s, "tokens": list(g.tokens)}
-    del runner, g
-    release()
-    return out
 
 
-def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
-    """mlx_lm.load (timed), warm up, one greedy generation; stats from stream_generate."""
-    import mlx_lm
-
-    release()
-    t0 = time.perf_counter()
-    model, tokenizer = mlx_lm.load(str(model_dir))
-    open_s = time.perf_counter() - t0
-    log(f"  mlx-lm loaded in {open_s:.2f}s")
-
-    def run(prompt: list[int], n: int) -> tuple[list[int], Any]:
-        toks, last = [], None
-        for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
-            last = resp
-            toks.append(int(resp.token))
-        return toks, last
-
-    run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
-    mx.reset_peak_memory()
-    toks, last = run(ids, gen_tokens)
-    out = {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
-           "peak_memory": last.peak_memory, "open_s": open_s, "tokens": toks}
-    del model, tokenizer
-    release()
-    return out
 
 
 _ZERO_CENTERED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".norm.weight", "_norm.weight")
@@ -276,11 +216,10 @@ def float32_check(install: Path, model_dir: Path, ids: list[int]) -> str:
     reloads those norms as ``1 + w`` computed in float32, as the reference does.
     """
     import mlx_lm
-    import turbospark_core
     from mlx.utils import tree_map
 
     ts = turbospark_core.open(install, max_context=len(ids) + 8).logits(ids)
-    release()
+    base.release()
     model, _ = mlx_lm.load(str(model_dir))
     model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
     norms = [
@@ -291,7 +230,7 @@ def float32_check(install: Path, model_dir: Path, ids: list[int]) -> str:
     model.load_weights(norms, strict=False)
     ml = np.array(model(mx.array([ids]))[0].astype(mx.float32))
     del model
-    release()
+    base.release()
     rel = float(np.abs(ts - ml).max() / np.abs(ml).max())
     agree = float((ts.argmax(-1) == ml.argmax(-1)).mean())
     return f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
@@ -326,31 +265,6 @@ def bench_recurrence(c: dict[str, Any], lengths: list[int], repeats: int = 3) ->
     return rows
 
 
-# ---------------------------------------------------------------- report
-def render(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def report(label: str, ts: dict[str, Any], ml: dict[str, Any]) -> str:
-    rows = [["model", "runtime", "prompt tok/s", "gen tok/s", "peak mem (GB)", "open (s)"]]
-    for name, r in (("turbospark", ts), ("mlx-lm", ml)):
-        rows.append([label, name, f"{r['prompt_tps']:.1f}", f"{r['generation_tps']:.2f}",
-                     f"{r['peak_memory']:.3f}", f"{r['open_s']:.2f}"])
-    rows.append([label, "ratio ts/mlx-lm", f"{ts['prompt_tps'] / ml['prompt_tps']:.2f}x",
-                 f"{ts['generation_tps'] / ml['generation_tps']:.2f}x",
-                 f"{ts['peak_memory'] / ml['peak_memory']:.2f}x", f"{ts['open_s'] / ml['open_s']:.2f}x"])
-    n = min(len(ts["tokens"]), len(ml["tokens"]))
-    same = next((i for i in range(n) if ts["tokens"][i] != ml["tokens"][i]), n)
-    note = (f"greedy tokens agree {same}/{n} (random weights give near-tied logits; turbospark computes "
-            "in float32 on the CPU, mlx-lm in bf16)")
-    return render(rows) + "\n" + note
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -361,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recurrence", action="store_true", help="also time the gated delta rule alone")
     ap.add_argument("--f32-check", action="store_true", help="also compare prompt logits with mlx-lm in float32")
     args = ap.parse_args(argv)
-    if args.prompt_tokens < WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {WARMUP_PROMPT} and --gen-tokens >= 2")
+    if args.prompt_tokens < base.WARMUP_PROMPT or args.gen_tokens < 2:
+        ap.error(f"--prompt-tokens must be >= {base.WARMUP_PROMPT} and --gen-tokens >= 2")
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="turbospark-qwen-bench-")
@@ -370,25 +284,29 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = args.workdir
         work.mkdir(parents=True, exist_ok=True)
-    log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
+    base.log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
     try:
         c = SIZES[args.size]
         ckpt, install = work / f"qwen3_5-{args.size}.hf", work / f"qwen3_5-{args.size}.turbospark"
         n_params = random_checkpoint(ckpt, c)
-        log(f"converted in {convert_install(ckpt, install):.1f}s")
+        base.convert_install(ckpt, install)
         ids = np.random.default_rng(1).integers(3, c["vocab_size"], size=args.prompt_tokens).tolist()
-        log("turbospark ...")
-        ts = bench_turbospark(install, ids, args.gen_tokens)
-        log("mlx-lm ...")
-        ml = bench_mlx_lm(ckpt, ids, args.gen_tokens)
-        label = f"random qwen3_5 {n_params / 1e9:.2f}B bf16"
-        print(report(label, ts, ml))
+        result: dict[str, Any] = {
+            "label": f"random qwen3_5 {n_params / 1e9:.2f}B bf16",
+            "prompt_tokens": len(ids),
+            "note": "random weights give near-tied logits; turbospark computes in float32 on the CPU, mlx-lm in bf16",
+        }
+        base.log("== turbospark")
+        result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
+        base.log("== mlx-lm")
+        result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
         print(f"prompt {len(ids)} tokens, {args.gen_tokens} generated; MLX {mx.__version__} on {mx.default_device()}")
+        print(base.report([result], None))
         if args.f32_check:
             print(float32_check(install, ckpt, ids))
         if args.recurrence:
             print("\ngated delta rule alone (B=1, float32):")
-            print(render(bench_recurrence(c, [16, 64, args.prompt_tokens, 512])))
+            print(base.render(bench_recurrence(c, [16, 64, args.prompt_tokens, 512])))
     finally:
         if tmp is not None:
             tmp.cleanup()
