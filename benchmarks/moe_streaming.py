@@ -119,13 +119,13 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
-    from turbospark_core import moe
+    from turbospark_core.experts.store import ExpertStore
 
     root = Path(spec["install"])
     if spec.get("cold"):
         _drop_page_cache(root / "experts.bin")
     read_s = [0.0]
-    plain_read = moe.ExpertStore.read
+    plain_read = ExpertStore.read
 
     def timed_read(self: Any, *a: Any, **kw: Any) -> Any:
         t = time.perf_counter()
@@ -134,7 +134,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         finally:
             read_s[0] += time.perf_counter() - t
 
-    moe.ExpertStore.read = timed_read  # type: ignore[method-assign]
+    ExpertStore.read = timed_read  # type: ignore[method-assign]
     if spec.get("stored"):  # force stored-form (bf16) expert slots instead of float32 ones
         import types
 

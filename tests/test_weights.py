@@ -1,152 +1,28 @@
-"""Linear / Embedding / ExpertBank (dense and quantized), the weight store, the compute policy."""
+"""The weight store: install tensors handed to families as layers, experts from the container or an ExpertSource."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
+from turbospark_core.layers import Activation, ExpertBank, Experts
 from turbospark_core.manifest import WEIGHTS, load_manifest
-from turbospark_core.tensor_index import QuantSpec, build_index
-from turbospark_core.weights import Embedding, ExpertBank, Linear, WeightStore
-
-# (bits, group_size, mode): MLX's affine kernels and mxfp4
-QUANTS = [(4, 64, "affine"), (8, 32, "affine"), (4, 32, "mxfp4")]
-QUANT_IDS = [f"{m}-{b}bit-g{g}" for b, g, m in QUANTS]
-
-
-def _rng(seed: int = 0) -> np.random.Generator:
-    return np.random.default_rng(seed)
+from turbospark_core.tensor_index import build_index
+from turbospark_core.weights import ExpertSource, WeightStore
 
 
 def _normal(shape: tuple[int, ...], seed: int = 0) -> mx.array:
-    return mx.array(_rng(seed).normal(size=shape).astype(np.float32))
+    return mx.array(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
 
 
-def _quantized(
-    w: mx.array, bits: int, group_size: int, mode: str, bias: mx.array | None = None
-) -> tuple[Linear, mx.array]:
-    """A quantized Linear made with mx.quantize, and its dequantized weight."""
-    packed = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
-    wq, scales = packed[0], packed[1]
-    biases = packed[2] if len(packed) > 2 else None
-    dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits, mode=mode)
-    spec = QuantSpec(bits=bits, group_size=group_size, mode=mode)
-    return Linear(wq, bias, quant=spec, scales=scales, biases=biases), dense
-
-
-def _np(a: mx.array | np.ndarray) -> np.ndarray:
-    return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a)
-
-
-def _close(a: mx.array, b: np.ndarray | mx.array, atol: float = 1e-4) -> None:
-    np.testing.assert_allclose(_np(a), _np(b), atol=atol, rtol=1e-4)
-
-
-# ------------------------------------------------------------------ Linear
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_dense_linear_is_x_times_w_transposed(with_bias: bool) -> None:
-    w, x = _normal((48, 64), 1), _normal((2, 5, 64), 2)
-    b = _normal((48,), 3) if with_bias else None
-    lin = Linear(w, b)
-    expected = np.array(x) @ np.array(w).T + (0 if b is None else np.array(b))
-    assert lin.out_features == 48
-    _close(lin(x), expected)
-
-
-@pytest.mark.parametrize(("bits", "group_size", "mode"), QUANTS, ids=QUANT_IDS)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_quantized_linear_matches_dequantized_matmul(bits: int, group_size: int, mode: str, with_bias: bool) -> None:
-    w, x = _normal((48, 128), 4), _normal((3, 128), 5)
-    b = _normal((48,), 6) if with_bias else None
-    lin, dense = _quantized(w, bits, group_size, mode, b)
-    assert lin.out_features == 48
-    _close(lin(x), Linear(dense, b)(x))
-    # and the quantization is real: the result is near, not equal to, the float weight's
-    assert np.abs(np.array(lin(x) - Linear(w, b)(x))).max() > 0
-
-
-# ------------------------------------------------------------------ Embedding
-
-
-def test_dense_embedding_lookup_and_tied_head() -> None:
-    table = _normal((40, 16), 7)
-    emb = Embedding(Linear(table))
-    ids = mx.array([[0, 5, 5, 39]])
-    np.testing.assert_array_equal(np.array(emb(ids)), np.array(table)[[[0, 5, 5, 39]]])
-    h = _normal((1, 2, 16), 8)
-    _close(emb.as_linear(h), np.array(h) @ np.array(table).T)
-
-
-@pytest.mark.parametrize(("bits", "group_size", "mode"), QUANTS, ids=QUANT_IDS)
-def test_quantized_embedding_lookup_equals_dequantized_rows(bits: int, group_size: int, mode: str) -> None:
-    table = _normal((40, 64), 9)
-    lin, dense = _quantized(table, bits, group_size, mode)
-    emb = Embedding(lin)
-    ids = mx.array([[3, 0, 39, 3], [7, 7, 1, 2]])
-    rows = emb(ids)
-    assert rows.shape == (2, 4, 64)
-    # mxfp4 dequantizes to bfloat16 (MLX's default for it); compare in float32
-    assert rows.dtype == dense.dtype
-    np.testing.assert_allclose(_np(rows), _np(dense)[np.array(ids)], atol=1e-6)
-    h = _normal((1, 3, 64), 10)
-    _close(emb.as_linear(h), np.array(h) @ _np(dense).T)
-
-
-# ------------------------------------------------------------------ ExpertBank
-
-
-def _silu_glu(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
-
-
-def _expert_loop(
-    x: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray, biases: tuple | None
-) -> np.ndarray:
-    """One (token, chosen expert) at a time, in float64."""
-    bg, bu, bd = biases or (np.zeros(g.shape[:2]), np.zeros(u.shape[:2]), np.zeros(d.shape[:2]))
-    out = np.zeros((*idx.shape, d.shape[1]))
-    for pos in np.ndindex(*idx.shape):
-        e, h = idx[pos], x[pos[:-1]]
-        gate, up = g[e] @ h + bg[e], u[e] @ h + bu[e]
-        out[pos] = d[e] @ (gate / (1 + np.exp(-gate)) * up) + bd[e]
-    return out
-
-
-def _bank(
-    experts: int, dim: int, hidden: int, quant: tuple[int, int, str] | None, with_bias: bool
-) -> tuple[ExpertBank, list[np.ndarray], list[mx.array | None]]:
-    """A bank of gate/up/down experts, the float weights it really holds, and its biases."""
-    ws = [_normal((experts, hidden, dim), 11), _normal((experts, hidden, dim), 12), _normal((experts, dim, hidden), 13)]
-    ws = [w * 0.2 for w in ws]
-    bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)]
-    bs = bs if with_bias else [None] * 3
-    if quant is None:
-        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs))), [np.array(w) for w in ws], bs
-    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs)]
-    return ExpertBank(*(lin for lin, _ in made)), [_np(dense) for _, dense in made], bs
-
-
-@pytest.mark.parametrize("quant", [None, (4, 64, "affine"), (8, 64, "affine")], ids=["dense", "q4", "q8"])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_expert_bank_glu_equals_a_per_expert_loop(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
-    experts, dim, hidden, k = 4, 64, 128, 2
-    bank, (g, u, d), bs = _bank(experts, dim, hidden, quant, with_bias)
-    assert bank.num_experts == experts
-    x = _normal((2, 3, dim), 17)
-    idx = mx.array(_rng(18).integers(0, experts, size=(2, 3, k)))
-    out = bank.glu(x, idx, _silu_glu)
-    assert out.shape == (2, 3, k, dim)
-    biases = tuple(np.array(b) for b in bs) if with_bias else None
-    expected = _expert_loop(np.array(x, dtype=np.float64), np.array(idx), g, u, d, biases)
-    _close(out, expected, atol=2e-4)
+def _close(a: mx.array, b: mx.array, atol: float = 1e-4) -> None:
+    np.testing.assert_allclose(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), atol=atol, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ WeightStore
@@ -181,52 +57,50 @@ def test_weight_store_hides_unpacking_from_families(q4_dir: Path) -> None:
     unpacked.materialize()
 
 
-# ------------------------------------------------------------------ ComputePolicy
+def test_experts_come_from_the_container_without_a_source(q4_dir: Path) -> None:
+    store = _store(q4_dir, unpack=True)
+    bank = store.experts("model.layers.0.mlp", "gate_proj", "up_proj", "down_proj")
+    assert isinstance(bank, ExpertBank) and isinstance(bank, Experts)
+    assert not [n for n in store.unused() if n.startswith("model.layers.0.mlp.")]
 
 
-@pytest.fixture
-def on_cpu() -> Iterator[None]:
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(old)
+@attrs.define
+class _Source:
+    """An ExpertSource holding one routed layer."""
+
+    prefix: str
+    asked: list[str] = attrs.Factory(list)
+    materialized: bool = False
+
+    def has(self, prefix: str) -> bool:
+        return prefix == self.prefix
+
+    def bank(self, prefix: str, gate: str, up: str, down: str) -> Experts:
+        self.asked.append(prefix)
+        return _OneExpert()
+
+    def materialize(self) -> None:
+        self.materialized = True
+
+    def unused(self) -> list[str]:
+        return [] if self.asked else [self.prefix]
 
 
-def test_policy_on_cpu_unpacks_when_it_fits(on_cpu: None) -> None:
-    policy = ComputePolicy.choose(unpacked_bytes=4_000_000_000, stored_bytes=1_000_000_000, budget=4_000_000_000)
-    assert policy.unpack and policy.compute_dtype == mx.float32
-    assert "cpu" in policy.reason and "fit" in policy.reason
+class _OneExpert:
+    num_experts = 1
+
+    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+        return mx.expand_dims(activation(x, x), -2)
 
 
-def test_policy_on_cpu_keeps_stored_form_when_unpacking_does_not_fit(on_cpu: None) -> None:
-    policy = ComputePolicy.choose(unpacked_bytes=4_000_000_001, stored_bytes=1_000_000_000, budget=4_000_000_000)
-    assert not policy.unpack and policy.compute_dtype == mx.float32
-    assert "exceed" in policy.reason and "4.00 GB" in policy.reason and "1.00 GB" in policy.reason
-
-
-def test_policy_on_gpu_keeps_quantized_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
-    policy = ComputePolicy.choose(unpacked_bytes=1, stored_bytes=1, budget=10**12)
-    assert not policy.unpack and "gpu" in policy.reason
-
-
-def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    from turbospark_core import weights as W
-
-    E, D, I = 8, 32, 16
-    gate = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(0)), mx.random.normal((E, I), key=mx.random.key(1)))
-    up = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(2)))
-    down = W.Linear(mx.random.normal((E, D, I), key=mx.random.key(3)))
-    bank = W.ExpertBank(gate, up, down)
-    x = mx.random.normal((2, 40, D), key=mx.random.key(4))
-    idx = mx.random.randint(0, E, (2, 40, 2), key=mx.random.key(5))
-
-    def act(a: mx.array, b: mx.array) -> mx.array:
-        return a * mx.sigmoid(a) * b
-
-    monkeypatch.setattr(W, "SORT_THRESHOLD", 10**9)
-    unsorted = bank.glu(x, idx, act)
-    monkeypatch.setattr(W, "SORT_THRESHOLD", 1)
-    assert mx.array_equal(bank.glu(x, idx, act), unsorted)
+def test_routed_layers_of_a_source_come_from_it(q4_dir: Path) -> None:
+    store, source = _store(q4_dir, unpack=True), _Source("model.layers.9.mlp.experts")
+    typed: ExpertSource = source
+    store.use_experts(typed)
+    assert "model.layers.9.mlp.experts (experts.bin)" in store.unused()
+    bank = store.experts("model.layers.9.mlp.experts", "gate_proj", "up_proj", "down_proj")
+    assert isinstance(bank, _OneExpert) and source.asked == ["model.layers.9.mlp.experts"]
+    assert not [n for n in store.unused() if "experts.bin" in n]
+    assert isinstance(store.experts("model.layers.0.mlp", "gate_proj", "up_proj", "down_proj"), ExpertBank)
+    store.materialize()
+    assert source.materialized

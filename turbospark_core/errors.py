@@ -58,6 +58,10 @@ class FamilyRefusalError(TurbosparkError, ValueError):
     """A family plugin refused a feature (steering, hadamard, KV quantization...)."""
 
 
+class ExpertBankTakenError(TurbosparkError, RuntimeError):
+    """A family asked twice for one routed layer's expert bank (each is handed out once)."""
+
+
 class ConversionError(TurbosparkError, ValueError):
     """The converter cannot make an install from the source."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import moe, plugins
+from turbospark_core import plugins
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
@@ -21,6 +21,18 @@ from turbospark_core.errors import (
     NotAnInstallError,
     OptionError,
 )
+from turbospark_core.experts.layout import ExpertLayout
+from turbospark_core.experts.plan import (
+    RESIDENT,
+    STREAMED,
+    ExpertPlan,
+    check_slots,
+    minimal_plan,
+    plan_experts,
+    refuse_streaming_without_file,
+    residencies,
+)
+from turbospark_core.experts.store import ExpertStore
 from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
 from turbospark_core.manifest import (
     EXPERTS,
@@ -56,7 +68,7 @@ class OpenedModel:
     estimate: MemoryEstimate
     startup_stats: StartupStats
     generation_config: dict[str, Any]
-    experts: moe.ExpertStore | None = attrs.field(default=None, eq=False)
+    experts: ExpertStore | None = attrs.field(default=None, eq=False)
 
     def new_cache(self) -> list[Cache]:
         """Fresh per-layer caches for one sequence."""
@@ -240,45 +252,45 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
     return attrs.evolve(opened, startup_stats=timer.finish())
 
 
-def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> moe.ExpertLayout | None:
+def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:
     """Step 10: the ``experts`` section validated against experts.bin's size and the slot option."""
     if manifest.experts is None:
-        moe.refuse_streaming_without_file(index.tensors, opts.residency)
+        refuse_streaming_without_file(index.tensors, opts.residency)
         return None
     path = manifest.path(EXPERTS)
-    layout = moe.ExpertLayout.from_section(manifest.experts, manifest.files[EXPERTS].size, str(path))
-    if opts.residency != moe.RESIDENT:
-        moe.check_slots(layout, opts.expert_slots)
+    layout = ExpertLayout.from_section(manifest.experts, manifest.files[EXPERTS].size, str(path))
+    if opts.residency != RESIDENT:
+        check_slots(layout, opts.expert_slots)
     return layout
 
 
 def _choose_policy(
-    index: TensorIndex, layout: moe.ExpertLayout | None, opts: OpenOptions, kv_bytes: int
-) -> tuple[ComputePolicy, moe.ExpertPlan | None]:
+    index: TensorIndex, layout: ExpertLayout | None, opts: OpenOptions, kv_bytes: int
+) -> tuple[ComputePolicy, ExpertPlan | None]:
     """The compute policy and, for MoE installs, the expert plan: float32 resident, stored resident,
     float32 streamed, stored streamed, the first that fits the budget (residency permitting)."""
     room = max(0, opts.memory_budget - kv_bytes)
     f32, stored = index.float_bytes(4), index.stored_bytes()
     if layout is None:
         return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room), None
-    for residency in moe.residencies(opts.residency, opts.expert_slots, layout):
-        as_f32 = moe.plan_experts(layout, residency, opts.expert_slots, room - f32, unpack=True)
-        as_stored = moe.plan_experts(layout, residency, opts.expert_slots, room - stored, unpack=False)
+    for residency in residencies(opts.residency, opts.expert_slots, layout):
+        as_f32 = plan_experts(layout, residency, opts.expert_slots, room - f32, unpack=True)
+        as_stored = plan_experts(layout, residency, opts.expert_slots, room - stored, unpack=False)
         if as_f32 is not None or as_stored is not None:
             break
-    f32_plan = as_f32 or moe.minimal_plan(layout, residency, opts.expert_slots, unpack=True)
-    stored_plan = as_stored or moe.minimal_plan(layout, residency, opts.expert_slots, unpack=False)
+    f32_plan = as_f32 or minimal_plan(layout, residency, opts.expert_slots, unpack=True)
+    stored_plan = as_stored or minimal_plan(layout, residency, opts.expert_slots, unpack=False)
     policy = ComputePolicy.choose(
         unpacked_bytes=f32 + f32_plan.held_bytes, stored_bytes=stored + stored_plan.held_bytes, budget=room
     )
     return policy, f32_plan if policy.unpack else stored_plan
 
 
-def _check_expert_budget(estimate: MemoryEstimate, plan: moe.ExpertPlan | None, opts: OpenOptions, max_context: int) -> None:
+def _check_expert_budget(estimate: MemoryEstimate, plan: ExpertPlan | None, opts: OpenOptions, max_context: int) -> None:
     """An over-budget MoE open names the expert knobs too."""
     if plan is None or estimate.total <= opts.memory_budget:
         return
-    if plan.residency != moe.STREAMED:
+    if plan.residency != STREAMED:
         knob = "open with residency='streamed' (or 'auto') to keep only some experts in memory"
     elif isinstance(opts.expert_slots, int):
         knob = f"lower expert_slots (now {opts.expert_slots})"
@@ -294,12 +306,12 @@ def _check_expert_budget(estimate: MemoryEstimate, plan: moe.ExpertPlan | None, 
 
 
 def _open_experts(
-    manifest: Manifest, layout: moe.ExpertLayout | None, plan: moe.ExpertPlan | None, policy: ComputePolicy
-) -> moe.ExpertStore | None:
+    manifest: Manifest, layout: ExpertLayout | None, plan: ExpertPlan | None, policy: ComputePolicy
+) -> ExpertStore | None:
     """Step 10: read every expert (resident) or set up the slot reads (streamed)."""
     if layout is None or plan is None:
         return None
-    store = moe.ExpertStore(manifest.path(EXPERTS), layout, plan, policy)
+    store = ExpertStore(manifest.path(EXPERTS), layout, plan, policy)
     store.setup()
     return store
 

@@ -1,166 +1,36 @@
-"""Mapped weights and the linear / embedding / expert objects families call."""
+"""Mapped weights: the install's tensors, handed to families as the objects of :mod:`turbospark_core.layers`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Protocol
 
 import mlx.core as mx
 
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
-from turbospark_core.tensor_index import QuantSpec, TensorIndex
-
-if TYPE_CHECKING:
-    from turbospark_core.moe import ExpertStore, StreamedExpertBank
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.tensor_index import TensorIndex
 
 
-class Linear:
-    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul."""
+class ExpertSource(Protocol):
+    """Where routed experts live when not in this container (``experts.bin``, open step 10)."""
 
-    def __init__(
-        self,
-        weight: mx.array,
-        bias: mx.array | None = None,
-        *,
-        quant: QuantSpec | None = None,
-        scales: mx.array | None = None,
-        biases: mx.array | None = None,
-    ) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.quant = quant
-        self.scales = scales
-        self.biases = biases
+    def has(self, prefix: str) -> bool:
+        """Whether ``prefix`` is a routed layer it holds."""
+        ...
 
-    @property
-    def out_features(self) -> int:
-        """Rows of the weight matrix."""
-        return self.weight.shape[-2]
+    def bank(self, prefix: str, gate: str, up: str, down: str) -> Experts:
+        """The experts of layer ``prefix``; each layer is asked for once."""
+        ...
 
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None:
-            y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
-            return y
-        y = mx.quantized_matmul(
-            x,
-            self.weight,
-            self.scales,
-            self.biases,
-            transpose=True,
-            group_size=self.quant.group_size,
-            bits=self.quant.bits,
-            mode=self.quant.mode,
-        )
-        return y if self.bias is None else y + self.bias
+    def materialize(self) -> None:
+        """Evaluate what it holds once, at the end of the open."""
+        ...
 
-
-class Embedding:
-    """Token embedding table, also usable as a tied output head.
-
-    Rows come back in ``dtype`` (the compute dtype), whatever the storage.
-    """
-
-    def __init__(self, table: Linear, dtype: mx.Dtype | None = None) -> None:
-        self.table = table
-        self.dtype = dtype
-
-    def __call__(self, ids: mx.array) -> mx.array:
-        rows = self._rows(ids)
-        return rows if self.dtype is None or rows.dtype == self.dtype else rows.astype(self.dtype)
-
-    def _rows(self, ids: mx.array) -> mx.array:
-        t = self.table
-        if t.quant is None:
-            return t.weight[ids]
-        return mx.dequantize(
-            t.weight[ids],
-            t.scales[ids],
-            None if t.biases is None else t.biases[ids],
-            group_size=t.quant.group_size,
-            bits=t.quant.bits,
-            mode=t.quant.mode,
-        )
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        """Project hidden states onto the vocabulary (tied head)."""
-        return self.table(x)
-
-
-class ExpertBank:
-    """Routed experts of one MoE layer, held by the core.
-
-    Each projection is a stacked ``[num_experts, out, in]`` matrix. Families
-    route, then call :meth:`glu` with the chosen expert indices; how experts
-    are held (resident now, streamed later) is the core's business.
-    """
-
-    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
-        self.gate, self.up, self.down = gate, up, down
-
-    @property
-    def num_experts(self) -> int:
-        """How many experts the layer has."""
-        return self.gate.weight.shape[0]
-
-    def glu(
-        self,
-        x: mx.array,
-        indices: mx.array,
-        activation: Callable[[mx.array, mx.array], mx.array],
-    ) -> mx.array:
-        """Gated expert MLP for each chosen expert.
-
-        Args:
-            x: Hidden states ``[..., D]``.
-            indices: Chosen experts ``[..., k]`` (integer).
-            activation: ``(gate, up) -> hidden``, e.g. ``silu(gate) * up``.
-
-        Returns:
-            ``[..., k, D]``: each chosen expert's output (unweighted).
-        """
-        if indices.size >= SORT_THRESHOLD:
-            return self._glu_sorted(x, indices, activation)
-        xe = mx.expand_dims(x, (-2, -3))
-        h = activation(_gather(self.gate, xe, indices), _gather(self.up, xe, indices))
-        return _gather(self.down, h, indices).squeeze(-2)
-
-    def _glu_sorted(
-        self, x: mx.array, indices: mx.array, activation: Callable[[mx.array, mx.array], mx.array]
-    ) -> mx.array:
-        # Many (token, expert) pairs: group them by expert so each expert's rows are contiguous
-        k = indices.shape[-1]
-        flat = indices.flatten()
-        order = mx.argsort(flat)
-        rows = mx.expand_dims(x.reshape(-1, x.shape[-1])[order // k], -2)
-        idx = flat[order]
-        h = activation(_gather(self.gate, rows, idx, True), _gather(self.up, rows, idx, True))
-        y = _gather(self.down, h, idx, True).squeeze(-2)
-        return y[mx.argsort(order)].reshape(*indices.shape, y.shape[-1])
-
-
-SORT_THRESHOLD = 64
-
-
-def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = False) -> mx.array:
-    if proj.quant is None:
-        y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
-    else:
-        y = mx.gather_qmm(
-            x,
-            proj.weight,
-            proj.scales,
-            proj.biases,
-            rhs_indices=indices,
-            sorted_indices=is_sorted,
-            transpose=True,
-            group_size=proj.quant.group_size,
-            bits=proj.quant.bits,
-            mode=proj.quant.mode,
-        )
-    if proj.bias is not None:
-        y = y + mx.expand_dims(proj.bias[indices], -2)
-    return y
+    def unused(self) -> list[str]:
+        """Routed layers the family never asked for."""
+        ...
 
 
 class WeightStore:
@@ -176,9 +46,9 @@ class WeightStore:
         self._raw = mx.load(str(path))
         self._used: set[str] = set()
         self._pending: list[mx.array] = []
-        self._experts: ExpertStore | None = None
+        self._experts: ExpertSource | None = None
 
-    def use_experts(self, store: ExpertStore | None) -> None:
+    def use_experts(self, store: ExpertSource | None) -> None:
         """Serve routed experts from ``experts.bin`` (open step 10) instead of this container."""
         self._experts = store
 
@@ -255,7 +125,7 @@ class WeightStore:
         """The embedding table ``<base>.weight``."""
         return Embedding(self.linear(base), self.policy.compute_dtype)
 
-    def experts(self, prefix: str, gate: str, up: str, down: str) -> ExpertBank | StreamedExpertBank:
+    def experts(self, prefix: str, gate: str, up: str, down: str) -> Experts:
         """The routed experts under ``prefix`` (stacked ``[E, out, in]`` matrices).
 
         From ``experts.bin`` when the install has one: resident or streamed as

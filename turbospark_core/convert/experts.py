@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.errors import ConversionError
-from turbospark_core.moe import (
+from turbospark_core.experts.layout import (
     ALIGNMENT,
     EXPERT_TENSOR,
     LEAVES,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core import moe
+from turbospark_core.experts import held
 from turbospark_core.convert import convert, mxfp4
 from turbospark_core.manifest import load_manifest
 from turbospark_core.errors import ConversionError
@@ -54,7 +54,7 @@ def _dequantized(tensors: dict[str, mx.array], base: str) -> np.ndarray:
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_experts_dequantize_exactly_as_transformers(source: dict, install: Path, layer: int) -> None:
-    tensors = moe.read_expert_tensors(load_manifest(install))  # routed experts live in experts.bin
+    tensors = held.read_expert_tensors(load_manifest(install))  # routed experts live in experts.bin
     p = f"model.layers.{layer}.mlp.experts"
     gate_up = dequantize_like_transformers(source[f"{p}.gate_up_proj_blocks"], source[f"{p}.gate_up_proj_scales"])
     down = dequantize_like_transformers(source[f"{p}.down_proj_blocks"], source[f"{p}.down_proj_scales"])
@@ -65,7 +65,7 @@ def test_experts_dequantize_exactly_as_transformers(source: dict, install: Path,
 
 def test_install_keeps_mxfp4_storage(install: Path) -> None:
     manifest = json.loads((install / "manifest.json").read_text())
-    tensors = moe.read_expert_tensors(load_manifest(install))
+    tensors = held.read_expert_tensors(load_manifest(install))
     layer = manifest["experts"]["layers"]["model.layers.0.mlp.experts"]
     for proj in ("gate_proj", "up_proj", "down_proj"):
         base = f"model.layers.0.mlp.experts.{proj}"
@@ -84,8 +84,8 @@ def test_blocks_and_scales_pair_across_shards(turbospark_fixtures: Path, install
     mx.save_safetensors(str(src / "model-00001-of-00002.safetensors"), {k: v for k, v in tensors.items() if k not in scales})
     mx.save_safetensors(str(src / "model-00002-of-00002.safetensors"), scales)
     convert(src, tmp_path / "install")
-    got = {**mx.load(str(tmp_path / "install" / "model_weights.safetensors")), **moe.read_expert_tensors(load_manifest(tmp_path / "install"))}
-    want = {**mx.load(str(install / "model_weights.safetensors")), **moe.read_expert_tensors(load_manifest(install))}
+    got = {**mx.load(str(tmp_path / "install" / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(tmp_path / "install"))}
+    want = {**mx.load(str(install / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(install))}
     assert set(got) == set(want) and all(mx.array_equal(got[k], want[k]).item() for k in want)
 
 
@@ -128,7 +128,7 @@ def test_mlx_lm_mxfp4_directory_converts(install: Path, turbospark_fixtures: Pat
     """An mlx-lm gpt-oss directory (experts already split, mxfp4 ``.weight``/``.scales``) converts as is."""
     src = tmp_path / "mlx-lm"
     shutil.copytree(turbospark_fixtures / "gpt_oss_mxfp4", src, ignore=shutil.ignore_patterns("*.safetensors", "*.npz"))
-    tensors = {**mx.load(str(install / "model_weights.safetensors")), **moe.read_expert_tensors(load_manifest(install))}
+    tensors = {**mx.load(str(install / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(install))}
     mx.save_safetensors(str(src / "model.safetensors"), tensors)
     config = json.loads((src / "config.json").read_text())
     del config["quantization_config"]

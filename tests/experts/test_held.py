@@ -1,0 +1,52 @@
+"""Expert records as arrays: experts.bin holds exactly the stacked tensors; the held form is the policy's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark_core.compute import ComputePolicy
+from turbospark_core.experts.held import empty_slots, from_records, held_form, linear_of, read_expert_tensors
+from turbospark_core.experts.layout import EXPERT_TENSOR, ExpertLayout
+from turbospark_core.manifest import EXPERTS, WEIGHTS, load_manifest
+
+LAYER0 = "model.layers.0.mlp.experts"
+
+
+@pytest.mark.parametrize("options", [{}, {"quantize": "q4"}, {"dtype": "bfloat16"}], ids=["f32", "q4", "bf16"])
+def test_experts_bin_holds_exactly_the_stacked_tensors(moe_install: Callable[..., Path], options: dict) -> None:
+    packed, plain = moe_install("qwen3_moe", **options), moe_install("qwen3_moe", experts_file=False, **options)
+    want = {n: a for n, a in mx.load(str(plain / WEIGHTS)).items() if EXPERT_TENSOR.match(n)}
+    got = read_expert_tensors(load_manifest(packed))
+    assert set(got) == set(want) and want
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and mx.array_equal(got[name], arr).item(), name
+    quant_plain = load_manifest(plain).quantization
+    quant_packed = load_manifest(packed).quantization
+    assert not [b for b in quant_packed if EXPERT_TENSOR.match(b + ".weight")]
+    if options.get("quantize"):
+        section = load_manifest(packed).experts["layers"][LAYER0]["projections"]["gate_proj"]
+        assert section["quantization"] == quant_plain[f"{LAYER0}.gate_proj"]
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "mxfp4"])
+def test_held_form_is_float32_when_unpacked_and_as_stored_otherwise(
+    synthetic: Callable[[str], ExpertLayout], tmp_path: Path, kind: str
+) -> None:
+    layout = synthetic(kind)
+    layer = layout.layers[LAYER0]
+    records = np.fromfile(tmp_path / EXPERTS, np.uint8)[layer.offset : layer.end].reshape(layer.num_experts, layer.stride)
+    proj = layer.projections["gate_proj"]
+    stored = from_records(proj, records)
+    assert set(stored) == set(proj.tensors) and stored["weight"].shape[0] == 6
+    unpacked = held_form(proj, stored, ComputePolicy(unpack=True, compute_dtype=mx.float32, reason="test"))
+    assert unpacked["weight"].dtype == mx.float32 and unpacked["weight"].shape == (6, 64, 64)
+    assert held_form(proj, stored, ComputePolicy(unpack=False, compute_dtype=mx.float32, reason="test")) is stored
+    assert linear_of(proj, unpacked, unpack=True).quant is None
+    assert linear_of(proj, stored, unpack=False).quant == proj.quant
+    slots = empty_slots(proj, 2, ComputePolicy(unpack=True, compute_dtype=mx.float32, reason="test"))
+    assert slots["weight"].shape == (2, 64, 64) and not mx.any(slots["weight"]).item()

@@ -1,0 +1,167 @@
+"""Linear / Embedding / ExpertBank (dense and quantized) and the Experts protocol."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark_core import layers
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.tensor_index import QuantSpec
+
+# (bits, group_size, mode): MLX's affine kernels and mxfp4
+QUANTS = [(4, 64, "affine"), (8, 32, "affine"), (4, 32, "mxfp4")]
+QUANT_IDS = [f"{m}-{b}bit-g{g}" for b, g, m in QUANTS]
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _normal(shape: tuple[int, ...], seed: int = 0) -> mx.array:
+    return mx.array(_rng(seed).normal(size=shape).astype(np.float32))
+
+
+def _quantized(
+    w: mx.array, bits: int, group_size: int, mode: str, bias: mx.array | None = None
+) -> tuple[Linear, mx.array]:
+    """A quantized Linear made with mx.quantize, and its dequantized weight."""
+    packed = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    wq, scales = packed[0], packed[1]
+    biases = packed[2] if len(packed) > 2 else None
+    dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    spec = QuantSpec(bits=bits, group_size=group_size, mode=mode)
+    return Linear(wq, bias, quant=spec, scales=scales, biases=biases), dense
+
+
+def _np(a: mx.array | np.ndarray) -> np.ndarray:
+    return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a)
+
+
+def _close(a: mx.array, b: np.ndarray | mx.array, atol: float = 1e-4) -> None:
+    np.testing.assert_allclose(_np(a), _np(b), atol=atol, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ Linear
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_linear_is_x_times_w_transposed(with_bias: bool) -> None:
+    w, x = _normal((48, 64), 1), _normal((2, 5, 64), 2)
+    b = _normal((48,), 3) if with_bias else None
+    lin = Linear(w, b)
+    expected = np.array(x) @ np.array(w).T + (0 if b is None else np.array(b))
+    assert lin.out_features == 48
+    _close(lin(x), expected)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "mode"), QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quantized_linear_matches_dequantized_matmul(bits: int, group_size: int, mode: str, with_bias: bool) -> None:
+    w, x = _normal((48, 128), 4), _normal((3, 128), 5)
+    b = _normal((48,), 6) if with_bias else None
+    lin, dense = _quantized(w, bits, group_size, mode, b)
+    assert lin.out_features == 48
+    _close(lin(x), Linear(dense, b)(x))
+    # and the quantization is real: the result is near, not equal to, the float weight's
+    assert np.abs(np.array(lin(x) - Linear(w, b)(x))).max() > 0
+
+
+# ------------------------------------------------------------------ Embedding
+
+
+def test_dense_embedding_lookup_and_tied_head() -> None:
+    table = _normal((40, 16), 7)
+    emb = Embedding(Linear(table))
+    ids = mx.array([[0, 5, 5, 39]])
+    np.testing.assert_array_equal(np.array(emb(ids)), np.array(table)[[[0, 5, 5, 39]]])
+    h = _normal((1, 2, 16), 8)
+    _close(emb.as_linear(h), np.array(h) @ np.array(table).T)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "mode"), QUANTS, ids=QUANT_IDS)
+def test_quantized_embedding_lookup_equals_dequantized_rows(bits: int, group_size: int, mode: str) -> None:
+    table = _normal((40, 64), 9)
+    lin, dense = _quantized(table, bits, group_size, mode)
+    emb = Embedding(lin)
+    ids = mx.array([[3, 0, 39, 3], [7, 7, 1, 2]])
+    rows = emb(ids)
+    assert rows.shape == (2, 4, 64)
+    # mxfp4 dequantizes to bfloat16 (MLX's default for it); compare in float32
+    assert rows.dtype == dense.dtype
+    np.testing.assert_allclose(_np(rows), _np(dense)[np.array(ids)], atol=1e-6)
+    h = _normal((1, 3, 64), 10)
+    _close(emb.as_linear(h), np.array(h) @ _np(dense).T)
+
+
+# ------------------------------------------------------------------ ExpertBank
+
+
+def _silu_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+def _expert_loop(
+    x: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray, biases: tuple | None
+) -> np.ndarray:
+    """One (token, chosen expert) at a time, in float64."""
+    bg, bu, bd = biases or (np.zeros(g.shape[:2]), np.zeros(u.shape[:2]), np.zeros(d.shape[:2]))
+    out = np.zeros((*idx.shape, d.shape[1]))
+    for pos in np.ndindex(*idx.shape):
+        e, h = idx[pos], x[pos[:-1]]
+        gate, up = g[e] @ h + bg[e], u[e] @ h + bu[e]
+        out[pos] = d[e] @ (gate / (1 + np.exp(-gate)) * up) + bd[e]
+    return out
+
+
+def _bank(
+    experts: int, dim: int, hidden: int, quant: tuple[int, int, str] | None, with_bias: bool
+) -> tuple[ExpertBank, list[np.ndarray], list[mx.array | None]]:
+    """A bank of gate/up/down experts, the float weights it really holds, and its biases."""
+    ws = [_normal((experts, hidden, dim), 11), _normal((experts, hidden, dim), 12), _normal((experts, dim, hidden), 13)]
+    ws = [w * 0.2 for w in ws]
+    bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)]
+    bs = bs if with_bias else [None] * 3
+    if quant is None:
+        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs))), [np.array(w) for w in ws], bs
+    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs)]
+    return ExpertBank(*(lin for lin, _ in made)), [_np(dense) for _, dense in made], bs
+
+
+@pytest.mark.parametrize("quant", [None, (4, 64, "affine"), (8, 64, "affine")], ids=["dense", "q4", "q8"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_expert_bank_glu_equals_a_per_expert_loop(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
+    experts, dim, hidden, k = 4, 64, 128, 2
+    bank, (g, u, d), bs = _bank(experts, dim, hidden, quant, with_bias)
+    assert bank.num_experts == experts
+    x = _normal((2, 3, dim), 17)
+    idx = mx.array(_rng(18).integers(0, experts, size=(2, 3, k)))
+    out = bank.glu(x, idx, _silu_glu)
+    assert out.shape == (2, 3, k, dim)
+    biases = tuple(np.array(b) for b in bs) if with_bias else None
+    expected = _expert_loop(np.array(x, dtype=np.float64), np.array(idx), g, u, d, biases)
+    _close(out, expected, atol=2e-4)
+
+
+def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    E, D, I = 8, 32, 16
+    gate = Linear(mx.random.normal((E, I, D), key=mx.random.key(0)), mx.random.normal((E, I), key=mx.random.key(1)))
+    up = Linear(mx.random.normal((E, I, D), key=mx.random.key(2)))
+    down = Linear(mx.random.normal((E, D, I), key=mx.random.key(3)))
+    bank = ExpertBank(gate, up, down)
+    x = mx.random.normal((2, 40, D), key=mx.random.key(4))
+    idx = mx.random.randint(0, E, (2, 40, 2), key=mx.random.key(5))
+
+    def act(a: mx.array, b: mx.array) -> mx.array:
+        return a * mx.sigmoid(a) * b
+
+    monkeypatch.setattr(layers, "SORT_THRESHOLD", 10**9)
+    unsorted = bank.glu(x, idx, act)
+    monkeypatch.setattr(layers, "SORT_THRESHOLD", 1)
+    assert mx.array_equal(bank.glu(x, idx, act), unsorted)
+
+
+def test_the_resident_bank_is_an_experts() -> None:
+    bank, _, _ = _bank(4, 64, 128, None, with_bias=False)
+    assert isinstance(bank, Experts) and not isinstance(Linear(mx.zeros((2, 2))), Experts)

@@ -1,0 +1,169 @@
+"""The objects families call: ``Linear``, ``Embedding``, and routed experts (the ``Experts`` protocol).
+
+The weight store hands them out; families never see how a matrix is held.
+:class:`Linear` is the one place a weight matrix is held and multiplied.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from turbospark_core.tensor_index import QuantSpec
+
+Activation = Callable[[mx.array, mx.array], mx.array]
+"""``(gate, up) -> hidden``, e.g. ``silu(gate) * up``."""
+
+SORT_THRESHOLD = 64  # (token, expert) pairs from which ExpertBank.glu groups rows by expert
+
+
+class Linear:
+    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul."""
+
+    def __init__(
+        self,
+        weight: mx.array,
+        bias: mx.array | None = None,
+        *,
+        quant: QuantSpec | None = None,
+        scales: mx.array | None = None,
+        biases: mx.array | None = None,
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.quant = quant
+        self.scales = scales
+        self.biases = biases
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the weight matrix."""
+        return self.weight.shape[-2]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.quant is None:
+            return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        y = mx.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.quant.group_size,
+            bits=self.quant.bits,
+            mode=self.quant.mode,
+        )
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding:
+    """Token embedding table, also usable as a tied output head.
+
+    Rows come back in ``dtype`` (the compute dtype), whatever the storage.
+    """
+
+    def __init__(self, table: Linear, dtype: mx.Dtype | None = None) -> None:
+        self.table = table
+        self.dtype = dtype
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = self._rows(ids)
+        return rows if self.dtype is None or rows.dtype == self.dtype else rows.astype(self.dtype)
+
+    def _rows(self, ids: mx.array) -> mx.array:
+        t = self.table
+        if t.quant is None:
+            return t.weight[ids]
+        return mx.dequantize(
+            t.weight[ids],
+            t.scales[ids],
+            None if t.biases is None else t.biases[ids],
+            group_size=t.quant.group_size,
+            bits=t.quant.bits,
+            mode=t.quant.mode,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """Project hidden states onto the vocabulary (tied head)."""
+        return self.table(x)
+
+
+@runtime_checkable
+class Experts(Protocol):
+    """Routed experts of one MoE layer, as families call them.
+
+    Families route, then call :meth:`glu` with the chosen expert indices; how
+    the experts are held (all resident, or streamed through slots) is the core's
+    business. :class:`ExpertBank` and the streamed bank both satisfy it.
+    """
+
+    @property
+    def num_experts(self) -> int:
+        """How many experts the layer has."""
+        ...
+
+    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+        """Gated expert MLP for each chosen expert.
+
+        Args:
+            x: Hidden states ``[..., D]``.
+            indices: Chosen experts ``[..., k]`` (integer).
+            activation: ``(gate, up) -> hidden``, e.g. ``silu(gate) * up``.
+
+        Returns:
+            ``[..., k, D]``: each chosen expert's output (unweighted).
+        """
+        ...
+
+
+class ExpertBank:
+    """Every expert of one routed layer in memory: stacked ``[num_experts, out, in]`` projections."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+        self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def num_experts(self) -> int:
+        """How many experts the layer has."""
+        return self.gate.weight.shape[0]
+
+    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+        """Gated expert MLP for each chosen expert (see :meth:`Experts.glu`)."""
+        if indices.size >= SORT_THRESHOLD:
+            return self._glu_sorted(x, indices, activation)
+        xe = mx.expand_dims(x, (-2, -3))
+        h = activation(_gather(self.gate, xe, indices), _gather(self.up, xe, indices))
+        return _gather(self.down, h, indices).squeeze(-2)
+
+    def _glu_sorted(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+        # Many (token, expert) pairs: group them by expert so each expert's rows are contiguous
+        k = indices.shape[-1]
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        rows = mx.expand_dims(x.reshape(-1, x.shape[-1])[order // k], -2)
+        idx = flat[order]
+        h = activation(_gather(self.gate, rows, idx, True), _gather(self.up, rows, idx, True))
+        y = _gather(self.down, h, idx, True).squeeze(-2)
+        return y[mx.argsort(order)].reshape(*indices.shape, y.shape[-1])
+
+
+def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = False) -> mx.array:
+    if proj.quant is None:
+        y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
+    else:
+        y = mx.gather_qmm(
+            x,
+            proj.weight,
+            proj.scales,
+            proj.biases,
+            rhs_indices=indices,
+            sorted_indices=is_sorted,
+            transpose=True,
+            group_size=proj.quant.group_size,
+            bits=proj.quant.bits,
+            mode=proj.quant.mode,
+        )
+    if proj.bias is not None:
+        y = y + mx.expand_dims(proj.bias[indices], -2)
+    return y
