@@ -165,3 +165,8 @@ def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch
 def test_the_resident_bank_is_an_experts() -> None:
     bank, _, _ = _bank(4, 64, 128, None, with_bias=False)
     assert isinstance(bank, Experts) and not isinstance(Linear(mx.zeros((2, 2))), Experts)
+
+
+def test_a_quantized_linear_needs_its_scales() -> None:
+    with pytest.raises(ValueError, match="needs its scales"):
+        Linear(mx.zeros((4, 2), dtype=mx.uint32), quant=QuantSpec(bits=4, group_size=32, mode="affine"))

@@ -6,7 +6,8 @@ The weight store hands them out; families never see how a matrix is held.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -30,6 +31,9 @@ class Linear:
         scales: mx.array | None = None,
         biases: mx.array | None = None,
     ) -> None:
+        if quant is not None and scales is None:
+            msg = f"a quantized Linear ({quant.mode}, {quant.bits}-bit) needs its scales; pass scales= with quant="
+            raise ValueError(msg)
         self.weight = weight
         self.bias = bias
         self.quant = quant
@@ -42,7 +46,7 @@ class Linear:
         return self.weight.shape[-2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None:
+        if self.quant is None or self.scales is None:  # __init__ gives every quantized Linear its scales
             return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
         y = mx.quantized_matmul(
             x,
@@ -73,7 +77,7 @@ class Embedding:
 
     def _rows(self, ids: mx.array) -> mx.array:
         t = self.table
-        if t.quant is None:
+        if t.quant is None or t.scales is None:
             return t.weight[ids]
         return mx.dequantize(
             t.weight[ids],
@@ -149,7 +153,7 @@ class ExpertBank:
 
 
 def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = False) -> mx.array:
-    if proj.quant is None:
+    if proj.quant is None or proj.scales is None:
         y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
     else:
         y = mx.gather_qmm(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import mlx.core as mx
 
@@ -43,7 +43,7 @@ class WeightStore:
     def __init__(self, path: Path, index: TensorIndex, policy: ComputePolicy) -> None:
         self.index = index
         self.policy = policy
-        self._raw = mx.load(str(path))
+        self._raw = cast(dict[str, mx.array], mx.load(str(path)))  # a safetensors file loads as a dict
         self._used: set[str] = set()
         self._pending: list[mx.array] = []
         self._experts: ExpertSource | None = None

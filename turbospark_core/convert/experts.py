@@ -73,7 +73,7 @@ def _write_layer(f: Any, layer: LayerLayout, tensors: dict[str, mx.array]) -> No
             for leaf, t in proj.tensors.items():
                 part = np.ascontiguousarray(raw[f"{proj.name}.{leaf}"][start:stop]).reshape(stop - start, -1)
                 buf[:, t.offset : t.offset + t.nbytes] = part.view(np.uint8).reshape(stop - start, -1)
-        f.write(memoryview(buf))
+        f.write(buf.data)
 
 
 def _groups(tensors: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:

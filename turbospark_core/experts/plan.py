@@ -59,7 +59,10 @@ def plan_experts(layout: ExpertLayout, residency: str, expert_slots: int | str, 
         need = layout.slot_bytes(layout.max_experts, unpack)
         return ExpertPlan(residency=RESIDENT, slots=layout.max_experts, unpack=unpack, held_bytes=need) if need <= room else None
     fewest = layout.top_k or 1
-    need_for = lambda n: layout.slot_bytes(n, unpack) + layout.staging_bytes(n)
+
+    def need_for(slots: int) -> int:
+        return layout.slot_bytes(slots, unpack) + layout.staging_bytes(slots)
+
     if isinstance(expert_slots, int):
         slots = min(expert_slots, layout.max_experts)
     else:  # the most slots that fit: bisect, the need grows with the slot count

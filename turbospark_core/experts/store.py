@@ -57,7 +57,7 @@ class ExpertStore:
     def read(self, offset: int, size: int, into: np.ndarray | None = None) -> np.ndarray:
         """``size`` bytes at ``offset`` with positional reads (bounded by the validated layout)."""
         buf = np.empty(size, np.uint8) if into is None else into[:size]
-        view, done = memoryview(buf), 0
+        view, done = buf.data, 0
         while done < size:
             got = os.preadv(self._fd, [view[done : done + _READ_CHUNK]], offset + done)
             if got <= 0:
