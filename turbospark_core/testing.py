@@ -200,18 +200,6 @@ class FamilyConformance:
         assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
 
     # ------------------------------------------------------------ hook contract
-    def test_hooks_answer_none_for_foreign_arch(self, runner: Any) -> None:
-        from turbospark_core import plugins
-
-        foreign = {**runner.manifest.arch, "model_type": "__not_a_family__"}
-        hooks = plugins.family_hooks(runner.manifest.model_type)
-        assert hooks.build_family_state(_foreign_context(runner, foreign)) is None
-        assert hooks.cache_layout(foreign) is None
-        assert hooks._call("arch_problems", arch=foreign) is None
-        assert hooks._call("steering_supported", arch=foreign) is None
-        assert hooks._call("accepts_hadamard", arch=foreign) is None
-        assert hooks._call("hf_tensor_target", arch=foreign, name="model.norm.weight") is None
-
     def test_probes_return_bool(self, runner: Any) -> None:
         from turbospark_core import plugins
 
@@ -237,15 +225,3 @@ class FamilyConformance:
         (bad / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(ArchConfigError, match="num_hidden_layers"):
             turbospark_core.open(bad)
-
-
-def _foreign_context(runner: Any, arch: dict[str, Any]) -> Any:
-    from turbospark_core.context import FamilyContext
-
-    opened = runner.opened
-    return FamilyContext(
-        arch=arch,
-        weights=None,  # a foreign family must not touch it
-        cache_layout=opened.cache_layout,
-        compute_dtype=opened.policy.compute_dtype,
-    )

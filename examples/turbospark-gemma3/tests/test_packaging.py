@@ -18,12 +18,8 @@ from turbospark_core import cli, plugins
 from turbospark_core.convert import convert
 from turbospark_core.errors import UnknownFamilyError
 
-# What a third-party plugin may import from turbospark: the documented public surface
-PUBLIC = {
-    "turbospark_core", "turbospark_core.cache_spec", "turbospark_core.context", "turbospark_core.convert.records",
-    "turbospark_core.errors", "turbospark_core.kv_cache", "turbospark_core.registry", "turbospark_core.rope",
-    "turbospark_core.weights",
-}
+# What a third-party plugin imports from turbospark: the curated surface for plugin authors
+PUBLIC = {"turbospark_core.family"}
 
 
 def _core_imports(path: Path) -> set[str]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import ConversionError, TensorTarget, drop_pattern, is_tied_head, rope_scaling, tied_embeddings
 
 # Transformers' defaults for Gemma 3 (Gemma3TextConfig.default_theta, sliding_window_pattern)
 GLOBAL_THETA = 1_000_000.0
@@ -25,18 +24,12 @@ def _layer_types(cfg: dict[str, Any], layers: int, pattern: int) -> list[str]:
 def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None, dict[str, Any] | None]:
     """(global theta, local theta, global scaling, local scaling) from either config style."""
     params = cfg.get("rope_parameters") or {}
-    full = dict(params.get(FULL) or {})
-    local = dict(params.get(SLIDING) or {})
-    global_theta = float(full.pop("rope_theta", None) or cfg.get("rope_theta") or GLOBAL_THETA)
-    local_theta = float(local.pop("rope_theta", None) or cfg.get("rope_local_base_freq") or LOCAL_THETA)
-    # Legacy configs: rope_scaling applies to the global layers only
-    full = full or dict(cfg.get("rope_scaling") or {})
-    return global_theta, local_theta, _scaling(full), _scaling(local)
-
-
-def _scaling(params: dict[str, Any]) -> dict[str, Any] | None:
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    return None if kind == "default" else {"rope_type": kind, **params}
+    full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+    global_theta = float(full.get("rope_theta") or cfg.get("rope_theta") or GLOBAL_THETA)
+    local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or LOCAL_THETA)
+    if not set(full) - {"rope_theta"}:  # legacy configs: rope_scaling applies to the global layers only
+        full = cfg.get("rope_scaling") or {}
+    return global_theta, local_theta, rope_scaling(full), rope_scaling(local)
 
 
 def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -67,12 +60,13 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
         "use_bidirectional_attention": bool(cfg.get("use_bidirectional_attention")),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": tied_embeddings(cfg, default=True),
         # Hugging Face stores w and the flow multiplies by (1 + w)
         "norm_adds_one": True,
     }
 
 
+_DROP = drop_pattern()
 _HF_NAME = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
     r"|model\.layers\.\d+\.(?:input_layernorm|post_attention_layernorm|pre_feedforward_layernorm"
@@ -83,9 +77,7 @@ _HF_NAME = re.compile(
 
 def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     """Where a Hugging Face (or mlx-lm) Gemma 3 tensor goes: the same name, or dropped."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return TensorTarget.drop()
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    if _DROP.search(name) or is_tied_head(arch, name):
         return TensorTarget.drop()
     if not _HF_NAME.fullmatch(name):
         msg = f"tensor {name!r} has no place in a gemma3_text install; the checkpoint is not a Gemma 3 text model"

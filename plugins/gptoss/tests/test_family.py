@@ -52,7 +52,7 @@ def test_full_attention_only_needs_no_window() -> None:
 
 
 def test_cache_layout_rings_sliding_layers() -> None:
-    sliding, full = family.cache_layout(Args.from_arch(BASE))
+    sliding, full = Args.from_arch(BASE).cache_layout()
     assert (sliding.window, sliding.n_kv_heads, sliding.head_dim) == (16, 2, 16)
     assert full.window is None
 

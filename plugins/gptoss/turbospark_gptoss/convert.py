@@ -15,8 +15,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from turbospark_core.convert.records import AffineQuantized, TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import (
+    AffineQuantized,
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    rope_theta,
+    tied_embeddings,
+)
 
 # transformers' GptOssConfig default when config.json carries no rope parameters
 _DEFAULT_ROPE = {
@@ -30,12 +38,8 @@ _DEFAULT_ROPE = {
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or _DEFAULT_ROPE)
-    theta = float(cfg.get("rope_theta") or params.pop("rope_theta", None) or 150000.0)
-    params.pop("rope_theta", None)
-    rope_type = params.pop("type", None) or params.get("rope_type", "default")
-    params["rope_type"] = rope_type
-    return theta, None if rope_type == "default" else params
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or _DEFAULT_ROPE
+    return rope_theta(cfg, params, 150000.0), rope_scaling(params)
 
 
 def _layer_types(cfg: dict[str, Any], layers: int) -> list[str]:
@@ -71,12 +75,13 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": cfg["num_experts_per_tok"],
         "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
         "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": tied_embeddings(cfg),
     }
 
 
 # ------------------------------------------------------------------ tensors
 
+_DROP = drop_pattern()
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 _INSTALLED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias|scales|biases)$")
 # Everything else keeps its name; (mlx-lm quantized directories add .scales/.biases)
@@ -94,9 +99,7 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     Raises:
         ConversionError: A tensor with no place in a gpt-oss install, named.
     """
-    if name.endswith("rotary_emb.inv_freq"):
-        return TensorTarget.drop()
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    if _DROP.search(name) or is_tied_head(arch, name):
         return TensorTarget.drop()
     if _KNOWN.match(name) or _INSTALLED_EXPERTS.match(name):
         return TensorTarget.to(name)

@@ -8,11 +8,16 @@ from typing import Any, Callable
 import attrs
 import mlx.core as mx
 
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RingKVCache, causal_mask
-from turbospark_core.rope import ROPE_TYPES, Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import (
+    ROPE_TYPES,
+    ArchConfigError,
+    CacheSpec,
+    KVCache,
+    RingKVCache,
+    Rope,
+    WeightStore,
+    causal_mask,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -99,6 +104,15 @@ class Args:
         if rope_type not in ROPE_TYPES:
             out.append(f"rope_scaling type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
         return out
+
+    def cache_layout(self) -> list[CacheSpec]:
+        """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
+        return [
+            CacheSpec.sliding(self.num_key_value_heads, self.head_dim, self.sliding_window)
+            if kind == SLIDING and self.sliding_window
+            else CacheSpec.full(self.num_key_value_heads, self.head_dim)
+            for kind in self.layer_types
+        ]
 
 
 def _layer_problems(arch: dict[str, Any]) -> list[str]:
@@ -215,13 +229,3 @@ class Model:
     @property
     def layers(self) -> list[Block]:
         return self.blocks
-
-
-def cache_layout(args: Args) -> list[CacheSpec]:
-    """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
-    return [
-        CacheSpec.sliding(args.num_key_value_heads, args.head_dim, args.sliding_window)
-        if kind == SLIDING and args.sliding_window
-        else CacheSpec.full(args.num_key_value_heads, args.head_dim)
-        for kind in args.layer_types
-    ]

@@ -5,29 +5,22 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import (
+    MTP_HEADS,
+    VISION_TOWERS,
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    rope_theta,
+    strip_language_model_prefix,
+    text_config,
+    tied_embeddings,
+)
 
 _MOE_TYPES = ("qwen3_moe", "minimax_m2")
 _IMPLIED_QKV_BIAS = ("qwen2",)
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    scaling = dict(scaling)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    # Multimodal rope on text-only positions is plain rope (all sections share one position)
-    for key in ("mrope_section", "mrope_interleaved", "rope_theta", "type"):
-        scaling.pop(key, None)
-    scaling["rope_type"] = rope_type
-    return None if rope_type == "default" else scaling
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 def _moe(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, Any] | None:
@@ -62,7 +55,7 @@ def _qk_norm(cfg: dict[str, Any], model_type: str) -> str | None:
 def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The install's arch config from a Hugging Face (or mlx-lm) config.json."""
     model_type = hf_config["model_type"]
-    cfg = hf_config.get("text_config") or hf_config
+    cfg = text_config(hf_config)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rotary_dim = cfg.get("rotary_dim") or int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
@@ -78,38 +71,27 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "intermediate_size": cfg.get("intermediate_size"),
         "vocab_size": cfg["vocab_size"],
         "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
-        "rope_theta": _rope_theta(cfg),
-        "rope_scaling": _rope_scaling(cfg),
+        "rope_theta": rope_theta(cfg, cfg.get("rope_parameters"), 10000.0),
+        "rope_scaling": rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
         "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        "tie_word_embeddings": tied_embeddings(hf_config),
         "qk_norm": _qk_norm(cfg, model_type),
         "moe": _moe(cfg, model_type, layers),
     }
 
 
-_DROP = re.compile(
-    r"^(model\.visual\.|visual\.|vision_tower\.|model\.vision_tower\.|mtp\.|model\.mtp)"
-    r"|rotary_emb\.inv_freq$"
-)
+_DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
 _STACKED = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(\w+)\.(weight|scales|biases)$")
 _MINIMAX_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def _strip_prefix(name: str) -> str:
-    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-        if name.startswith(prefix):
-            rest = name[len(prefix) :]
-            return rest if rest.startswith("lm_head") else f"model.{rest}"
-    return name
 
 
 def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     """Where a Hugging Face / mlx-lm tensor goes."""
     if _DROP.search(name):
         return TensorTarget.drop()
-    name = _strip_prefix(name)
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    name = strip_language_model_prefix(name)
+    if is_tied_head(arch, name):
         return TensorTarget.drop()
     m = _EXPERT.match(name)
     if m:

@@ -8,10 +8,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache
-from turbospark_core.rope import Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, Rope, WeightStore
 
 QK_NORMS = (None, "head", "full")
 SCORINGS = ("softmax", "sigmoid")
@@ -85,6 +82,10 @@ class Args:
         if moe and not 0 < moe.get("top_k", 0) <= moe.get("num_experts", 0):
             out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
         return out
+
+    def cache_layout(self) -> list[CacheSpec]:
+        """One full-attention KV cache per layer."""
+        return [CacheSpec.full(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
 
 class Attention:

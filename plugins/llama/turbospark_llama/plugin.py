@@ -1,21 +1,13 @@
-"""Hook implementations: each one checks the model type and delegates."""
+"""Hook implementations: the core calls them only for this family's model types; each delegates."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from turbospark_core import hookimpl
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.context import FamilyContext
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.registry import FamilySpec
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
 from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert
 from turbospark_llama.family import Args, Model
-
-
-def _mine(arch: dict[str, Any]) -> bool:
-    return arch.get("model_type") in MODEL_TYPES
 
 
 @hookimpl
@@ -45,18 +37,18 @@ def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: li
 
 
 @hookimpl
-def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return convert.hf_target(arch, name) if _mine(arch) else None
+def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return convert.hf_target(arch, name)
 
 
 @hookimpl
-def gguf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return convert.gguf_target(arch, name) if _mine(arch) else None
+def gguf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return convert.gguf_target(arch, name)
 
 
 @hookimpl
-def arch_problems(arch: dict[str, Any]) -> list[str] | None:
-    return Args.problems(arch) if _mine(arch) else None
+def arch_problems(arch: dict[str, Any]) -> list[str]:
+    return Args.problems(arch)
 
 
 @hookimpl
@@ -65,25 +57,20 @@ def kv_quant_unsupported_reason(arch: dict[str, Any], kv_quant: str) -> str | No
 
 
 @hookimpl
-def accepts_hadamard(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None
+def accepts_hadamard(arch: dict[str, Any]) -> bool:
+    return False
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None  # the flow has no steering points yet
+def steering_supported(arch: dict[str, Any]) -> bool:
+    return False  # the flow has no steering points yet
 
 
 @hookimpl
-def cache_layout(arch: dict[str, Any]) -> list[CacheSpec] | None:
-    if not _mine(arch):
-        return None
-    args = Args.from_arch(arch)
-    return [CacheSpec.full(args.num_key_value_heads, args.head_dim)] * args.num_hidden_layers
+def cache_layout(arch: dict[str, Any]) -> list[CacheSpec]:
+    return Args.from_arch(arch).cache_layout()
 
 
 @hookimpl
-def build_family_state(context: FamilyContext) -> Model | None:
-    if not _mine(context.arch):
-        return None
+def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)

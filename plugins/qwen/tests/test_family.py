@@ -56,6 +56,3 @@ def test_probes(arch: dict) -> None:
     assert plugin.accepts_hadamard(arch) is False  # hadamard folding is not implemented
     assert plugin.steering_supported(arch) is False
     assert plugin.kv_quant_unsupported_reason(arch, "q8") is None
-    foreign = {**arch, "model_type": "llama"}
-    assert plugin.cache_layout(foreign) is None and plugin.arch_problems(foreign) is None
-    assert plugin.hf_tensor_transform(foreign, "model.norm.weight", None) is None

@@ -7,8 +7,19 @@ from typing import Any
 
 import mlx.core as mx
 
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import (
+    MTP_HEADS,
+    VISION_TOWERS,
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    rope_theta,
+    strip_language_model_prefix,
+    text_config,
+    tied_embeddings,
+)
 
 _MOE_TYPES = ("qwen3_5_moe",)
 _DEFAULT_INTERVAL = 4
@@ -28,15 +39,9 @@ def _layer_types(cfg: dict[str, Any]) -> list[str]:
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
     """(theta, partial rotary factor, rope_scaling for Rope.from_config or None)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    # Multimodal rope on text-only positions is plain rope (all sections share one position)
-    for key in ("mrope_section", "mrope_interleaved", "rope_theta", "partial_rotary_factor", "type"):
-        params.pop(key, None)
-    params["rope_type"] = rope_type
-    return theta, partial, None if rope_type == "default" else params
+    return rope_theta(cfg, params, 10000.0), partial, rope_scaling(params)
 
 
 def _moe(cfg: dict[str, Any], model_type: str) -> dict[str, Any] | None:
@@ -61,7 +66,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     from turbospark_qwen.family import Args
 
     model_type = hf_config["model_type"]
-    cfg = hf_config.get("text_config") or hf_config
+    cfg = text_config(hf_config)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     theta, partial, scaling = _rope(cfg)
@@ -87,7 +92,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": cfg.get("linear_value_head_dim"),
         "linear_conv_kernel_dim": cfg.get("linear_conv_kernel_dim"),
         "attention_bias": bool(cfg.get("attention_bias", False)),
-        "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        "tie_word_embeddings": tied_embeddings(hf_config),
         "moe": _moe(cfg, model_type),
     }
     problems = Args.problems(arch)
@@ -99,10 +104,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ tensors
 
-_DROP = re.compile(
-    r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tower\.|mtp\.|model\.mtp\.)"
-    r"|rotary_emb\.inv_freq$"
-)
+_DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)
 _MLX_LM_PREFIX = "language_model."  # mlx-lm writes sanitized names: language_model.model.layers...
 _KEEP_FLOAT32 = re.compile(r"\.linear_attn\.(A_log|norm\.weight)$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -110,20 +112,12 @@ _SWITCH_MLP = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+)\.(weigh
 _ZERO_CENTERED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|^model\.norm\.weight$")
 
 
-def _strip_prefix(name: str) -> str:
-    for prefix in ("model.language_model.", "language_model.model.", _MLX_LM_PREFIX):
-        if name.startswith(prefix):
-            rest = name[len(prefix) :]
-            return rest if rest.startswith("lm_head") else f"model.{rest}"
-    return name
-
-
 def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     """Where a Hugging Face / mlx-lm tensor goes (vision tower and MTP head dropped)."""
     if _DROP.search(name):
         return TensorTarget.drop()
-    name = _strip_prefix(name)
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    name = strip_language_model_prefix(name)
+    if is_tied_head(arch, name):
         return TensorTarget.drop()
     m = _SWITCH_MLP.match(name)
     if m:
@@ -137,7 +131,7 @@ def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] |
     """Split fused 3-D expert tensors; undo mlx-lm's ``1 + w`` on zero-centered norms."""
     if _DROP.search(name):
         return None
-    install = _strip_prefix(name)
+    install = strip_language_model_prefix(name)
     m = _FUSED_EXPERTS.match(install)
     if m:
         return _split_experts(arch, name, m.group(1), m.group(2), data)

@@ -8,11 +8,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.cache_spec import CacheSpec, StateSpec
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import KVCache, RecurrentState
-from turbospark_core.rope import Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RecurrentState, Rope, StateSpec, WeightStore
 
 from turbospark_qwen.gated_delta import gated_delta, l2_normalize
 

@@ -1,21 +1,13 @@
-"""Hook implementations: each one checks the model type and delegates."""
+"""Hook implementations: the core calls them only for this family's model types; each delegates."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from turbospark_core import hookimpl
-from turbospark_core.cache_spec import CacheSpec, StateSpec
-from turbospark_core.context import FamilyContext
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.registry import FamilySpec
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, StateSpec, TensorTarget, hookimpl
 
 from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert
 from turbospark_qwen.family import Args, Model
-
-
-def _mine(arch: dict[str, Any]) -> bool:
-    return arch.get("model_type") in MODEL_TYPES
 
 
 @hookimpl
@@ -31,18 +23,18 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @hookimpl
-def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return convert.hf_target(arch, name) if _mine(arch) else None
+def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return convert.hf_target(arch, name)
 
 
 @hookimpl
 def hf_tensor_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] | None:
-    return convert.hf_transform(arch, name, data) if _mine(arch) else None
+    return convert.hf_transform(arch, name, data)
 
 
 @hookimpl
-def arch_problems(arch: dict[str, Any]) -> list[str] | None:
-    return Args.problems(arch) if _mine(arch) else None
+def arch_problems(arch: dict[str, Any]) -> list[str]:
+    return Args.problems(arch)
 
 
 @hookimpl
@@ -51,22 +43,20 @@ def kv_quant_unsupported_reason(arch: dict[str, Any], kv_quant: str) -> str | No
 
 
 @hookimpl
-def accepts_hadamard(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None  # hadamard folding is not implemented in this flow
+def accepts_hadamard(arch: dict[str, Any]) -> bool:
+    return False  # hadamard folding is not implemented in this flow
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None  # the flow has no steering points yet
+def steering_supported(arch: dict[str, Any]) -> bool:
+    return False  # the flow has no steering points yet
 
 
 @hookimpl
-def cache_layout(arch: dict[str, Any]) -> list[CacheSpec | StateSpec] | None:
-    return Args.from_arch(arch).cache_layout() if _mine(arch) else None
+def cache_layout(arch: dict[str, Any]) -> list[CacheSpec | StateSpec]:
+    return Args.from_arch(arch).cache_layout()
 
 
 @hookimpl
-def build_family_state(context: FamilyContext) -> Model | None:
-    if not _mine(context.arch):
-        return None
+def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from turbospark_core.errors import ArchConfigError
-from turbospark_spark.family import Args, cache_layout
+from turbospark_spark.family import Args
 
 BASE: dict[str, Any] = {
     "model_type": "spark2_5", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -43,7 +43,7 @@ def test_valid_arch_has_no_problems() -> None:
 
 
 def test_cache_layout_puts_rings_on_sliding_layers() -> None:
-    layout = cache_layout(Args.from_arch(BASE))
+    layout = Args.from_arch(BASE).cache_layout()
     assert [spec.window for spec in layout] == [16, 16, 16, None]
     assert {(spec.n_kv_heads, spec.head_dim) for spec in layout} == {(2, 16)}
 

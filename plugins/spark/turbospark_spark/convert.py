@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.errors import ConversionError
+from turbospark_core.family import ConversionError, TensorTarget, drop_pattern, is_tied_head, rope_scaling, tied_embeddings
 
 from turbospark_spark.family import FULL, SLIDING, Args
 
@@ -19,6 +18,7 @@ _LAYER = re.compile(
     r"\.(weight|bias|scales|biases)$"
     r"|^model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight$"
 )
+_DROP = drop_pattern()
 _TOP = re.compile(r"^(model\.embedding|lm_head)\.(weight|scales|biases)$|^model\.norm\.weight$")
 
 
@@ -33,12 +33,10 @@ def _rope(params: Any, head_dim: int) -> dict[str, Any] | None:
     """One layer type's rope: theta, rotary dims (head_dim x partial factor), scaling."""
     if not isinstance(params, dict):
         return None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
-    scaling["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return {
         "rope_theta": float(params.get("rope_theta", 10000.0)),
         "rotary_dim": int(head_dim * float(params.get("partial_rotary_factor", 1.0))),
-        "rope_scaling": None if scaling["rope_type"] == "default" else scaling,
+        "rope_scaling": rope_scaling(params),
     }
 
 
@@ -71,7 +69,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "hidden_act": cfg.get("hidden_act", "gelu"),
         "gate_attn_act_mode": cfg.get("gate_attn_act_mode", "sigmoid"),
         "headwise_attn_output_gate": cfg.get("headwise_attn_output_gate", True),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": tied_embeddings(cfg, default=True),
     }
     problems = Args.problems(arch)
     if problems:
@@ -86,11 +84,9 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     Raises:
         ConversionError: A tensor the flow has no place for, named.
     """
-    if name.endswith("rotary_emb.inv_freq"):
-        return TensorTarget.drop()  # a serialized buffer the rope recomputes
     # Some MLX conversions rename the embedding
     name = name.replace("model.embed_tokens.", "model.embedding.", 1)
-    if name.startswith("lm_head.") and arch.get("tie_word_embeddings"):
+    if _DROP.search(name) or is_tied_head(arch, name):
         return TensorTarget.drop()
     if _LAYER.match(name) or _TOP.match(name):
         # The tiny head gate stays at source precision (never cast or quantized), as in mlx-lm

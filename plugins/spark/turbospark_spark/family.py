@@ -9,11 +9,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.errors import ArchConfigError
-from turbospark_core.kv_cache import Cache, causal_mask
-from turbospark_core.rope import ROPE_TYPES, Rope
-from turbospark_core.weights import WeightStore
+from turbospark_core.family import ROPE_TYPES, ArchConfigError, Cache, CacheSpec, Rope, WeightStore, causal_mask
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -113,6 +109,14 @@ class Args:
             out.append(f"tie_word_embeddings must be true or false (got {arch.get('tie_word_embeddings')!r})")
         return out + _layer_problems(arch)
 
+    def cache_layout(self) -> list[CacheSpec]:
+        """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
+        n, d = self.num_key_value_heads, self.head_dim
+        return [
+            CacheSpec.sliding(n, d, self.sliding_window) if kind == SLIDING else CacheSpec.full(n, d)
+            for kind in self.layer_types
+        ]
+
 
 def _layer_problems(arch: dict[str, Any]) -> list[str]:
     kinds = arch.get("layer_types")
@@ -143,15 +147,6 @@ def _rope_problems(kind: str, rope: Any, head_dim: Any) -> list[str]:
     if rope_type not in ROPE_TYPES:
         out.append(f"{kind} rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
     return out
-
-
-def cache_layout(args: Args) -> list[CacheSpec]:
-    """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
-    n, d = args.num_key_value_heads, args.head_dim
-    return [
-        CacheSpec.sliding(n, d, args.sliding_window) if kind == SLIDING else CacheSpec.full(n, d)
-        for kind in args.layer_types
-    ]
 
 
 

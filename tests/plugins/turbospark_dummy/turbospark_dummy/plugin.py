@@ -1,4 +1,4 @@
-"""Hook implementations of the dummy family; each answers ``None`` for anything not ``dummy_lm``."""
+"""Hook implementations of the dummy family; the core calls them only for ``dummy_lm``."""
 
 from __future__ import annotations
 
@@ -6,17 +6,9 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from turbospark_core import hookimpl
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.context import FamilyContext
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.registry import FamilySpec
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
 from turbospark_dummy import DISTRIBUTION, FAMILY, MODEL_TYPES
-
-
-def _mine(arch: dict[str, Any]) -> bool:
-    return arch.get("model_type") in MODEL_TYPES
 
 
 class BigramModel:
@@ -52,30 +44,30 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @hookimpl
-def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget | None:
-    return TensorTarget.to(name) if _mine(arch) else None
+def hf_tensor_target(arch: dict[str, Any], name: str) -> TensorTarget:
+    return TensorTarget.to(name)
 
 
 @hookimpl
-def arch_problems(arch: dict[str, Any]) -> list[str] | None:
-    return [] if _mine(arch) else None
+def arch_problems(arch: dict[str, Any]) -> list[str]:
+    return []
 
 
 @hookimpl
-def accepts_hadamard(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None
+def accepts_hadamard(arch: dict[str, Any]) -> bool:
+    return False
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool | None:
-    return False if _mine(arch) else None
+def steering_supported(arch: dict[str, Any]) -> bool:
+    return False
 
 
 @hookimpl
-def cache_layout(arch: dict[str, Any]) -> list[CacheSpec] | None:
-    return [] if _mine(arch) else None
+def cache_layout(arch: dict[str, Any]) -> list[CacheSpec]:
+    return []
 
 
 @hookimpl
-def build_family_state(context: FamilyContext) -> BigramModel | None:
-    return BigramModel(context) if _mine(context.arch) else None
+def build_family_state(context: FamilyContext) -> BigramModel:
+    return BigramModel(context)

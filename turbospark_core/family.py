@@ -1,0 +1,91 @@
+"""Everything a family plugin imports from turbospark, in one place.
+
+A plugin writes ``from turbospark_core.family import ...`` and nothing else
+from the core. The names, by what they are for:
+
+Registration and hooks
+    ``hookimpl`` (the ``@hookimpl`` marker), ``FamilySpec`` (what
+    ``register_families`` registers), ``FamilyContext`` (what
+    ``build_family_state`` receives), ``FamilyModel`` (the protocol its
+    answer follows).
+Cache layout
+    ``CacheSpec`` (a layer's full or sliding-window KV cache) and
+    ``StateSpec`` (a layer's fixed-size recurrent state); a family builds
+    them in ``Args.cache_layout()``.
+Weights
+    ``WeightStore`` (``context.weights``) and the objects it hands out:
+    ``Linear``, ``Embedding``, ``ExpertBank``.
+Attention
+    ``Cache`` (any per-layer cache), ``KVCache``, ``RingKVCache``,
+    ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
+Conversion
+    The records ``TensorTarget`` (where a source tensor goes),
+    ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
+    the Hugging Face conventions of :mod:`turbospark_core.convert.conventions`:
+    ``text_config``, ``tied_embeddings``, ``is_tied_head``,
+    ``strip_language_model_prefix``, ``drop_pattern`` (with
+    ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``.
+Errors
+    ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
+    flow cannot run), ``ConversionError`` (a source the converter cannot
+    install), ``InstallError`` (an install missing what the flow needs).
+"""
+
+from __future__ import annotations
+
+from turbospark_core import hookimpl
+from turbospark_core.cache_spec import CacheSpec, StateSpec
+from turbospark_core.context import FamilyContext, FamilyModel
+from turbospark_core.convert.conventions import (
+    MTP_HEADS,
+    VISION_TOWERS,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    rope_theta,
+    strip_language_model_prefix,
+    text_config,
+    tied_embeddings,
+)
+from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
+from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
+from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
+from turbospark_core.registry import FamilySpec
+from turbospark_core.rope import ROPE_TYPES, Rope
+from turbospark_core.weights import Embedding, ExpertBank, Linear, WeightStore
+
+__all__ = [
+    "MTP_HEADS",
+    "ROPE_TYPES",
+    "VISION_TOWERS",
+    "AffineQuantized",
+    "ArchConfigError",
+    "Cache",
+    "CacheSpec",
+    "ConversionError",
+    "Embedding",
+    "ExpertBank",
+    "FamilyContext",
+    "FamilyModel",
+    "FamilySpec",
+    "InstallError",
+    "KVCache",
+    "Linear",
+    "RecurrentState",
+    "RingKVCache",
+    "Rope",
+    "SourceTensor",
+    "StateSpec",
+    "TensorTarget",
+    "TurbosparkError",
+    "WeightStore",
+    "causal_mask",
+    "drop_pattern",
+    "hookimpl",
+    "is_tied_head",
+    "rope_scaling",
+    "rope_theta",
+    "strip_language_model_prefix",
+    "text_config",
+    "tied_embeddings",
+]
