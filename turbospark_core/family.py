@@ -14,7 +14,8 @@ Cache layout
     them in ``Args.cache_layout()``.
 Weights
     ``WeightStore`` (``context.weights``) and the objects it hands out:
-    ``Linear``, ``Embedding``, ``ExpertBank``.
+    ``Linear``, ``Embedding``, ``ExpertBank``, and ``Experts`` (the protocol
+    that resident and streamed expert banks both follow).
 Attention
     ``Cache`` (any per-layer cache), ``KVCache``, ``RingKVCache``,
     ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
@@ -52,7 +53,8 @@ from turbospark_core.errors import ArchConfigError, ConversionError, InstallErro
 from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
-from turbospark_core.weights import Embedding, ExpertBank, Linear, WeightStore
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.weights import WeightStore
 
 __all__ = [
     "MTP_HEADS",
@@ -65,6 +67,7 @@ __all__ = [
     "ConversionError",
     "Embedding",
     "ExpertBank",
+    "Experts",
     "FamilyContext",
     "FamilyModel",
     "FamilySpec",
