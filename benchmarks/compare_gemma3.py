@@ -19,11 +19,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,19 +29,16 @@ import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS
 import mlx.core as mx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_mlx_lm as base  # noqa: E402  (the sibling benchmark's measurement helpers)
+from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
+
 SIZES: dict[str, dict[str, Any]] = {
     "270m": {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
              "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512},
     "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
              "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 32000, "sliding_window": 64},
 }
-
-
-def _helpers() -> Any:
-    spec = importlib.util.spec_from_file_location("compare_mlx_lm", Path(__file__).with_name("compare_mlx_lm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def gemma3_config(size: str) -> dict[str, Any]:
@@ -83,26 +77,26 @@ def random_checkpoint(dst: Path, cfg: dict[str, Any], seed: int = 0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, prompt_tokens=128, gen_tokens=32)
     parser.add_argument("--size", choices=sorted(SIZES), default="270m")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--gen-tokens", type=int, default=32)
-    parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and install here")
-    args = parser.parse_args(argv)
-    h = _helpers()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="compare-gemma3-"))
+    args = parse(parser, argv)
+    with workdir(args.workdir, "compare-gemma3-") as work:
+        return compare(args, work)
+
+
+def compare(args: argparse.Namespace, work: Path) -> int:
     cfg = gemma3_config(args.size)
     src, install = work / f"hf-{args.size}", work / f"install-{args.size}"
     if not (src / "config.json").exists():
         n = random_checkpoint(src, cfg)
-        h.write_word_tokenizer(src, cfg["vocab_size"])
-        h.log(f"random gemma3_text checkpoint ({n / 1e6:.0f}M parameters) at {src}")
+        write_word_tokenizer(src, cfg["vocab_size"])
+        base.log(f"random gemma3_text checkpoint ({n / 1e6:.0f}M parameters) at {src}")
     t0 = time.perf_counter()
-    h.convert_install(src, install)
+    base.convert_install(src, install)
     convert_s = time.perf_counter() - t0
-    ids = h.random_prompt_ids(cfg["vocab_size"], args.prompt_tokens)
-    ts = h.bench_turbospark(install, ids, args.gen_tokens)
-    ml = h.bench_mlx_lm(src, ids, args.gen_tokens)
+    ids = base.random_prompt_ids(cfg["vocab_size"], args.prompt_tokens)
+    ts = base.bench_turbospark(install, ids, args.gen_tokens)
+    ml = base.bench_mlx_lm(src, ids, args.gen_tokens)
     rows = [["runtime", "prompt tok/s", "gen tok/s", "peak mem (GB)", "open (s)"]]
     for name, r in (("turbospark", ts), ("mlx-lm", ml)):
         rows.append([name, f"{r['prompt_tps']:.1f}", f"{r['generation_tps']:.2f}", f"{r['peak_memory']:.3f}",
@@ -110,13 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["ratio ts/mlx-lm", f"{ts['prompt_tps'] / ml['prompt_tps']:.2f}",
                  f"{ts['generation_tps'] / ml['generation_tps']:.2f}",
                  f"{ts['peak_memory'] / ml['peak_memory']:.2f}", f"{ts['open_s'] / ml['open_s']:.2f}"])
-    same, n = h.agreement(ts["tokens"], ml["tokens"])
+    same, n = base.agreement(ts["tokens"], ml["tokens"])
     print(f"gemma3_text {args.size}: prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated; "
           f"convert {convert_s:.1f}s; greedy agreement {same}/{n} leading tokens")
     print(f"turbospark: {ts['note']}; mlx-lm: {ml['note']}")
-    print(h.render(rows))
-    if args.workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    print(base.render(rows))
     return 0
 
 

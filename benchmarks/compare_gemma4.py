@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
+from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -206,7 +206,7 @@ def random_gemma4_checkpoint(dst: Path, text_config: dict[str, Any], seed: int =
         "torch_dtype": "bfloat16",
     }
     (dst / "config.json").write_text(json.dumps(config, indent=1))
-    base.write_word_tokenizer(dst, text_config["vocab_size"])
+    write_word_tokenizer(dst, text_config["vocab_size"])
     return n_params
 
 
@@ -248,52 +248,41 @@ def prepare(work: Path, name: str, n_prompt: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap = arguments(__doc__, prompt_tokens=256, gen_tokens=64)
     ap.add_argument("--models", default="e,moe", help="comma list of: " + ", ".join(TEXT_CONFIGS))
-    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     ap.add_argument("--f32-check", action="store_true", help="also take mlx-lm's first greedy token in float32")
     ap.add_argument(
         "--mlx-lm-openblas",
         action="store_true",
         help="run mlx-lm with turbospark's OpenBLAS shim loaded too (default: MLX's own BLAS, as mlx-lm users get)",
     )
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in TEXT_CONFIGS for m in models):
         ap.error(f"--models must be a comma list of {', '.join(TEXT_CONFIGS)}")
-    if args.prompt_tokens < base.WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {base.WARMUP_PROMPT} and --gen-tokens >= 2")
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="turbospark-gemma4-bench-")
-        work = Path(tmp.name)
-    else:
-        work = args.workdir
-        work.mkdir(parents=True, exist_ok=True)
+    with workdir(args.workdir, "turbospark-gemma4-bench-") as work:
+        return compare(args, models, work)
+
+
+def compare(args: argparse.Namespace, models: list[str], work: Path) -> int:
     base.log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
-    try:
-        results = []
-        for name in models:
-            prep = prepare(work, name, args.prompt_tokens)
-            res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
-            base.log(f"== {name}: turbospark")
-            res["turbospark"] = base.run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
-            base.log(f"== {name}: mlx-lm")
-            res["mlx-lm"] = base.run_worker(
-                "mlx-lm", prep["mlx_dir"], prep["ids"], args.gen_tokens, work,
-                f32_check=args.f32_check, openblas=args.mlx_lm_openblas,
-            )
-            results.append(res)
-        print(
-            f"turbospark vs mlx-lm, Gemma 4 shapes ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, "
-            f"device {mx.default_device()}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
+    results = []
+    for name in models:
+        prep = prepare(work, name, args.prompt_tokens)
+        res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
+        base.log(f"== {name}: turbospark")
+        res["turbospark"] = base.run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
+        base.log(f"== {name}: mlx-lm")
+        res["mlx-lm"] = base.run_worker(
+            "mlx-lm", prep["mlx_dir"], prep["ids"], args.gen_tokens, work,
+            f32_check=args.f32_check, openblas=args.mlx_lm_openblas,
         )
-        print(base.report(results, None))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        results.append(res)
+    print(
+        f"turbospark vs mlx-lm, Gemma 4 shapes ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, "
+        f"device {mx.default_device()}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
+    )
+    print(base.report(results, None))
     return 0
 
 

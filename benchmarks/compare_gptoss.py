@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,8 @@ from compare_mlx_lm import (  # noqa: E402 - the sibling benchmark's measurement
     measure_bandwidth,
     random_prompt_ids,
     report,
-    write_word_tokenizer,
 )
+from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
 
 VOCAB = 32000
 
@@ -214,46 +213,41 @@ def prepare(work: Path, fmt: str, config: dict[str, Any], n_prompt: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap = arguments(__doc__, prompt_tokens=256, gen_tokens=64)
     ap.add_argument("--formats", default="bf16,mxfp4", help="comma list of: bf16, mxfp4")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512, help="hidden = intermediate size (a multiple of 64)")
     ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth-bound column")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if not formats or any(f not in ("bf16", "mxfp4") for f in formats):
         ap.error(f"--formats {args.formats!r}: choose from bf16, mxfp4")
     if args.hidden % 64 or args.experts < 4:
         ap.error("--hidden must be a multiple of 64 and --experts at least 4 (top-4 routing)")
+    with workdir(args.workdir, "turbospark-gptoss-") as work:
+        return compare(args, formats, work)
+
+
+def compare(args: argparse.Namespace, formats: list[str], work: Path) -> int:
     config = gpt_oss_config(args.layers, args.hidden, args.experts)
-    tmp = tempfile.TemporaryDirectory(prefix="turbospark-gptoss-") if args.workdir is None else None
-    work = Path(tmp.name) if tmp else args.workdir
-    work.mkdir(parents=True, exist_ok=True)
     log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
-    try:
-        results = []
-        for fmt in formats:
-            prep = prepare(work, fmt, config, args.prompt_tokens)
-            res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
-            log(f"== {fmt}: turbospark")
-            res["turbospark"] = bench_turbospark(prep["install"], prep["ids"], args.gen_tokens)
-            log(f"== {fmt}: mlx-lm")
-            res["mlx-lm"] = bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens)
-            log(f"   greedy tokens agree {agreement(res['turbospark']['tokens'], res['mlx-lm']['tokens'])}")
-            results.append(res)
-        bandwidth = None if args.no_bandwidth else measure_bandwidth()
-        print(
-            f"turbospark vs mlx-lm, gpt-oss  ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, "
-            f"device {mx.default_device()}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
-        )
-        print(report(results, bandwidth))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    results = []
+    for fmt in formats:
+        prep = prepare(work, fmt, config, args.prompt_tokens)
+        res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
+        log(f"== {fmt}: turbospark")
+        res["turbospark"] = bench_turbospark(prep["install"], prep["ids"], args.gen_tokens)
+        log(f"== {fmt}: mlx-lm")
+        res["mlx-lm"] = bench_mlx_lm(prep["mlx_dir"], prep["ids"], args.gen_tokens)
+        log(f"   greedy tokens agree {agreement(res['turbospark']['tokens'], res['mlx-lm']['tokens'])}")
+        results.append(res)
+    bandwidth = None if args.no_bandwidth else measure_bandwidth()
+    print(
+        f"turbospark vs mlx-lm, gpt-oss  ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, "
+        f"device {mx.default_device()}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
+    )
+    print(report(results, bandwidth))
     return 0
 
 

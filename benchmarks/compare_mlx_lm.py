@@ -47,19 +47,19 @@ import math
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from common import WARMUP_PROMPT, arguments, parse, workdir, write_word_tokenizer
+
 # NB: mlx is imported inside functions: a process that benchmarks turbospark must
 # import turbospark_core before mlx (its BLAS shim binds at import), and the
 # mlx-lm child must not import turbospark_core at all (unless --mlx-lm-openblas).
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WARMUP_PROMPT = 16
 WARMUP_TOKENS = 4
 
 # A ~0.36B llama: 24 x (4.19M attention + 9.04M MLP) + 2 x 32.8M (embed + head) = 0.358B.
@@ -208,34 +208,6 @@ def mlx_lm_dir_from_install(install: Path, dst: Path) -> None:
             shutil.copy2(install / name, dst / name)
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     log(f"wrote mlx-lm dir {dst} ({len(weights)} tensors, {len(table)} quantized modules)")
-
-
-def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one token per id (ids are fed directly; this only lets both load)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    tok.save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "add_bos_token": False,
-                "add_eos_token": False,
-                "model_max_length": RANDOM_CONFIG["max_position_embeddings"],
-            },
-            indent=1,
-        )
-    )
-    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
 
 
 def random_llama_checkpoint(dst: Path, seed: int = 0) -> int:
@@ -580,11 +552,8 @@ def worker(spec_file: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap = arguments(__doc__, prompt_tokens=256, gen_tokens=64)
     ap.add_argument("--models", default="smollm2,random", help="comma list of: " + ", ".join(PREPARE))
-    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)")
     ap.add_argument(
         "--f32-check",
@@ -597,59 +566,50 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run mlx-lm with turbospark's OpenBLAS shim loaded too (default: MLX's own BLAS, as mlx-lm users get)",
     )
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in PREPARE]
     if unknown or not models:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(PREPARE)}")
-    if args.prompt_tokens < WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {WARMUP_PROMPT} and --gen-tokens >= 2")
+    with workdir(args.workdir, "turbospark-bench-") as work:
+        return compare(args, models, work)
 
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="turbospark-bench-")
-        work = Path(tmp.name)
-    else:
-        work = args.workdir
-        work.mkdir(parents=True, exist_ok=True)
+
+def compare(args: argparse.Namespace, models: list[str], work: Path) -> int:
     import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)
 
     import mlx.core as mx
 
     log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
-    try:
-        bandwidth = None
-        if not args.no_bandwidth:
-            bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth()
-            log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
-        results = []
-        for name in models:
-            log(f"== {name}: preparing")
-            prep = PREPARE[name](work, args.prompt_tokens)
-            res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
-            log(f"== {name}: turbospark ({len(prep['ids'])} prompt tokens, {args.gen_tokens} generated)")
-            res["turbospark"] = run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
-            log(f"== {name}: mlx-lm")
-            res["mlx-lm"] = run_worker(
-                "mlx-lm",
-                prep["mlx_dir"],
-                prep["ids"],
-                args.gen_tokens,
-                work,
-                f32_check=args.f32_check,
-                openblas=args.mlx_lm_openblas,
-            )
-            same, n = agreement(res["turbospark"]["tokens"], res["mlx-lm"]["tokens"])
-            log(f"   greedy tokens agree {same}/{n}")
-            results.append(res)
-        print(
-            f"turbospark vs mlx-lm  ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, device {mx.default_device()}, "
-            f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
+    bandwidth = None
+    if not args.no_bandwidth:
+        bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth()
+        log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    results = []
+    for name in models:
+        log(f"== {name}: preparing")
+        prep = PREPARE[name](work, args.prompt_tokens)
+        res: dict[str, Any] = {"label": prep["label"], "prompt_tokens": len(prep["ids"]), "note": prep["note"]}
+        log(f"== {name}: turbospark ({len(prep['ids'])} prompt tokens, {args.gen_tokens} generated)")
+        res["turbospark"] = run_worker("turbospark", prep["install"], prep["ids"], args.gen_tokens, work)
+        log(f"== {name}: mlx-lm")
+        res["mlx-lm"] = run_worker(
+            "mlx-lm",
+            prep["mlx_dir"],
+            prep["ids"],
+            args.gen_tokens,
+            work,
+            f32_check=args.f32_check,
+            openblas=args.mlx_lm_openblas,
         )
-        print(report(results, bandwidth))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        same, n = agreement(res["turbospark"]["tokens"], res["mlx-lm"]["tokens"])
+        log(f"   greedy tokens agree {same}/{n}")
+        results.append(res)
+    print(
+        f"turbospark vs mlx-lm  ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, device {mx.default_device()}, "
+        f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy)"
+    )
+    print(report(results, bandwidth))
     return 0
 
 

