@@ -6,8 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from turbospark_core.context import FamilyContext
-from turbospark_core.rope import Rope
+from turbospark_core.family import FamilyContext, Rope
 
 KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta")

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from turbospark_core import hookimpl
-from turbospark_core.cache_spec import CacheSpec
-from turbospark_core.context import FamilyContext
-from turbospark_core.convert.records import TensorTarget
-from turbospark_core.registry import FamilySpec
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
 from turbospark_minimal.family import KEYS, Model
 
