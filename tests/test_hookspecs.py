@@ -154,19 +154,20 @@ def test_hook_register_families() -> None:
     specs: list[FamilySpec] = []
     plugins.pm.hook.register_families(register=specs.append)
     llama = [s for s in specs if s.name == "llama"]
-    assert len(llama) == 1
+    assert len(llama) == 1 and llama[0] in plugins.registry().families()
     assert {"llama", "qwen2", "qwen3", "qwen3_moe"} <= set(llama[0].model_types)
     assert llama[0].distribution == "turbospark-llama" and "llama" in llama[0].gguf_architectures
 
 
-def test_hook_arch_from_hf_config(hf_config: dict[str, Any]) -> None:
-    plugins.load_plugins()
-    arch = plugins.pm.hook.arch_from_hf_config(hf_config=hf_config)
+def test_hook_arch_from_hf_config(hf_config: dict[str, Any], llama: plugins.FamilyHooks) -> None:
+    arch = plugins.arch_from_hf_config(hf_config)  # routed to the plugin claiming the model type
+    assert arch is not None and arch == llama.arch_from_hf_config(hf_config)
     assert arch["model_type"] == "llama"
     assert (arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]) == (64, 2, 512)
     assert (arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]) == (4, 2, 16)
     assert arch["rope_scaling"]["rope_type"] == "llama3"
     json.dumps(arch)  # it goes into manifest.json
+    assert plugins.arch_from_hf_config({**hf_config, "model_type": "gpt_neo"}) is None  # no plugin claims it
     assert plugins.pm.hook.arch_from_hf_config(hf_config={**hf_config, "model_type": "gpt_neo"}) is None
 
 
@@ -185,11 +186,12 @@ GGUF_METADATA = {
 
 
 def test_hook_arch_from_gguf(llama: plugins.FamilyHooks) -> None:
-    plugins.load_plugins()
-    arch = plugins.pm.hook.arch_from_gguf(architecture="llama", metadata=GGUF_METADATA, tensor_names=["token_embd.weight"])
+    arch = plugins.arch_from_gguf("llama", GGUF_METADATA, ["token_embd.weight"])  # routed: llama claims "llama"
+    assert arch is not None and arch == llama.arch_from_gguf("llama", GGUF_METADATA, ["token_embd.weight"])
     assert arch["model_type"] == "llama" and arch["tie_word_embeddings"] is True  # no output.weight
     assert (arch["hidden_size"], arch["num_key_value_heads"], arch["head_dim"], arch["vocab_size"]) == (64, 2, 16, 512)
     assert llama.arch_problems(arch) == []
+    assert plugins.arch_from_gguf("__not_a_family__", {}, []) is None
     assert plugins.pm.hook.arch_from_gguf(architecture="__not_a_family__", metadata={}, tensor_names=[]) is None
 
 
@@ -219,7 +221,7 @@ def test_hook_gguf_tensor_target(arch: dict[str, Any], llama: plugins.FamilyHook
 
 
 def test_hook_arch_problems(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:
-    assert plugins.pm.hook.arch_problems(arch=arch) == []
+    assert llama.arch_problems(arch) == []
     problems = llama.arch_problems({**arch, "num_attention_heads": 5})
     assert len(problems) == 1 and "num_attention_heads=5" in problems[0] and "num_key_value_heads=2" in problems[0]
     assert any("qk_norm" in p for p in llama.arch_problems({**arch, "qk_norm": "sideways"}))
@@ -246,9 +248,8 @@ def test_hook_steering_supported(arch: dict[str, Any], llama: plugins.FamilyHook
     assert plugins.pm.hook.steering_supported(arch=FOREIGN) is None
 
 
-def test_hook_cache_layout(arch: dict[str, Any]) -> None:
-    layout = plugins.pm.hook.cache_layout(arch=arch)
-    assert layout == [CacheSpec.full(n_kv_heads=2, head_dim=16)] * 2
+def test_hook_cache_layout(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:
+    assert llama.cache_layout(arch) == (CacheSpec.full(n_kv_heads=2, head_dim=16),) * 2
     assert plugins.pm.hook.cache_layout(arch=FOREIGN) is None
 
 

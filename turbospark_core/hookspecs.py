@@ -5,6 +5,11 @@ group (``[project.entry-points.turbospark]``) whose functions carry
 ``@turbospark_core.hookimpl``. Every hook receives the arch config (a plain
 dict with at least ``model_type``) and must return ``None`` for a model type
 its plugin does not serve, so plugins never answer for each other.
+
+The core calls every hook but ``register_families`` on the one plugin that
+serves the family (its ``FamilySpec`` claims the model type, or the GGUF
+architecture for ``arch_from_gguf``), through a pluggy subset caller; see
+:class:`turbospark_core.plugins.FamilyHooks`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ Arch = dict[str, Any]
 def register_families(register: Callable[[FamilySpec], None]) -> None:
     """Declare the families this plugin serves.
 
-    Fires when the core builds its family registry (once per plugin load).
-    Every plugin's implementation is called (not firstresult); the return
-    value is ignored, so return ``None``. Call ``register(FamilySpec(...))``
-    once per family; two plugins claiming one model type is an error naming
-    both.
+    Fires when the core builds its family registry: every plugin's
+    implementation is called (not firstresult), one plugin at a time, each
+    with a ``register`` that records the caller as the family's plugin. The
+    return value is ignored, so return ``None``. Call
+    ``register(FamilySpec(...))`` once per family; two plugins claiming one
+    model type (or GGUF architecture) is an error naming both.
 
     Args:
         register: Callback taking a :class:`~turbospark_core.registry.FamilySpec`.
@@ -50,9 +56,10 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
     """Map a Hugging Face ``config.json`` onto the install's arch config.
 
-    Fires during ``turbospark convert`` of a Hugging Face or mlx-lm directory.
-    Return ``None`` if ``hf_config["model_type"]`` is not yours. Stops at first
-    non-None result. The returned dict must keep ``model_type``.
+    Fires during ``turbospark convert`` of a Hugging Face or mlx-lm directory,
+    on the plugin whose ``FamilySpec.model_types`` has ``hf_config["model_type"]``.
+    Return ``None`` if it is not yours. Stops at first non-None result. The
+    returned dict must keep ``model_type``.
 
     Args:
         hf_config: The parsed ``config.json``.
@@ -63,7 +70,8 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
 def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> Arch | None:
     """Map GGUF metadata onto the install's arch config.
 
-    Fires during ``turbospark convert`` of a GGUF file. Return ``None`` if
+    Fires during ``turbospark convert`` of a GGUF file, on the plugin whose
+    ``FamilySpec.gguf_architectures`` has ``architecture``. Return ``None`` if
     ``architecture`` (``general.architecture``) is not yours. Stops at first
     non-None result.
 
@@ -156,8 +164,10 @@ def kv_quant_unsupported_reason(arch: Arch, kv_quant: str) -> str | None:
 def accepts_hadamard(arch: Arch) -> bool | None:
     """Whether the family can serve a hadamard-folded install.
 
-    Fires at open (step 6) when the manifest has a ``hadamard`` section.
-    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+    Asked once at open (before step 6); the answer is kept in the capability
+    record, refuses a hadamard-folded install at step 6 when false, and is
+    shown by ``turbospark inspect``. Return ``None`` if ``arch`` is not yours.
+    Stops at first non-None result.
 
     Args:
         arch: The install's arch config.
@@ -168,8 +178,9 @@ def accepts_hadamard(arch: Arch) -> bool | None:
 def steering_supported(arch: Arch) -> bool | None:
     """Whether the family's flow can apply steering directions.
 
-    Asked once at open; the answer is kept in the family's capability record.
-    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+    Not asked at open yet: steering (open step 14) is not implemented; the
+    core will ask it once there. Return ``None`` if ``arch`` is not yours.
+    Stops at first non-None result.
 
     Args:
         arch: The install's arch config.

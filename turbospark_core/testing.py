@@ -207,18 +207,18 @@ class FamilyConformance:
         hooks = plugins.family_hooks(runner.manifest.model_type)
         assert hooks.build_family_state(_foreign_context(runner, foreign)) is None
         assert hooks.cache_layout(foreign) is None
-        assert hooks._call("arch_problems", arch=foreign) is None
-        assert hooks._call("steering_supported", arch=foreign) is None
-        assert hooks._call("accepts_hadamard", arch=foreign) is None
-        assert hooks._call("hf_tensor_target", arch=foreign, name="model.norm.weight") is None
+        assert plugins.pm.hook.arch_problems(arch=foreign) is None
+        assert plugins.pm.hook.steering_supported(arch=foreign) is None
+        assert plugins.pm.hook.accepts_hadamard(arch=foreign) is None
+        assert plugins.pm.hook.hf_tensor_target(arch=foreign, name="model.norm.weight") is None
 
     def test_probes_return_bool(self, runner: Any) -> None:
         from turbospark_core import plugins
 
         arch = runner.manifest.arch
         hooks = plugins.family_hooks(arch["model_type"])
-        assert isinstance(hooks._call("steering_supported", arch=arch), bool)
-        assert isinstance(hooks._call("accepts_hadamard", arch=arch), bool)
+        assert isinstance(plugins.pm.hook.steering_supported(arch=arch), bool)
+        assert isinstance(plugins.pm.hook.accepts_hadamard(arch=arch), bool)
         assert hooks.arch_problems(arch) == []
         assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
 
