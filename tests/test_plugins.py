@@ -202,6 +202,22 @@ def test_two_plugins_claiming_one_model_type_names_both(register: Callable[[obje
     assert "turbospark-llama" in msg and "turbospark-rival" in msg
 
 
+class _GGUFRival:
+    @hookimpl
+    def register_families(self, register: Callable[[FamilySpec], None]) -> None:
+        register(FamilySpec(name="rival", model_types=("rival_lm",), distribution="d", gguf_architectures=("llama",)))
+
+
+def test_two_plugins_claiming_one_gguf_architecture_names_both(register: Callable[[object, str], None]) -> None:
+    plugins.load_plugins()
+    register(_GGUFRival(), "rival")
+    with pytest.raises(PluginError) as err:
+        plugins.registry()
+    msg = str(err.value)
+    for part in ("GGUF architecture 'llama'", "'llama' (family 'llama')", "'rival' (family 'rival')"):
+        assert part in msg, msg
+
+
 def test_unknown_model_type_refusal_lists_installed_families(fresh_plugins: pluggy.PluginManager) -> None:
     with pytest.raises(UnknownFamilyError) as err:
         plugins.family_hooks("made_up_lm", distribution="turbospark-madeup")
@@ -310,7 +326,9 @@ def test_conversion_hooks_go_to_the_plugin_that_claims_the_model_type_or_archite
             return {"model_type": "other_lm"}  # answers for anything: only routing keeps it off llama's types
 
         @hookimpl
-        def arch_from_gguf(self, architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
+        def arch_from_gguf(
+            self, architecture: str, metadata: dict[str, Any], tensor_names: list[str]
+        ) -> dict[str, Any]:
             asked.append("gguf")
             return {"model_type": "other_lm"}
 

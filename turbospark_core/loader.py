@@ -119,12 +119,16 @@ def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
     problems = [
         f"{key!r} must be a positive integer (got {arch.get(key)!r})"
         for key in _REQUIRED_ARCH
-        if not isinstance(arch.get(key), int) or isinstance(arch.get(key), bool) or arch.get(key) <= 0
+        if not _positive_int(arch.get(key))
     ]
     problems += hooks.arch_problems(arch)
     if problems:
         msg = f"arch config of model type {arch['model_type']!r} is invalid: " + "; ".join(problems)
         raise ArchConfigError(msg)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_kv_quant(arch: dict[str, Any], hooks: plugins.FamilyHooks, kv_quant: str | None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -165,7 +165,7 @@ class Runner:
                     token = step(self.model(current[:, None], state.caches)[:, -1, :])
                     fed += 1
                     mx.async_eval(token)
-                tok = int(current.item())
+                tok = int(cast(int, current.item()))
                 produced.append(tok)
                 progress.decode_s = time.perf_counter() - t0
                 yield tok
@@ -203,7 +203,7 @@ class Runner:
         sampling: SamplingOptions,
         progress: _Progress,
         state: SequenceState | None = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         stop = sampling.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in sampling.items() if k != "stop"})
         ids = self._encode_prompt(prompt)
@@ -304,7 +304,7 @@ class TextStream:
         self._iter = runner._run(prompt, max_tokens, sampling, self._progress, state)
         self._result: Generation | None = None
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Generator[str, None, None]:
         for piece in self._iter:
             self._pieces.append(piece)
             yield piece
