@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import turbospark_core
+from turbospark_core import loader
 from turbospark_core import runner as runner_mod
 from turbospark_core.errors import (
     ArchConfigError,
@@ -22,6 +25,7 @@ from turbospark_core.errors import (
     UnknownFamilyError,
 )
 from turbospark_core.manifest import HADAMARD
+from turbospark_core.sessions import SessionPool
 from turbospark_core.stats import PHASES
 
 
@@ -40,12 +44,33 @@ def test_open_records_startup_stats_and_capabilities(f32_install: Path) -> None:
     runner = turbospark_core.open(f32_install, warmup=True)
     stats = runner.startup_stats.as_dict()
     assert set(stats) == {*PHASES, "total_open"}
-    assert all(v >= 0 for v in stats.values())
-    assert stats["total_open"] >= stats["manifest_index"] + stats["family_state"]
+    assert all(stats[phase] > 0 for phase in PHASES if phase != "session_state")  # each timed real work
+    assert stats["total_open"] >= sum(stats[phase] for phase in PHASES)
     caps = runner.opened.capabilities
-    assert (caps.family, caps.distribution, caps.steering, caps.hadamard) == ("llama", "turbospark-llama", False, False)
+    assert (caps.family, caps.distribution, caps.accepts_hadamard) == ("llama", "turbospark-llama", False)
     assert runner.max_context == 256  # min(max_position_embeddings, default)
     assert turbospark_core.open(f32_install, max_context=600).max_context == 600
+
+
+def test_warmup_is_its_own_phase(f32_install: Path) -> None:
+    assert turbospark_core.open(f32_install).startup_stats.warmup == 0.0
+    assert turbospark_core.open(f32_install, warmup=True).startup_stats.warmup > 0.0
+
+
+def test_the_open_sequence_builds_and_times_the_session_pool(f32_install: Path, monkeypatch) -> None:
+    built: list[SessionPool] = []
+
+    def slow_pool(*args: Any) -> SessionPool:
+        time.sleep(0.02)
+        built.append(SessionPool(*args))
+        return built[-1]
+
+    monkeypatch.setattr(loader, "SessionPool", slow_pool)
+    runner = turbospark_core.open(f32_install, session_slots=3)
+    assert runner.sessions is runner.opened.sessions is built[0]
+    assert runner.startup_stats.session_state >= 20.0
+    assert runner.sessions.slots == 3 and len(runner.sessions) == 0
+    assert len(runner.sessions.acquire("a").caches) == len(runner.opened.cache_layout)
 
 
 # ------------------------------------------------------------------ step 1: not an install

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import typing
 from pathlib import Path
 
+import attrs
 import pytest
 
 import turbospark_core
+from turbospark_core import options
 from turbospark_core.errors import OptionError, TurbosparkError
 from turbospark_core.manifest import MANIFEST
 from turbospark_core.options import OpenOptions
@@ -98,3 +102,18 @@ def test_good_options_open(f32_install: Path) -> None:
     )
     assert runner.max_context == 128
     assert runner.opened.options.memory_budget == 2**30
+
+
+def test_open_takes_exactly_the_open_options_keyword_only_with_their_defaults() -> None:
+    params = inspect.signature(turbospark_core.open).parameters
+    typed = {name: p for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: f for f in attrs.fields(OpenOptions)}
+    assert list(typed) == list(fields)
+    for name, param in typed.items():
+        assert param.default == fields[name].default, name
+    assert params["unknown"].kind is inspect.Parameter.VAR_KEYWORD  # refused by name, as an OptionError
+
+
+def test_closed_option_sets_match_their_literal_types() -> None:
+    assert options.RESIDENCY == typing.get_args(options.Residency)
+    assert options.KV_QUANT == (None, *typing.get_args(options.KVQuant))

@@ -202,6 +202,22 @@ def test_two_plugins_claiming_one_model_type_names_both(register: Callable[[obje
     assert "turbospark-llama" in msg and "turbospark-rival" in msg
 
 
+class _GGUFRival:
+    @hookimpl
+    def register_families(self, register: Callable[[FamilySpec], None]) -> None:
+        register(FamilySpec(name="rival", model_types=("rival_lm",), distribution="d", gguf_architectures=("llama",)))
+
+
+def test_two_plugins_claiming_one_gguf_architecture_names_both(register: Callable[[object, str], None]) -> None:
+    plugins.load_plugins()
+    register(_GGUFRival(), "rival")
+    with pytest.raises(PluginError) as err:
+        plugins.registry()
+    msg = str(err.value)
+    for part in ("GGUF architecture 'llama'", "'llama' (family 'llama')", "'rival' (family 'rival')"):
+        assert part in msg, msg
+
+
 def test_unknown_model_type_refusal_lists_installed_families(fresh_plugins: pluggy.PluginManager) -> None:
     with pytest.raises(UnknownFamilyError) as err:
         plugins.family_hooks("made_up_lm", distribution="turbospark-madeup")
@@ -232,16 +248,26 @@ def _record(pm: pluggy.PluginManager) -> tuple[list[tuple[str, list[str]]], Call
 
 
 def _open_recording(path: Path, **options: Any) -> list[tuple[str, list[str]]]:
+    """The hooks fired by one open, after the registry's ``register_families`` calls."""
     plugins.load_plugins()
     calls, undo = _record(plugins.pm)
     try:
         turbospark_core.open(path, **options)
     finally:
         undo()
-    return calls
+    return _after_registry(calls)
 
 
-OPEN_HOOKS = ["arch_problems", "cache_layout", "build_family_state", "steering_supported"]
+def _after_registry(calls: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Check the registry was built once, one plugin per ``register_families`` call; the calls after."""
+    registering = [impls for name, impls in calls if name == "register_families"]
+    implementers = [impl.plugin_name for impl in plugins.pm.hook.register_families.get_hookimpls()]
+    assert registering == [[name] for name in implementers]
+    assert [name for name, _ in calls[: len(registering)]] == ["register_families"] * len(registering)
+    return calls[len(registering) :]
+
+
+OPEN_HOOKS = ["arch_problems", "accepts_hadamard", "cache_layout", "build_family_state"]
 
 
 def test_open_fires_hooks_in_order_on_the_serving_plugin_only(install: Path, tamper: Any) -> None:
@@ -268,4 +294,49 @@ def test_kv_quant_probe_fires_before_any_weight_is_read(f32_install: Path) -> No
             turbospark_core.open(f32_install, kv_quant="q8")
     finally:
         undo()
-    assert [name for name, _ in calls] == ["arch_problems", "kv_quant_unsupported_reason", "cache_layout"]
+    names = [name for name, _ in _after_registry(calls)]
+    assert names == ["arch_problems", "kv_quant_unsupported_reason", "accepts_hadamard", "cache_layout"]
+
+
+def test_monitoring_sees_register_families_and_routed_conversion_hooks(llama_src: Path) -> None:
+    hf_config = json.loads((llama_src / "config.json").read_text())
+    plugins.load_plugins()
+    calls, undo = _record(plugins.pm)
+    try:
+        arch = plugins.arch_from_hf_config(hf_config)
+    finally:
+        undo()
+    assert arch is not None and arch["model_type"] == "llama"
+    assert _after_registry(calls) == [("arch_from_hf_config", ["llama"])]  # asked of the owner only
+
+
+def test_conversion_hooks_go_to_the_plugin_that_claims_the_model_type_or_architecture(
+    register: Callable[[object, str], None],
+) -> None:
+    asked: list[str] = []
+
+    class Other:
+        @hookimpl
+        def register_families(self, register: Callable[[FamilySpec], None]) -> None:
+            register(FamilySpec(name="other", model_types=("other_lm",), distribution="d", gguf_architectures=("oth",)))
+
+        @hookimpl
+        def arch_from_hf_config(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+            asked.append("hf")
+            return {"model_type": "other_lm"}  # answers for anything: only routing keeps it off llama's types
+
+        @hookimpl
+        def arch_from_gguf(
+            self, architecture: str, metadata: dict[str, Any], tensor_names: list[str]
+        ) -> dict[str, Any]:
+            asked.append("gguf")
+            return {"model_type": "other_lm"}
+
+    plugins.load_plugins()
+    register(Other(), "other")
+    assert plugins.arch_from_hf_config({"model_type": "other_lm"}) == {"model_type": "other_lm"}
+    assert plugins.arch_from_gguf("oth", {}, []) == {"model_type": "other_lm"}
+    assert asked == ["hf", "gguf"]
+    assert plugins.arch_from_hf_config({"model_type": "made_up_lm"}) is None  # nobody claims it: nobody asked
+    assert plugins.arch_from_gguf("made_up", {}, []) is None
+    assert asked == ["hf", "gguf"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from turbospark_core.errors import OptionError
-from turbospark_core.sampling import Sampler, SamplingParams
+from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 
 VOCAB = 32
 
@@ -204,3 +205,9 @@ def test_bad_params_are_refused_by_name(param: str, value: float) -> None:
         SamplingParams(**{param: value})
     assert repr(value) in str(err.value) or str(value) in str(err.value)
     assert isinstance(err.value, ValueError)
+
+
+def test_the_typed_sampling_options_are_the_params_and_stop() -> None:
+    # Runner/Session methods take ``**sampling: Unpack[SamplingOptions]``: one typed list for all eight
+    assert set(SamplingOptions.__annotations__) == {f.name for f in attrs.fields(SamplingParams)} | {"stop"}
+    assert SamplingOptions.__total__ is False  # every option may be left out

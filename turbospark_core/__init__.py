@@ -7,12 +7,17 @@ from turbospark_core import blas
 blas.activate()  # before anything imports mlx: MLX's CPU matmuls then use OpenBLAS
 
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, TypeVar  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable, TypeVar  # noqa: E402
 
 import pluggy  # noqa: E402
 
 from turbospark_core.errors import TurbosparkError  # noqa: E402
 from turbospark_core.names import NAME  # noqa: E402
+
+if TYPE_CHECKING:
+    from typing_extensions import Never
+
+    from turbospark_core.options import ExpertSlots, KVQuant, Residency
 
 __version__ = "0.1.0"
 
@@ -20,36 +25,77 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 hookimpl: Callable[[_F], _F] = pluggy.HookimplMarker(NAME)
 
 
-def open(path: str | Path, **options: Any) -> Runner:  # noqa: A001 - the API's name
+def open(  # noqa: A001 - the API's name
+    path: str | Path,
+    *,
+    max_context: int | None = None,
+    expert_slots: ExpertSlots = "auto",
+    residency: Residency = "auto",
+    memory_budget: int | str | None = None,
+    kv_quant: KVQuant | None = None,
+    session_slots: int = 1,
+    ring_capacity: int | None = None,
+    warmup: bool = False,
+    **unknown: Never,
+) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
+
+    The one description of the open options (the CLI, the server and
+    :class:`~turbospark_core.options.OpenOptions` refer here).
 
     Args:
         path: The install directory (made by ``turbospark convert``).
-        **options: ``max_context`` (tokens), ``expert_slots`` (positive int or
-            ``"auto"``), ``residency`` (``"resident"``/``"streamed"``/``"auto"``:
-            routed MoE experts held in memory, or an LRU of ``expert_slots``
-            per layer read from ``experts.bin``),
-            ``memory_budget`` (bytes or ``"8GB"``; default 80% of free RAM),
-            ``kv_quant`` (``None``/``"q8"``/``"q4"``), ``session_slots``,
-            ``ring_capacity``, ``warmup`` (bool).
+        max_context: The most tokens a sequence may hold (default: the model's
+            ``max_position_embeddings``, at most 8192).
+        expert_slots: Routed MoE experts held per layer when streamed: a
+            positive count, or ``"auto"`` (the fewest that fit the budget).
+        residency: Routed MoE experts: ``"resident"`` (all in memory),
+            ``"streamed"`` (an LRU of ``expert_slots`` per layer read from
+            ``experts.bin``) or ``"auto"`` (resident when the budget allows).
+        memory_budget: Bytes, or a string such as ``"8GB"``/``"512MiB"``
+            (default: 80% of the memory free now); an open that would exceed
+            it is refused naming the knob to turn.
+        kv_quant: ``None``, ``"q8"`` or ``"q4"``: keys and values stored
+            affine-quantized (the family may refuse).
+        session_slots: Parked conversations kept (see :meth:`Runner.session`);
+            the memory estimate counts KV at ``max_context`` for each.
+        ring_capacity: Sliding-window layers: ring size in tokens (default
+            and minimum: the window).
+        warmup: Run one token through the model before returning.
+        **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
-        TurbosparkError: A subclass naming what is wrong and how to fix it.
+        TurbosparkError: A subclass naming what is wrong and how to fix it
+            (``OptionError`` for a bad or unknown option, checked once the
+            path is known to be an install and before its manifest is read).
 
     Note:
         MLX streams are per thread: use the Runner on the thread that opened
         it (``turbospark serve`` opens and runs on one worker thread).
     """
-    from turbospark_core import plugins
-    from turbospark_core.loader import open_install
+    from turbospark_core.loader import open_install, refuse_non_install
+    from turbospark_core.options import OpenOptions
     from turbospark_core.tokenizer import Tokenizer
 
-    opened = open_install(path, **options)
-    hooks = plugins.family_hooks(opened.manifest.model_type)
+    refuse_non_install(Path(path))  # step 1 first: a sidecar is refused as one, whatever the options
+    options = OpenOptions.from_kwargs(  # step 2
+        {
+            **unknown,
+            "max_context": max_context,
+            "expert_slots": expert_slots,
+            "residency": residency,
+            "memory_budget": memory_budget,
+            "kv_quant": kv_quant,
+            "session_slots": session_slots,
+            "ring_capacity": ring_capacity,
+            "warmup": warmup,
+        }
+    )
+    opened = open_install(path, options)  # steps 3-15
     tokenizer = Tokenizer.from_install(
         opened.manifest.root,
         opened.generation_config,
-        lambda: hooks.default_chat_template(opened.manifest.arch),
+        lambda: opened.hooks.default_chat_template(opened.manifest.arch),
     )
     return Runner(opened, tokenizer)
 

@@ -163,7 +163,10 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     opened = runner.opened
     m = opened.manifest
     print(f"install      {m.root}")
-    print(f"model type   {m.model_type} (family {opened.capabilities.family}, {opened.capabilities.distribution})")
+    caps = opened.capabilities
+    print(f"model type   {m.model_type} (family {caps.family}, {caps.distribution})")
+    folded = "folded" if m.hadamard is not None else "not folded"
+    print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")

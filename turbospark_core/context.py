@@ -43,9 +43,15 @@ class FamilyModel(Protocol):
 
 @attrs.frozen(kw_only=True)
 class Capabilities:
-    """A family's answers to the core's probes, asked once at open."""
+    """A family's answers to the core's probes, asked once at open.
+
+    Attributes:
+        family: The serving family's name (shown by ``inspect``).
+        distribution: The plugin distribution that provides it (shown by ``inspect``).
+        accepts_hadamard: The family's ``accepts_hadamard`` answer: open step 6
+            refuses a hadamard-folded install without it; ``inspect`` shows it.
+    """
 
     family: str
     distribution: str
-    steering: bool
-    hadamard: bool
+    accepts_hadamard: bool

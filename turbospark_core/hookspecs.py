@@ -2,9 +2,16 @@
 
 A family plugin is a module registered under the ``turbospark`` entry-point
 group (``[project.entry-points.turbospark]``) whose functions carry
-``@turbospark_core.hookimpl``. Every hook receives the arch config (a plain
-dict with at least ``model_type``) and must return ``None`` for a model type
-its plugin does not serve, so plugins never answer for each other.
+``@turbospark_core.hookimpl``. Every hook but ``register_families`` receives
+the arch config (a plain dict with at least ``model_type``) or the source
+config it is made from.
+
+The core calls every hook but ``register_families`` only on the one plugin
+that serves the family (its ``FamilySpec`` claims the model type, or the GGUF
+architecture for ``arch_from_gguf``), through a pluggy subset caller; see
+:class:`turbospark_core.plugins.FamilyHooks`. An implementation therefore never
+checks the model type; ``None`` from a hook means "no answer" (each hook says
+what the core does then), never "not mine".
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ Arch = dict[str, Any]
 def register_families(register: Callable[[FamilySpec], None]) -> None:
     """Declare the families this plugin serves.
 
-    Fires when the core builds its family registry (once per plugin load).
-    Every plugin's implementation is called (not firstresult); the return
-    value is ignored, so return ``None``. Call ``register(FamilySpec(...))``
-    once per family; two plugins claiming one model type is an error naming
-    both.
+    Fires when the core builds its family registry: every plugin's
+    implementation is called (not firstresult), one plugin at a time, each
+    with a ``register`` that records the caller as the family's plugin. The
+    return value is ignored, so return ``None``. Call
+    ``register(FamilySpec(...))`` once per family; two plugins claiming one
+    model type (or GGUF architecture) is an error naming both.
 
     Args:
         register: Callback taking a :class:`~turbospark_core.registry.FamilySpec`.
@@ -50,9 +58,11 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
     """Map a Hugging Face ``config.json`` onto the install's arch config.
 
-    Fires during ``turbospark convert`` of a Hugging Face or mlx-lm directory.
-    Return ``None`` if ``hf_config["model_type"]`` is not yours. Stops at first
-    non-None result. The returned dict must keep ``model_type``.
+    Fires during ``turbospark convert`` of a Hugging Face or mlx-lm directory,
+    on the plugin whose ``FamilySpec.model_types`` has ``hf_config["model_type"]``.
+    Return ``None`` if this config cannot be mapped (the core then refuses
+    the conversion naming the model type). Stops at first non-None result.
+    The returned dict must keep ``model_type``.
 
     Args:
         hf_config: The parsed ``config.json``.
@@ -63,9 +73,10 @@ def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
 def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> Arch | None:
     """Map GGUF metadata onto the install's arch config.
 
-    Fires during ``turbospark convert`` of a GGUF file. Return ``None`` if
-    ``architecture`` (``general.architecture``) is not yours. Stops at first
-    non-None result.
+    Fires during ``turbospark convert`` of a GGUF file, on the plugin whose
+    ``FamilySpec.gguf_architectures`` has ``architecture``. Return ``None`` if
+    this file cannot be mapped (the core then refuses the conversion naming
+    the architecture). Stops at first non-None result.
 
     Args:
         architecture: The GGUF ``general.architecture`` value.
@@ -80,10 +91,10 @@ def hf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
     """Say where a Hugging Face tensor goes in the install.
 
     Fires once per source tensor during conversion from a Hugging Face or
-    mlx-lm directory. Return ``None`` if ``arch`` is not yours,
-    ``TensorTarget.drop()`` for a tensor to ignore (a vision tower), or the
-    install name (and expert index for per-expert tensors to stack). Stops at
-    first non-None result.
+    mlx-lm directory. Return ``TensorTarget.drop()`` for a tensor to ignore
+    (a vision tower), or the install name (and expert index for per-expert
+    tensors to stack); ``None`` leaves it unmapped, which the converter
+    refuses naming the tensor. Stops at first non-None result.
 
     Args:
         arch: The arch config from :func:`arch_from_hf_config`.
@@ -97,8 +108,7 @@ def hf_tensor_transform(arch: Arch, name: str, data: Any) -> dict[str, Any] | No
 
     Fires once per source tensor during conversion from a Hugging Face or
     mlx-lm directory, before :func:`hf_tensor_target`. Return ``None`` to let
-    :func:`hf_tensor_target` place the tensor as it is (and for an ``arch``
-    that is not yours); otherwise a dict of install name -> array (an
+    :func:`hf_tensor_target` place the tensor as it is; otherwise a dict of install name -> array (an
     ``mx.array``/numpy array, or a :class:`~turbospark_core.convert.records.AffineQuantized`
     matrix, e.g. an MXFP4 expert block). Stops at first non-None result.
 
@@ -113,8 +123,9 @@ def hf_tensor_transform(arch: Arch, name: str, data: Any) -> dict[str, Any] | No
 def gguf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
     """Say where a GGUF tensor goes in the install (and how its rows are laid out).
 
-    Fires once per tensor during conversion from a GGUF file. Return ``None``
-    if ``arch`` is not yours. Stops at first non-None result.
+    Fires once per tensor during conversion from a GGUF file. ``None`` leaves
+    it unmapped, which the converter refuses naming the tensor. Stops at
+    first non-None result.
 
     Args:
         arch: The arch config from :func:`arch_from_gguf`.
@@ -129,9 +140,9 @@ def gguf_tensor_target(arch: Arch, name: str) -> TensorTarget | None:
 def arch_problems(arch: Arch) -> list[str] | None:
     """Check an arch config with the family's own rules.
 
-    Fires at open (step 3), after the core's generic checks. Return ``None`` if
-    ``arch`` is not yours, else the list of problems (empty when valid), each
-    naming the key and what the flow supports. Stops at first non-None result.
+    Fires at open (step 3), after the core's generic checks. Return the list
+    of problems (empty when valid), each naming the key and what the flow
+    supports; ``None`` counts as no problems. Stops at first non-None result.
 
     Args:
         arch: The install's arch config.
@@ -143,8 +154,7 @@ def kv_quant_unsupported_reason(arch: Arch, kv_quant: str) -> str | None:
     """Say why this family cannot use quantized KV ``kv_quant``.
 
     Fires at open (step 4) when ``kv_quant`` is requested. Return ``None`` when
-    it is supported or ``arch`` is not yours; otherwise the reason. Stops at
-    first non-None result.
+    it is supported; otherwise the reason. Stops at first non-None result.
 
     Args:
         arch: The install's arch config.
@@ -156,8 +166,10 @@ def kv_quant_unsupported_reason(arch: Arch, kv_quant: str) -> str | None:
 def accepts_hadamard(arch: Arch) -> bool | None:
     """Whether the family can serve a hadamard-folded install.
 
-    Fires at open (step 6) when the manifest has a ``hadamard`` section.
-    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+    Asked once at open (before step 6); the answer is kept in the capability
+    record, refuses a hadamard-folded install at step 6 when false, and is
+    shown by ``turbospark inspect``. ``None`` counts as no. Stops at first
+    non-None result.
 
     Args:
         arch: The install's arch config.
@@ -168,8 +180,9 @@ def accepts_hadamard(arch: Arch) -> bool | None:
 def steering_supported(arch: Arch) -> bool | None:
     """Whether the family's flow can apply steering directions.
 
-    Asked once at open; the answer is kept in the family's capability record.
-    Return ``None`` if ``arch`` is not yours. Stops at first non-None result.
+    Not asked at open yet: steering (open step 14) is not implemented; the
+    core will ask it once there. ``None`` counts as no. Stops at first
+    non-None result.
 
     Args:
         arch: The install's arch config.
@@ -182,8 +195,8 @@ def cache_layout(arch: Arch) -> list[CacheSpec | StateSpec] | None:
 
     Fires at open before memory estimation and cache allocation. The core
     makes one cache object per entry, in order, for every sequence (the flow
-    indexes them; a KV-sharing layer may reuse an earlier entry). Return
-    ``None`` if ``arch`` is not yours. Stops at first non-None result.
+    indexes them; a KV-sharing layer may reuse an earlier entry). ``None``
+    means no caches at all. Stops at first non-None result.
 
     Args:
         arch: The install's arch config.
@@ -195,8 +208,8 @@ def default_chat_template(arch: Arch) -> str | None:
     """A chat template (Jinja) for installs that carry none.
 
     Fires when the tokenizer is loaded and ``tokenizer_config.json`` has no
-    ``chat_template``. Return ``None`` if ``arch`` is not yours or the family
-    has no default. Stops at first non-None result.
+    ``chat_template``. Return ``None`` if the family has no default (chat is
+    then refused naming the missing template). Stops at first non-None result.
 
     Args:
         arch: The install's arch config.
@@ -211,7 +224,8 @@ def build_family_state(context: FamilyContext) -> FamilyModel | None:
     """Build the layer graph for the family that owns ``context.arch``.
 
     Fires at open (step 11), after weights are mapped and caches planned.
-    Return ``None`` if the arch is not yours. Stops at first non-None result.
+    ``None`` is refused at open as an incomplete plugin. Stops at first
+    non-None result.
 
     Args:
         context: Arch config, the core's weight store (linear, embedding,

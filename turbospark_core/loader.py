@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
@@ -45,6 +46,7 @@ from turbospark_core.manifest import (
 )
 from turbospark_core.memory import MemoryEstimate
 from turbospark_core.options import OpenOptions
+from turbospark_core.sessions import SessionPool
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.tensor_index import TensorIndex, build_index
 from turbospark_core.weights import WeightStore
@@ -55,30 +57,31 @@ _REQUIRED_ARCH = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 @attrs.frozen(kw_only=True)
 class OpenedModel:
-    """Everything :class:`~turbospark_core.runner.Runner` needs, built by :func:`open_install`."""
+    """Everything :class:`~turbospark_core.runner.Runner` needs, built by :func:`open_install`.
+
+    Attributes:
+        new_cache: Makes fresh per-layer caches for one sequence.
+        sessions: The session pool (open step 13).
+    """
 
     manifest: Manifest
+    hooks: plugins.FamilyHooks = attrs.field(eq=False, repr=False)
     index: TensorIndex
     options: OpenOptions
     policy: ComputePolicy
     capabilities: Capabilities
-    model: Any = attrs.field(eq=False)
+    model: FamilyModel = attrs.field(eq=False)
     cache_layout: tuple[CacheSpec | StateSpec, ...]
+    new_cache: Callable[[], list[Cache]] = attrs.field(eq=False, repr=False)
+    sessions: SessionPool = attrs.field(eq=False, repr=False)
     max_context: int
     estimate: MemoryEstimate
     startup_stats: StartupStats
     generation_config: dict[str, Any]
     experts: ExpertStore | None = attrs.field(default=None, eq=False)
 
-    def new_cache(self) -> list[Cache]:
-        """Fresh per-layer caches for one sequence."""
-        kv_bits = None if self.options.kv_quant is None else KV_BITS[self.options.kv_quant]
-        return make_caches(
-            list(self.cache_layout), self.max_context, self.policy.compute_dtype, self.options.ring_capacity, kv_bits
-        )
 
-
-def _refuse_non_install(path: Path) -> None:
+def refuse_non_install(path: Path) -> None:
     """Step 1: vision sidecars, checkpoints and GGUF files are not installs."""
     if not path.exists():
         msg = f"{path} does not exist; pass an install directory made by `turbospark convert`"
@@ -128,12 +131,16 @@ def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
     problems = [
         f"{key!r} must be a positive integer (got {arch.get(key)!r})"
         for key in _REQUIRED_ARCH
-        if not isinstance(arch.get(key), int) or isinstance(arch.get(key), bool) or arch.get(key) <= 0
+        if not _positive_int(arch.get(key))
     ]
     problems += hooks.arch_problems(arch)
     if problems:
         msg = f"arch config of model type {arch['model_type']!r} is invalid: " + "; ".join(problems)
         raise ArchConfigError(msg)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_kv_quant(arch: dict[str, Any], hooks: plugins.FamilyHooks, kv_quant: str | None) -> None:
@@ -161,7 +168,7 @@ def _check_kv_groups(layout: tuple[CacheSpec | StateSpec, ...], kv_quant: str | 
             raise OptionError(msg)
 
 
-def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks) -> None:
+def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks, capabilities: Capabilities) -> None:
     """Step 6: the section's file is bounded and sized; the family must accept it."""
     section = manifest.hadamard
     if section is None:
@@ -171,7 +178,7 @@ def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks) -> None:
     if expected is not None and expected != manifest.files[HADAMARD].size:
         msg = f"{path}: hadamard section says {expected} bytes, file table says {manifest.files[HADAMARD].size}"
         raise InstallError(msg)
-    if not hooks.accepts_hadamard(manifest.arch):
+    if not capabilities.accepts_hadamard:
         msg = (
             f"{manifest.root} is hadamard-folded, and family {hooks.spec.name!r} "
             f"(model type {manifest.model_type!r}) does not accept hadamard-folded installs; "
@@ -188,37 +195,57 @@ def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def open_install(path: str | Path, **options: Any) -> OpenedModel:
-    """Open an install: steps 1-15 of the design, each timed and each a named refusal."""
+def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
+    """Open an install: the design's open sequence, each step a named refusal.
+
+    :func:`turbospark_core.open` does steps 1 and 2 first: it refuses what is
+    not an install (:func:`refuse_non_install`: a missing path, a file, a
+    checkpoint, a vision sidecar), then builds ``options``, which checks them.
+    The steps here, in this order:
+
+    5. load the manifest (bounded) and find the plugin serving its model type
+       (before 3 and 4: the arch lives in the manifest);
+    3. check the arch config (the core's generic checks, then the family's);
+    4. ask the family about ``kv_quant``;
+       then ask the family's probes once (:class:`Capabilities`);
+    6. check the hadamard section; a family that does not accept it refuses;
+    7. read the tensor index and the family's cache layout; read the experts
+       section (10's layout); estimate memory (weights + KV at max_context x
+       session_slots + expert slots) and refuse an over-budget open;
+    8. map the weights;
+    9. KV cache and scratch: nothing is allocated at open (caches grow per
+       sequence, see ``OpenedModel.new_cache``), so no phase times it;
+    10. set up the experts (resident banks, or streamed slots);
+    11. build the family state (``build_family_state``), then materialize;
+    12. drafters: not implemented yet;
+    13. build the session pool (``session_slots`` parked sequences);
+    14. steering: not implemented yet (``steering_supported`` is not asked);
+    15. warm-up (one token), when ``options.warmup``.
+
+    Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
+    estimate), expert_setup (the experts section, 10), weights_mapping (8, and
+    materializing after 11), family_state (11), session_state (13), warmup
+    (15), and total_open (all of this function).
+    """
     root = Path(path)
     timer = PhaseTimer()
-    _refuse_non_install(root)  # 1
-    opts = OpenOptions.from_kwargs(options)  # 2
     with timer.phase("manifest_index"):
-        manifest = load_manifest(root)  # 5 (read before 3: the arch lives in it)
+        manifest = load_manifest(root)  # 5
         hooks = plugins.family_hooks(manifest.model_type, distribution=manifest.distribution)
         _check_arch(manifest.arch, hooks)  # 3
-        _check_kv_quant(manifest.arch, hooks, opts.kv_quant)  # 4
+        _check_kv_quant(manifest.arch, hooks, options.kv_quant)  # 4
+        capabilities = _probe(manifest.arch, hooks)
         check_files(manifest)
-        _check_hadamard(manifest, hooks)  # 6
+        _check_hadamard(manifest, hooks, capabilities)  # 6
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
-        layout = tuple(hooks.cache_layout(manifest.arch) or ())
-        _check_kv_groups(layout, opts.kv_quant)
-    max_context = _max_context(manifest.arch, opts)
-    itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
-    per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
-    kv_bytes = per_sequence * opts.session_slots
+        layout = hooks.cache_layout(manifest.arch) or ()
+        _check_kv_groups(layout, options.kv_quant)
+    max_context = _max_context(manifest.arch, options)
     with timer.phase("expert_setup"):
-        expert_layout = _expert_layout(manifest, index, opts)  # 10, read before the estimate that counts slots
-    policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
-    weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
-    estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
-    _check_expert_budget(estimate, plan, opts, max_context)
-    estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
+        expert_layout = _expert_layout(manifest, index, options)  # 10, read before the estimate that counts slots
+    policy, plan, estimate = _plan_memory(index, expert_layout, layout, options, max_context)
     with timer.phase("weights_mapping"):
         weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
-    with timer.phase("kv_scratch"):
-        pass  # 9: caches are preallocated per sequence in steps (OpenedModel.new_cache)
     with timer.phase("expert_setup"):
         experts = _open_experts(manifest, expert_layout, plan, policy)  # 10
         weights.use_experts(experts)
@@ -226,30 +253,63 @@ def open_install(path: str | Path, **options: Any) -> OpenedModel:
         model = _build_family(manifest, hooks, weights, layout, policy)  # 11
     with timer.phase("weights_mapping"):
         weights.materialize()
-    capabilities = Capabilities(
-        family=hooks.spec.name,
-        distribution=hooks.spec.distribution,
-        steering=hooks.steering_supported(manifest.arch),
-        hadamard=manifest.hadamard is not None,
-    )
-    opened = OpenedModel(
+    new_cache = _cache_maker(layout, max_context, policy, options)
+    with timer.phase("session_state"):
+        sessions = SessionPool(options.session_slots, new_cache)  # 13
+    if options.warmup:
+        with timer.phase("warmup"):
+            mx.eval(model(mx.array([[0]]), new_cache()))  # 15
+    return OpenedModel(
         manifest=manifest,
+        hooks=hooks,
         index=index,
-        options=opts,
+        options=options,
         policy=policy,
         capabilities=capabilities,
         model=model,
         cache_layout=layout,
+        new_cache=new_cache,
+        sessions=sessions,
         max_context=max_context,
         estimate=estimate,
-        startup_stats=StartupStats(),
+        startup_stats=timer.finish(),
         generation_config=_generation_config(root, manifest),
         experts=experts,
     )
-    if opts.warmup:
-        with timer.phase("family_state"):
-            _warmup(opened)  # 15
-    return attrs.evolve(opened, startup_stats=timer.finish())
+
+
+def _probe(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> Capabilities:
+    """The family's answers, asked once at open and read by the open sequence and ``inspect``."""
+    return Capabilities(
+        family=hooks.spec.name, distribution=hooks.spec.distribution, accepts_hadamard=hooks.accepts_hadamard(arch)
+    )
+
+
+def _cache_maker(
+    layout: tuple[CacheSpec | StateSpec, ...], max_context: int, policy: ComputePolicy, opts: OpenOptions
+) -> Callable[[], list[Cache]]:
+    """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
+    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    return functools.partial(make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits)
+
+
+def _plan_memory(
+    index: TensorIndex,
+    expert_layout: moe.ExpertLayout | None,
+    layout: tuple[CacheSpec | StateSpec, ...],
+    opts: OpenOptions,
+    max_context: int,
+) -> tuple[ComputePolicy, moe.ExpertPlan | None, MemoryEstimate]:
+    """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
+    itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
+    per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
+    kv_bytes = per_sequence * opts.session_slots
+    policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
+    weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
+    estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
+    _check_expert_budget(estimate, plan, opts, max_context)
+    estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
+    return policy, plan, estimate
 
 
 def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:
@@ -349,8 +409,3 @@ def _build_family(
         )
         raise InstallError(msg)
     return model
-
-
-def _warmup(opened: OpenedModel) -> None:
-    cache = opened.new_cache()
-    mx.eval(opened.model(mx.array([[0]]), cache))

@@ -1,19 +1,30 @@
-"""Open options, checked before anything is read (open step 2)."""
+"""Open options (open step 2), checked once the path is an install and before its manifest is loaded.
+
+:func:`turbospark_core.open` documents each option once; this module holds
+their types and the checks behind its refusals.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import attrs
 
 from turbospark_core.errors import OptionError, refuse_unknown
 from turbospark_core.memory import parse_budget
 
-KV_QUANT = (None, "q8", "q4")
-RESIDENCY = ("resident", "auto", "streamed")  # MoE experts: every expert in memory, by budget, or an LRU of slots
+Residency = Literal["resident", "auto", "streamed"]
+KVQuant = Literal["q8", "q4"]
+ExpertSlots = int | Literal["auto"]
+
+# routed MoE experts: every expert in memory, by budget, or an LRU of slots
+RESIDENCY: tuple[Residency, ...] = ("resident", "auto", "streamed")
+KV_QUANT: tuple[KVQuant | None, ...] = (None, "q8", "q4")
+
+_C = TypeVar("_C")
 
 
-def _expert_slots(value: Any) -> int | str:
+def _expert_slots(value: object) -> ExpertSlots:
     if value == "auto":
         return "auto"
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -22,40 +33,56 @@ def _expert_slots(value: Any) -> int | str:
     return value
 
 
-def _positive(name: str, value: Any, unit: str = "tokens") -> int | None:
-    if value is None and unit == "tokens":
-        return None
+def _count(name: str, value: object, unit: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         msg = f"{name}={value!r} is invalid; use a positive number of {unit}"
         raise OptionError(msg)
     return value
 
 
-def _choice(name: str, choices: tuple[Any, ...]) -> Any:
-    def check(value: Any) -> Any:
-        if value not in choices:
-            msg = f"{name}={value!r} is invalid; choose one of {', '.join(map(repr, choices))}"
-            raise OptionError(msg)
-        return value
+def _max_context(value: object) -> int | None:
+    return None if value is None else _count("max_context", value, "tokens")
 
-    return check
+
+def _ring_capacity(value: object) -> int | None:
+    return None if value is None else _count("ring_capacity", value, "tokens")
+
+
+def _session_slots(value: object) -> int:
+    return _count("session_slots", value, "slots")
+
+
+def _choice(name: str, value: object, choices: tuple[_C, ...]) -> _C:
+    for choice in choices:
+        if value == choice:
+            return choice
+    msg = f"{name}={value!r} is invalid; choose one of {', '.join(map(repr, choices))}"
+    raise OptionError(msg)
+
+
+def _residency(value: object) -> Residency:
+    return _choice("residency", value, RESIDENCY)
+
+
+def _kv_quant(value: object) -> KVQuant | None:
+    return _choice("kv_quant", value, KV_QUANT)
 
 
 @attrs.frozen(kw_only=True)
 class OpenOptions:
-    """What the caller asked of :func:`turbospark_core.open`."""
+    """What the caller asked of :func:`turbospark_core.open` (each option is documented there)."""
 
-    max_context: int | None = attrs.field(default=None, converter=lambda v: _positive("max_context", v))
-    expert_slots: int | str = attrs.field(default="auto", converter=_expert_slots)
-    residency: str = attrs.field(default="auto", converter=_choice("residency", RESIDENCY))
+    max_context: int | None = attrs.field(default=None, converter=_max_context)
+    expert_slots: ExpertSlots = attrs.field(default="auto", converter=_expert_slots)
+    residency: Residency = attrs.field(default="auto", converter=_residency)
     memory_budget: int = attrs.field(default=None, converter=parse_budget)
-    kv_quant: str | None = attrs.field(default=None, converter=_choice("kv_quant", KV_QUANT))
-    session_slots: int = attrs.field(default=1, converter=lambda v: _positive("session_slots", v, unit="slots"))
-    ring_capacity: int | None = attrs.field(default=None, converter=lambda v: _positive("ring_capacity", v))
+    kv_quant: KVQuant | None = attrs.field(default=None, converter=_kv_quant)
+    session_slots: int = attrs.field(default=1, converter=_session_slots)
+    ring_capacity: int | None = attrs.field(default=None, converter=_ring_capacity)
     warmup: bool = False
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:
-        """Build from ``open(**options)``, refusing unknown option names."""
+        """Build from keyword options, refusing unknown option names first."""
         refuse_unknown(options, {a.name for a in attrs.fields(cls)}, "open")
         return cls(**options)

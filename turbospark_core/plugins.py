@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+from pluggy import HookCaller
 
 from turbospark_core import hookspecs
 from turbospark_core.errors import PluginError, UnknownFamilyError
+from turbospark_core.hookspecs import Arch
 from turbospark_core.names import NAME
-from turbospark_core.registry import FamilyRegistry, FamilySpec
+from turbospark_core.registry import Claim, FamilyRegistry
+
+if TYPE_CHECKING:
+    from turbospark_core.cache_spec import CacheSpec, StateSpec
+    from turbospark_core.context import FamilyContext, FamilyModel
+    from turbospark_core.convert.records import TensorTarget
 
 ALLOW_LIST_ENV = "TURBOSPARK_PLUGINS"
 
@@ -59,7 +67,7 @@ def load_plugins() -> None:
         _loaded = True
 
 
-def _import_entry_point(ep: importlib.metadata.EntryPoint) -> Any:
+def _import_entry_point(ep: importlib.metadata.EntryPoint) -> object:
     try:
         return ep.load()
     except Exception as e:  # noqa: BLE001 - re-raised with the entry point named
@@ -93,67 +101,102 @@ def reset_plugins() -> None:
 def registry() -> FamilyRegistry:
     """The family registry built from every loaded plugin's ``register_families``.
 
-    Built anew on each call (cheap), so plugins registered or unregistered
-    since (tests, allow-list changes) are always reflected.
+    Each plugin's implementation is called through its own pluggy subset
+    caller (so hook-call monitoring sees it) with a ``register`` callback that
+    knows which plugin is registering. Built anew on each call (cheap), so
+    plugins registered or unregistered since (tests, allow-list changes) are
+    always reflected.
     """
     load_plugins()
     reg = FamilyRegistry()
+    everyone = pm.get_plugins()
     for impl in pm.hook.register_families.get_hookimpls():
-        name = pm.get_name(impl.plugin) or repr(impl.plugin)
-        impl.function(register=lambda spec, _n=name, _p=impl.plugin: reg.add(spec, _n, _p))
+        only = _subset(pm.hook.register_families, [p for p in everyone if p is not impl.plugin])
+        only(register=functools.partial(reg.add, plugin_name=impl.plugin_name, plugin=impl.plugin))
     return reg
 
 
+def _subset(hook: HookCaller, remove: list[object]) -> HookCaller:
+    """``hook`` without the implementations of ``remove`` (a pluggy subset caller)."""
+    return pm.subset_hook_caller(hook.name, remove_plugins=remove)
+
+
 class FamilyHooks:
-    """Typed facade over the hooks of the one plugin that serves a model type."""
+    """Typed facade over the hooks of the one plugin that serves a family.
 
-    def __init__(self, plugin: Any, spec: FamilySpec) -> None:
-        self.spec = spec
-        others = [p for p in pm.get_plugins() if p is not plugin]
-        self._pm_subset = lambda name: pm.subset_hook_caller(name, remove_plugins=others)
+    Every call goes through pluggy (a subset caller holding only that plugin),
+    so hook-call monitoring and tracing see it; no other plugin is asked.
+    """
 
-    def _call(self, hook: str, /, **kwargs: Any) -> Any:
-        return self._pm_subset(hook)(**kwargs)
+    def __init__(self, claim: Claim) -> None:
+        self.spec = claim.spec
+        self._others = [p for p in pm.get_plugins() if p is not claim.plugin]
 
-    def arch_problems(self, arch: dict[str, Any]) -> list[str]:
-        """The family's own problems with ``arch`` (empty when valid)."""
-        return list(self._call("arch_problems", arch=arch) or [])
+    def _mine(self, hook: HookCaller) -> HookCaller:
+        return _subset(hook, self._others)
 
-    def kv_quant_unsupported_reason(self, arch: dict[str, Any], kv_quant: str) -> str | None:
-        """Why quantized KV is refused, or ``None``."""
-        return self._call("kv_quant_unsupported_reason", arch=arch, kv_quant=kv_quant)
+    # ------------------------------------------------------------ conversion
+    def arch_from_hf_config(self, hf_config: dict[str, Any]) -> Arch | None:
+        """The install's arch config for a Hugging Face ``config.json``."""
+        arch: Arch | None = self._mine(pm.hook.arch_from_hf_config)(hf_config=hf_config)
+        return arch
 
-    def accepts_hadamard(self, arch: dict[str, Any]) -> bool:
-        """Whether a hadamard-folded install can be served (default: no)."""
-        return bool(self._call("accepts_hadamard", arch=arch))
+    def arch_from_gguf(self, architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> Arch | None:
+        """The install's arch config for a GGUF file's metadata."""
+        arch: Arch | None = self._mine(pm.hook.arch_from_gguf)(
+            architecture=architecture, metadata=metadata, tensor_names=tensor_names
+        )
+        return arch
 
-    def steering_supported(self, arch: dict[str, Any]) -> bool:
-        """Whether steering can be applied (default: no)."""
-        return bool(self._call("steering_supported", arch=arch))
-
-    def cache_layout(self, arch: dict[str, Any]) -> Any:
-        """The per-layer cache specs."""
-        return self._call("cache_layout", arch=arch)
-
-    def build_family_state(self, context: Any) -> Any:
-        """The family's model object."""
-        return self._call("build_family_state", context=context)
-
-    def hf_tensor_target(self, arch: dict[str, Any], name: str) -> Any:
+    def hf_tensor_target(self, arch: Arch, name: str) -> TensorTarget | None:
         """Where a Hugging Face tensor goes."""
-        return self._call("hf_tensor_target", arch=arch, name=name)
+        target: TensorTarget | None = self._mine(pm.hook.hf_tensor_target)(arch=arch, name=name)
+        return target
 
-    def hf_tensor_transform(self, arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] | None:
+    def hf_tensor_transform(self, arch: Arch, name: str, data: Any) -> dict[str, Any] | None:
         """Install tensors rewritten from one Hugging Face tensor, or ``None``."""
-        return self._call("hf_tensor_transform", arch=arch, name=name, data=data)
+        rewritten: dict[str, Any] | None = self._mine(pm.hook.hf_tensor_transform)(arch=arch, name=name, data=data)
+        return rewritten
 
-    def default_chat_template(self, arch: dict[str, Any]) -> str | None:
-        """The family's chat template for installs without one."""
-        return self._call("default_chat_template", arch=arch)
-
-    def gguf_tensor_target(self, arch: dict[str, Any], name: str) -> Any:
+    def gguf_tensor_target(self, arch: Arch, name: str) -> TensorTarget | None:
         """Where a GGUF tensor goes."""
-        return self._call("gguf_tensor_target", arch=arch, name=name)
+        target: TensorTarget | None = self._mine(pm.hook.gguf_tensor_target)(arch=arch, name=name)
+        return target
+
+    # ------------------------------------------------------------ open: probes
+    def arch_problems(self, arch: Arch) -> list[str]:
+        """The family's own problems with ``arch`` (empty when valid)."""
+        problems: list[str] | None = self._mine(pm.hook.arch_problems)(arch=arch)
+        return list(problems or [])
+
+    def kv_quant_unsupported_reason(self, arch: Arch, kv_quant: str) -> str | None:
+        """Why quantized KV is refused, or ``None``."""
+        reason: str | None = self._mine(pm.hook.kv_quant_unsupported_reason)(arch=arch, kv_quant=kv_quant)
+        return reason
+
+    def accepts_hadamard(self, arch: Arch) -> bool:
+        """Whether a hadamard-folded install can be served (default: no)."""
+        return bool(self._mine(pm.hook.accepts_hadamard)(arch=arch))
+
+    def steering_supported(self, arch: Arch) -> bool:
+        """Whether steering can be applied (default: no)."""
+        return bool(self._mine(pm.hook.steering_supported)(arch=arch))
+
+    def cache_layout(self, arch: Arch) -> tuple[CacheSpec | StateSpec, ...] | None:
+        """The per-layer cache specs (``None`` when the plugin gives none)."""
+        layout: list[CacheSpec | StateSpec] | None = self._mine(pm.hook.cache_layout)(arch=arch)
+        return None if layout is None else tuple(layout)
+
+    def default_chat_template(self, arch: Arch) -> str | None:
+        """The family's chat template for installs without one."""
+        template: str | None = self._mine(pm.hook.default_chat_template)(arch=arch)
+        return template
+
+    # ------------------------------------------------------------ open: build
+    def build_family_state(self, context: FamilyContext) -> FamilyModel | None:
+        """The family's model object."""
+        model: FamilyModel | None = self._mine(pm.hook.build_family_state)(context=context)
+        return model
 
 
 def family_hooks(model_type: str, *, distribution: str | None = None) -> FamilyHooks:
@@ -164,18 +207,24 @@ def family_hooks(model_type: str, *, distribution: str | None = None) -> FamilyH
             installed families and the distribution to install.
     """
     reg = registry()
-    if not reg.serves(model_type):
+    claim = reg.claim(model_type)
+    if claim is None:
         raise UnknownFamilyError(reg.refusal(model_type, distribution))
-    return FamilyHooks(reg.plugin_for(model_type), reg.spec_for(model_type))
+    return FamilyHooks(claim)
 
 
-def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    """Ask every plugin to map a Hugging Face config (first answer wins)."""
-    load_plugins()
-    return pm.hook.arch_from_hf_config(hf_config=hf_config)
+def arch_from_hf_config(hf_config: dict[str, Any]) -> Arch | None:
+    """Ask the plugin serving ``hf_config["model_type"]`` to map it (``None``: no plugin serves it)."""
+    model_type = hf_config.get("model_type")
+    claim = registry().claim(model_type) if isinstance(model_type, str) else None
+    if claim is None:
+        return None
+    return FamilyHooks(claim).arch_from_hf_config(hf_config)
 
 
-def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any] | None:
-    """Ask every plugin to map GGUF metadata (first answer wins)."""
-    load_plugins()
-    return pm.hook.arch_from_gguf(architecture=architecture, metadata=metadata, tensor_names=tensor_names)
+def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> Arch | None:
+    """Ask the plugin serving GGUF ``architecture`` to map its metadata (``None``: no plugin serves it)."""
+    claim = registry().gguf_claim(architecture)
+    if claim is None:
+        return None
+    return FamilyHooks(claim).arch_from_gguf(architecture, metadata, tensor_names)

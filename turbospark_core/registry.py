@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from turbospark_core.errors import PluginError, UnknownFamilyError
+from turbospark_core.errors import PluginError
 
 
 @attrs.frozen(kw_only=True)
@@ -27,54 +25,45 @@ class FamilySpec:
 
 
 @attrs.frozen(kw_only=True)
-class _Claim:
+class Claim:
+    """One plugin's claim on a model type or GGUF architecture."""
+
     spec: FamilySpec
     plugin_name: str
-    plugin: Any = attrs.field(eq=False)
+    plugin: object = attrs.field(eq=False)
 
 
 @attrs.define
 class FamilyRegistry:
-    """Model type -> (family, plugin) claims, refusing double claims by name."""
+    """Model type (and GGUF architecture) -> (family, plugin) claims, refusing double claims by name."""
 
-    _claims: dict[str, _Claim] = attrs.Factory(dict)
+    _claims: dict[str, Claim] = attrs.Factory(dict)
+    _gguf: dict[str, Claim] = attrs.Factory(dict)
 
-    def add(self, spec: FamilySpec, plugin_name: str, plugin: Any) -> None:
+    def add(self, spec: FamilySpec, plugin_name: str, plugin: object) -> None:
         """Record ``spec`` as served by ``plugin``; a second claim is an error."""
+        claim = Claim(spec=spec, plugin_name=plugin_name, plugin=plugin)
         for model_type in spec.model_types:
-            other = self._claims.get(model_type)
-            if other is not None and other.plugin is not plugin:
-                msg = (
-                    f"model type {model_type!r} is claimed by two plugins: "
-                    f"{other.plugin_name!r} (family {other.spec.name!r}) and "
-                    f"{plugin_name!r} (family {spec.name!r}); uninstall one of "
-                    f"{other.spec.distribution!r} / {spec.distribution!r}"
-                )
-                raise PluginError(msg)
-            self._claims[model_type] = _Claim(spec=spec, plugin_name=plugin_name, plugin=plugin)
+            _claim(self._claims, model_type, f"model type {model_type!r}", claim)
+        for architecture in spec.gguf_architectures:
+            _claim(self._gguf, architecture, f"GGUF architecture {architecture!r}", claim)
 
     def families(self) -> list[FamilySpec]:
         """Every registered family, once each, sorted by name."""
         seen = {id(c.spec): c.spec for c in self._claims.values()}
         return sorted(seen.values(), key=lambda s: s.name)
 
-    def plugin_for(self, model_type: str) -> Any:
-        """The plugin object serving ``model_type``."""
-        return self._claim(model_type).plugin
-
-    def spec_for(self, model_type: str) -> FamilySpec:
-        """The family serving ``model_type``."""
-        return self._claim(model_type).spec
-
     def serves(self, model_type: str) -> bool:
         """Whether an installed plugin serves ``model_type``."""
         return model_type in self._claims
 
-    def _claim(self, model_type: str) -> _Claim:
-        claim = self._claims.get(model_type)
-        if claim is None:
-            raise UnknownFamilyError(self.refusal(model_type)) from None
-        return claim
+    def claim(self, model_type: str) -> Claim | None:
+        """The claim on ``model_type``, if an installed plugin serves it."""
+        return self._claims.get(model_type)
+
+    def gguf_claim(self, architecture: str) -> Claim | None:
+        """The claim on GGUF ``general.architecture`` value ``architecture``, if a plugin serves it."""
+        return self._gguf.get(architecture)
 
     def refusal(self, model_type: str, distribution: str | None = None) -> str:
         """The message for a model type no installed plugin serves.
@@ -96,3 +85,16 @@ class FamilyRegistry:
             f"no installed plugin serves model type {model_type!r}; "
             f"installed families: {installed}; {fix}"
         )
+
+
+def _claim(claims: dict[str, Claim], key: str, what: str, claim: Claim) -> None:
+    other = claims.get(key)
+    if other is not None and other.plugin is not claim.plugin:
+        msg = (
+            f"{what} is claimed by two plugins: "
+            f"{other.plugin_name!r} (family {other.spec.name!r}) and "
+            f"{claim.plugin_name!r} (family {claim.spec.name!r}); uninstall one of "
+            f"{other.spec.distribution!r} / {claim.spec.distribution!r}"
+        )
+        raise PluginError(msg)
+    claims[key] = claim

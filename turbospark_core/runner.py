@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -12,11 +12,15 @@ import numpy as np
 from turbospark_core.errors import ContextOverflowError, OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.loader import OpenedModel
-from turbospark_core.sampling import Sampler, SamplingParams
+from turbospark_core.manifest import Manifest
+from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
 from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PREFILL_CHUNK = 512
 
@@ -69,7 +73,7 @@ class Runner:
         self._opened = opened
         self.tokenizer = tokenizer
         self.model = opened.model
-        self.sessions = SessionPool(opened.options.session_slots, opened.new_cache)
+        self.sessions: SessionPool = opened.sessions
         eos = opened.generation_config.get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
@@ -86,7 +90,7 @@ class Runner:
         return self._opened.startup_stats
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         """The install's manifest."""
         return self._opened.manifest
 
@@ -161,7 +165,7 @@ class Runner:
                     token = step(self.model(current[:, None], state.caches)[:, -1, :])
                     fed += 1
                     mx.async_eval(token)
-                tok = int(current.item())
+                tok = int(cast(int, current.item()))
                 produced.append(tok)
                 progress.decode_s = time.perf_counter() - t0
                 yield tok
@@ -181,25 +185,27 @@ class Runner:
             return self._check_ids(self.tokenizer.encode(prompt))
         return self._check_ids(prompt)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> TextStream:
-        """Text pieces as they decode (stop strings and EOS honoured).
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> TextStream:
+        """Text pieces as they decode (stop strings and EOS honoured); arguments as :meth:`generate`.
 
         Returns:
             An iterable of ``str``; once exhausted its ``.result`` is the
             :class:`Generation` (text, tokens, stats).
         """
-        return TextStream(self, prompt, max_tokens, dict(sampling))
+        return TextStream(self, prompt, max_tokens, sampling)
 
     def _run(
         self,
         prompt: str | Sequence[int],
         max_tokens: int,
-        sampling: dict[str, Any],
+        sampling: SamplingOptions,
         progress: _Progress,
         state: SequenceState | None = None,
-    ) -> Iterator[str]:
-        stop = sampling.pop("stop", None)
-        params = SamplingParams.from_kwargs(sampling)
+    ) -> Generator[str, None, None]:
+        stop = sampling.get("stop")
+        params = SamplingParams.from_kwargs({k: v for k, v in sampling.items() if k != "stop"})
         ids = self._encode_prompt(prompt)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
@@ -233,15 +239,17 @@ class Runner:
             yield tail
 
     def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
     ) -> Generation:
         """Generate a completion.
 
         Args:
             prompt: Text (tokenized with the install's tokenizer) or token ids.
             max_tokens: Most tokens to generate.
-            **sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-                ``repetition_penalty``, ``seed``, ``stop`` (str or list of str).
+            **sampling: Keyword-only sampling options, typed and documented in
+                :class:`~turbospark_core.sampling.SamplingOptions`
+                (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+                ``repetition_penalty``, ``repetition_context``, ``seed``, ``stop``).
 
         Returns:
             The text, the generated ids (EOS excluded) and mlx-lm-style stats.
@@ -251,11 +259,15 @@ class Runner:
             pass
         return stream.result
 
-    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Generation:
+    def chat(
+        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> Generation:
         """Generate the assistant's reply to ``messages`` through the install's chat template."""
         return self.generate(self.chat_prompt(messages), max_tokens, **sampling)
 
-    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> TextStream:
+    def chat_stream(
+        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
         return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
 
@@ -284,7 +296,7 @@ class TextStream:
         runner: Runner,
         prompt: str | Sequence[int],
         max_tokens: int,
-        sampling: dict[str, Any],
+        sampling: SamplingOptions,
         state: SequenceState | None = None,
     ) -> None:
         self._progress = _Progress()
@@ -292,7 +304,7 @@ class TextStream:
         self._iter = runner._run(prompt, max_tokens, sampling, self._progress, state)
         self._result: Generation | None = None
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Generator[str, None, None]:
         for piece in self._iter:
             self._pieces.append(piece)
             yield piece
@@ -326,22 +338,30 @@ class Session:
         """The tokens this session's caches hold."""
         return list(self._state().tokens)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> TextStream:
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> TextStream:
         """Like :meth:`Runner.stream`, reusing the session's cached prefix."""
-        return TextStream(self.runner, prompt, max_tokens, dict(sampling), self._state())
+        return TextStream(self.runner, prompt, max_tokens, sampling, self._state())
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Any) -> Generation:
+    def generate(
+        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> Generation:
         """Like :meth:`Runner.generate`, reusing the session's cached prefix."""
         stream = self.stream(prompt, max_tokens, **sampling)
         for _ in stream:
             pass
         return stream.result
 
-    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> Generation:
+    def chat(
+        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> Generation:
         """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix is reused."""
         return self.generate(self.runner.chat_prompt(messages), max_tokens, **sampling)
 
-    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Any) -> TextStream:
+    def chat_stream(
+        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+    ) -> TextStream:
         """Like :meth:`Runner.chat_stream`, reusing the session's cached prefix."""
         return self.stream(self.runner.chat_prompt(messages), max_tokens, **sampling)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, TypedDict
 
 import attrs
 import mlx.core as mx
@@ -16,9 +16,40 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise OptionError(msg)
 
 
+class SamplingOptions(TypedDict, total=False):
+    """The sampling options of ``generate``/``stream``/``chat``/``chat_stream``.
+
+    Keyword-only options of :class:`~turbospark_core.runner.Runner` and
+    :class:`~turbospark_core.runner.Session`, documented once, here; each may
+    be left out (the defaults are :class:`SamplingParams`'). A bad value or an
+    unknown name raises ``OptionError`` naming it.
+
+    Attributes:
+        temperature: 0 (the default) is greedy; else logits are divided by it (at most 100).
+        top_p: Nucleus sampling: keep the most likely tokens whose mass reaches
+            it, in (0, 1]; 1 disables it.
+        top_k: Keep only the ``top_k`` most likely tokens; 0 disables it.
+        min_p: Drop tokens less likely than ``min_p`` times the top one, in [0, 1].
+        repetition_penalty: Divide the logits of recently seen tokens by it
+            (multiply negative ones); 1 disables it.
+        repetition_context: How many recent tokens the penalty looks at (default 64).
+        seed: Makes sampling reproducible.
+        stop: A string or list of strings that ends the text (not included).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    repetition_context: int
+    seed: int | None
+    stop: str | list[str] | None
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """How the next token is chosen; ``temperature == 0`` is greedy."""
+    """How the next token is chosen (the :class:`SamplingOptions` but ``stop``); ``temperature == 0`` is greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -43,8 +74,8 @@ class SamplingParams:
             raise OptionError(msg)
 
     @classmethod
-    def from_kwargs(cls, options: dict[str, Any]) -> SamplingParams:
-        """Build from ``generate(**sampling)``, refusing unknown option names."""
+    def from_kwargs(cls, options: Mapping[str, Any]) -> SamplingParams:
+        """Build from ``generate(**sampling)`` without ``stop``, refusing unknown option names."""
         refuse_unknown(options, {a.name for a in attrs.fields(cls)}, "sampling")
         return cls(**options)
 

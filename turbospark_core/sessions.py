@@ -43,7 +43,12 @@ class SequenceState:
     @property
     def trimmable(self) -> bool:
         """Whether every layer's cache can be cut at any position."""
-        return all(type(c) is KVCache for c in self.caches)
+        return self._kv_caches() is not None
+
+    def _kv_caches(self) -> list[KVCache] | None:
+        """The caches, when every one is a full-attention KV cache (trimmable anywhere)."""
+        kv = [c for c in self.caches if type(c) is KVCache]
+        return kv if len(kv) == len(self.caches) else None
 
     def reset(self) -> None:
         """Forget everything (fresh caches)."""
@@ -55,8 +60,9 @@ class SequenceState:
         """Keep at most the first ``n`` tokens cached; returns how many are kept."""
         if n >= len(self.tokens):
             return len(self.tokens)
-        if self.trimmable:
-            for cache in self.caches:
+        kv = self._kv_caches()
+        if kv is not None:
+            for cache in kv:
                 cache.trim(cache.offset - n)
             kept = n
         else:

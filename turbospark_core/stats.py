@@ -11,23 +11,27 @@ import attrs
 PHASES = (
     "manifest_index",
     "weights_mapping",
-    "kv_scratch",
     "expert_setup",
     "family_state",
     "session_state",
+    "warmup",
 )
 
 
 @attrs.frozen(kw_only=True)
 class StartupStats:
-    """Milliseconds spent in each phase of opening an install."""
+    """Milliseconds spent in each phase of opening an install.
+
+    :func:`~turbospark_core.loader.open_install` says which steps each phase
+    times. There is no KV/scratch phase: nothing is allocated for it at open.
+    """
 
     manifest_index: float = 0.0
     weights_mapping: float = 0.0
-    kv_scratch: float = 0.0
     expert_setup: float = 0.0
     family_state: float = 0.0
     session_state: float = 0.0
+    warmup: float = 0.0
     total_open: float = 0.0
 
     def as_dict(self) -> dict[str, float]:

@@ -42,15 +42,11 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 
 @hookimpl
 def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    if hf_config.get("model_type") not in MODEL_TYPES:
-        return None
     return convert.arch_from_hf(hf_config)
 
 
 @hookimpl
 def arch_from_gguf(architecture: str, metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any] | None:
-    if architecture not in GGUF_ARCHITECTURES:
-        return None
     return convert.arch_from_gguf(architecture, metadata)
 
 

@@ -17,8 +17,6 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 
 @hookimpl
 def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    if hf_config.get("model_type") not in MODEL_TYPES:
-        return None
     return convert.arch_from_hf(hf_config)
 
 

@@ -16,7 +16,7 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 
 @hookimpl
 def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    return convert.arch_from_hf(hf_config) if hf_config.get("model_type") in MODEL_TYPES else None
+    return convert.arch_from_hf(hf_config)
 
 
 @hookimpl

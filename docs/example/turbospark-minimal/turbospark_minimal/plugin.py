@@ -16,8 +16,6 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 
 @hookimpl
 def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    if hf_config.get("model_type") != "minimal_llama":
-        return None  # not ours: another plugin answers
     return {key: hf_config[key] for key in KEYS}
 
 

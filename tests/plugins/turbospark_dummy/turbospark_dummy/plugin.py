@@ -33,8 +33,6 @@ def register_families(register: Callable[[FamilySpec], None]) -> None:
 
 @hookimpl
 def arch_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    if hf_config.get("model_type") not in MODEL_TYPES:
-        return None
     return {
         "model_type": hf_config["model_type"],
         "hidden_size": hf_config["hidden_size"],
