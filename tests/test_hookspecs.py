@@ -125,7 +125,9 @@ def llama() -> plugins.FamilyHooks:
 @pytest.fixture(scope="module")
 def llama_plugin() -> Any:
     """The llama plugin module itself, to see its hookimpls' raw answers."""
-    return plugins.registry().plugin_for("llama")
+    claim = plugins.registry().claim("llama")
+    assert claim is not None
+    return claim.plugin
 
 
 def test_hook_register_families() -> None:

@@ -56,8 +56,9 @@ class TestMinimalPlugin(TinyRandomConformance):
 
 
 def test_registry_lists_the_minimal_family() -> None:
-    spec = plugins.registry().spec_for("minimal_llama")
-    assert (spec.name, spec.distribution) == ("minimal", "turbospark-minimal")
+    claim = plugins.registry().claim("minimal_llama")
+    assert claim is not None
+    assert (claim.spec.name, claim.spec.distribution) == ("minimal", "turbospark-minimal")
 
 
 @pytest.mark.parametrize("name", FILES)
