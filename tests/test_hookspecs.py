@@ -186,7 +186,9 @@ GGUF_METADATA = {
 
 def test_hook_arch_from_gguf(llama: plugins.FamilyHooks) -> None:
     plugins.load_plugins()
-    arch = plugins.pm.hook.arch_from_gguf(architecture="llama", metadata=GGUF_METADATA, tensor_names=["token_embd.weight"])
+    arch = plugins.pm.hook.arch_from_gguf(
+        architecture="llama", metadata=GGUF_METADATA, tensor_names=["token_embd.weight"]
+    )
     assert arch["model_type"] == "llama" and arch["tie_word_embeddings"] is True  # no output.weight
     assert (arch["hidden_size"], arch["num_key_value_heads"], arch["head_dim"], arch["vocab_size"]) == (64, 2, 16, 512)
     assert llama.arch_problems(arch) == []

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -120,7 +121,7 @@ def test_no_experts_file_keeps_the_old_layout(moe_install: Callable[..., Path], 
     assert f"{LAYER0}.gate_proj.weight" in mx.load(str(root / WEIGHTS))
     refs = refs_of("qwen3_moe")
     assert np.abs(turbospark_core.open(root).logits(refs["prompt_ids"].tolist()) - refs["logits"]).max() < 1e-4
-    with pytest.raises(OptionError, match="residency='streamed' needs experts.bin"):
+    with pytest.raises(OptionError, match=r"residency='streamed' needs experts\.bin"):
         turbospark_core.open(root, residency="streamed")
 
 
@@ -171,7 +172,11 @@ def test_streamed_is_bit_identical_to_resident_for_every_slot_count(
 def _synthetic(tmp_path: Path, kind: str, experts: int = 6, dim: int = 64, hidden: int = 64) -> moe.ExpertLayout:
     """A one-layer experts.bin with random experts stored as ``kind`` (f32, bf16+bias, q4, mxfp4+bias)."""
     rng = np.random.default_rng(7)
-    shapes = {"gate_proj": (experts, hidden, dim), "up_proj": (experts, hidden, dim), "down_proj": (experts, dim, hidden)}
+    shapes = {
+        "gate_proj": (experts, hidden, dim),
+        "up_proj": (experts, hidden, dim),
+        "down_proj": (experts, dim, hidden),
+    }
     tensors: dict[str, mx.array] = {}
     quantization: dict[str, Any] = {}
     for proj, shape in shapes.items():
@@ -209,7 +214,9 @@ def _silu_glu(gate: mx.array, up: mx.array) -> mx.array:
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "mxfp4"])
 @pytest.mark.parametrize(
-    ("unpack", "in_place"), [(True, True), (True, False), (False, False)], ids=["float32-in-place", "float32-mlx-updates", "stored"]
+    ("unpack", "in_place"),
+    [(True, True), (True, False), (False, False)],
+    ids=["float32-in-place", "float32-mlx-updates", "stored"],
 )
 def test_streamed_bank_equals_resident_bank_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, unpack: bool, in_place: bool
@@ -317,7 +324,9 @@ def test_over_budget_streamed_open_names_expert_slots(moe_install: Callable[...,
     names(e, "residency='streamed'")
 
 
-def test_stored_policy_streams_quantized_experts_bit_identically(moe_install: Callable[..., Path], refs_of: Callable) -> None:
+def test_stored_policy_streams_quantized_experts_bit_identically(
+    moe_install: Callable[..., Path], refs_of: Callable
+) -> None:
     root = moe_install("gpt_oss_mxfp4")
     ids = refs_of("gpt_oss_mxfp4")["prompt_ids"].tolist()
     resident = turbospark_core.open(root, memory_budget=600_000, max_context=256, residency="resident")
@@ -339,12 +348,28 @@ def _edit_layer(tamper, root: Path, fn: Callable[[dict], None]) -> None:
         (lambda layer: layer.__setitem__("num_experts", 10**9), "'num_experts' must be an integer"),
         (lambda layer: layer.__setitem__("stride", 4096), "past the 4096-byte record"),
         (lambda layer: layer["projections"]["up_proj"]["tensors"]["weight"].__setitem__("offset", 0), "overlap"),
-        (lambda layer: layer["projections"]["up_proj"]["tensors"]["weight"].__setitem__("shape", [31, 64]), "do not chain"),
+        (
+            lambda layer: layer["projections"]["up_proj"]["tensors"]["weight"].__setitem__("shape", [31, 64]),
+            "do not chain",
+        ),
         (lambda layer: layer["projections"]["up_proj"]["tensors"].pop("weight"), "must include 'weight'"),
-        (lambda layer: layer["projections"]["up_proj"].__setitem__("quantization", {"bits": 4, "group_size": 64}), "needs 'scales'"),
+        (
+            lambda layer: layer["projections"]["up_proj"].__setitem__("quantization", {"bits": 4, "group_size": 64}),
+            "needs 'scales'",
+        ),
         (lambda layer: layer["projections"].pop("up_proj"), "asks for projections"),
     ],
-    ids=["past-end", "unaligned", "huge-count", "short-stride", "overlap", "bad-shape", "no-weight", "quant-mismatch", "missing-proj"],
+    ids=[
+        "past-end",
+        "unaligned",
+        "huge-count",
+        "short-stride",
+        "overlap",
+        "bad-shape",
+        "no-weight",
+        "quant-mismatch",
+        "missing-proj",
+    ],
 )
 def test_bad_layouts_are_refused_by_name(moe_copy: Path, tamper, edit: Callable, named: str) -> None:
     _edit_layer(tamper, moe_copy, edit)
@@ -354,16 +379,22 @@ def test_bad_layouts_are_refused_by_name(moe_copy: Path, tamper, edit: Callable,
 
 
 def test_storage_with_no_kernel_is_refused_naming_the_tensor(moe_copy: Path, tamper) -> None:
-    _edit_layer(tamper, moe_copy, lambda layer: layer["projections"]["gate_proj"]["tensors"]["weight"].__setitem__("dtype", "I8"))
+    _edit_layer(
+        tamper,
+        moe_copy,
+        lambda layer: layer["projections"]["gate_proj"]["tensors"]["weight"].__setitem__("dtype", "I8"),
+    )
     with pytest.raises(TensorStorageError, match=r"model\.layers\.0\.mlp\.experts\.gate_proj\.weight"):
         turbospark_core.open(moe_copy)
 
 
 def test_overlapping_layers_and_top_k_are_checked(moe_copy: Path, tamper) -> None:
     tamper.edit(moe_copy, lambda raw: raw["experts"]["layers"]["model.layers.1.mlp.experts"].__setitem__("offset", 0))
-    with pytest.raises(InstallError, match="overlap in experts.bin"):
+    with pytest.raises(InstallError, match=r"overlap in experts\.bin"):
         turbospark_core.open(moe_copy)
-    tamper.edit(moe_copy, lambda raw: raw["experts"]["layers"]["model.layers.1.mlp.experts"].__setitem__("offset", 196608))
+    tamper.edit(
+        moe_copy, lambda raw: raw["experts"]["layers"]["model.layers.1.mlp.experts"].__setitem__("offset", 196608)
+    )
     tamper.edit(moe_copy, lambda raw: raw["experts"].__setitem__("top_k", 9))
     with pytest.raises(InstallError, match="top_k=9 exceeds"):
         turbospark_core.open(moe_copy)
@@ -371,7 +402,7 @@ def test_overlapping_layers_and_top_k_are_checked(moe_copy: Path, tamper) -> Non
 
 def test_section_and_file_come_together(moe_copy: Path, tamper) -> None:
     tamper.edit(moe_copy, lambda raw: raw["files"].pop(EXPERTS))
-    with pytest.raises(ManifestError, match="'experts' section but no 'experts.bin'"):
+    with pytest.raises(ManifestError, match=r"'experts' section but no 'experts\.bin'"):
         turbospark_core.open(moe_copy)
 
 
@@ -384,14 +415,16 @@ def test_an_unused_routed_layer_is_refused(moe_copy: Path, tamper) -> None:
         layers["model.layers.7.mlp.experts"] = {**layers[LAYER0], "offset": len(blob)}
 
     tamper.edit(moe_copy, add)
-    with pytest.raises(InstallError, match=r"not used by family 'llama', first 'model\.layers\.7\.mlp\.experts \(experts\.bin\)'"):
+    with pytest.raises(
+        InstallError, match=r"not used by family 'llama', first 'model\.layers\.7\.mlp\.experts \(experts\.bin\)'"
+    ):
         turbospark_core.open(moe_copy)
 
 
 def test_truncated_experts_bin_is_refused(moe_copy: Path) -> None:
     with (moe_copy / EXPERTS).open("r+b") as f:
         f.truncate(4096)
-    with pytest.raises(InstallError, match="experts.bin"):
+    with pytest.raises(InstallError, match=r"experts\.bin"):
         turbospark_core.open(moe_copy)
 
 
@@ -409,11 +442,16 @@ def test_generation_stats_carry_the_expert_counters(moe_install: Callable[..., P
 
 def test_cli_prints_expert_stats(moe_install: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
     root = str(moe_install("qwen3_moe"))
-    assert main(["inspect", root, "--stats", "--residency", "streamed", "--expert-slots", "3", "--stats-tokens", "4"]) == 0
+    assert (
+        main(["inspect", root, "--stats", "--residency", "streamed", "--expert-slots", "3", "--stats-tokens", "4"]) == 0
+    )
     out = capsys.readouterr().out
-    assert "experts      experts.bin: 2 routed layers x 8 experts" in out and "streamed: 3 slots per routed layer" in out
+    assert "experts      experts.bin: 2 routed layers x 8 experts" in out
+    assert "streamed: 3 slots per routed layer" in out
     assert "experts: streamed, 3 slots/layer | hits" in out and "ms/token" in out
-    assert main(["generate", root, "Hi", "--max-tokens", "3", "-v", "--residency", "streamed", "--expert-slots", "2"]) == 0
+    assert (
+        main(["generate", root, "Hi", "--max-tokens", "3", "-v", "--residency", "streamed", "--expert-slots", "2"]) == 0
+    )
     assert "experts: streamed, 2 slots/layer | hits" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", root, "Hi", "--expert-slots", "many"])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -129,8 +129,8 @@ def _bank(
     bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)]
     bs = bs if with_bias else [None] * 3
     if quant is None:
-        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs))), [np.array(w) for w in ws], bs
-    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs)]
+        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs, strict=True))), [np.array(w) for w in ws], bs
+    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs, strict=True)]
     return ExpertBank(*(lin for lin, _ in made)), [_np(dense) for _, dense in made], bs
 
 
@@ -215,10 +215,10 @@ def test_policy_on_gpu_keeps_quantized_kernels(monkeypatch: pytest.MonkeyPatch) 
 def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
     from turbospark_core import weights as W
 
-    E, D, I = 8, 32, 16
-    gate = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(0)), mx.random.normal((E, I), key=mx.random.key(1)))
-    up = W.Linear(mx.random.normal((E, I, D), key=mx.random.key(2)))
-    down = W.Linear(mx.random.normal((E, D, I), key=mx.random.key(3)))
+    E, D, H = 8, 32, 16
+    gate = W.Linear(mx.random.normal((E, H, D), key=mx.random.key(0)), mx.random.normal((E, H), key=mx.random.key(1)))
+    up = W.Linear(mx.random.normal((E, H, D), key=mx.random.key(2)))
+    down = W.Linear(mx.random.normal((E, D, H), key=mx.random.key(3)))
     bank = W.ExpertBank(gate, up, down)
     x = mx.random.normal((2, 40, D), key=mx.random.key(4))
     idx = mx.random.randint(0, E, (2, 40, 2), key=mx.random.key(5))

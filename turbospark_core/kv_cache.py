@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -67,10 +68,11 @@ class _Rows:
         return _Rows(tuple(fn(p) for p in self.parts), self.bits, self.dtype)
 
     def concat(self, other: _Rows) -> _Rows:
-        return _Rows(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.parts, other.parts)), self.bits, self.dtype)
+        pairs = zip(self.parts, other.parts, strict=True)
+        return _Rows(tuple(mx.concatenate([a, b], axis=2) for a, b in pairs), self.bits, self.dtype)
 
     def assign(self, start: int, end: int, other: _Rows) -> None:
-        for part, new in zip(self.parts, other.parts):
+        for part, new in zip(self.parts, other.parts, strict=True):
             part[..., start:end, :] = new
 
     @property
@@ -247,12 +249,12 @@ class RingKVCache(_KVBuffers):
             start = total - self.capacity
             # the ring's next write goes to the slot of the oldest token
             shift = self.offset % self.capacity
-            self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
-            self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
+            self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
+            self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
             self.positions = mx.roll(p_all[start:], shift)
             return
         pad = self.capacity - total
-        B, H, _, D = k_all.parts[0].shape
+        B, H, _, _ = k_all.parts[0].shape
         self._k = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
         self._v = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
         self.positions = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)

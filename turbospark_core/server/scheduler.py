@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 
