@@ -377,8 +377,8 @@ class Server:
     @property
     def url(self) -> str:
         """``http://host:port`` (append ``/v1`` for an OpenAI client's base URL)."""
-        host = self.httpd.server_address[0]
-        return f"http://[{host}]:{self.port}" if ":" in str(host) else f"http://{host}:{self.port}"
+        host = str(self.httpd.server_address[0])
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def health(self) -> dict[str, Any]:
         """What ``GET /health`` answers."""
