@@ -7,8 +7,9 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest

@@ -32,7 +32,9 @@ def test_families_with_no_plugins(no_plugins, capsys: pytest.CaptureFixture[str]
     assert "no family plugins installed" in capsys.readouterr().out
 
 
-def test_inspect_prints_the_tensor_table_and_startup_stats(f32_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_prints_the_tensor_table_and_startup_stats(
+    f32_install: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["inspect", str(f32_install)]) == 0
     out = capsys.readouterr().out
     assert "model type   llama (family llama, turbospark-llama)" in out
@@ -68,7 +70,9 @@ def test_inspect_verify(install: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "all files match" not in captured.out
 
 
-@pytest.mark.parametrize("args", [["generate", "{missing}", "hello"], ["inspect", "{missing}"], ["chat", "{missing}", "hi"]])
+@pytest.mark.parametrize(
+    "args", [["generate", "{missing}", "hello"], ["inspect", "{missing}"], ["chat", "{missing}", "hi"]]
+)
 def test_bad_path_is_one_error_line(tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no-such-install"
     assert main([a.format(missing=missing) for a in args]) == 2
@@ -116,7 +120,9 @@ def test_convert_then_generate(llama_src: Path, tmp_path: Path, capsys: pytest.C
     assert f"generation: {len(expected.tokens)} tokens" in captured.err
 
 
-def test_convert_quantized_reports_the_matrices(llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_quantized_reports_the_matrices(
+    llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["convert", str(llama_src), str(tmp_path / "q8"), "--quantize", "q8", "-q"]) == 0
     assert "14 quantized matrices" in capsys.readouterr().out
 
@@ -130,7 +136,9 @@ def test_convert_refusal_is_one_error_line(llama_src: Path, tmp_path: Path, caps
     assert "--force" in line
 
 
-def test_convert_bad_choice_is_an_argparse_error(llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_bad_choice_is_an_argparse_error(
+    llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
         main(["convert", str(llama_src), str(tmp_path / "d"), "--quantize", "q3"])
     assert e.value.code == 2

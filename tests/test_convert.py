@@ -165,7 +165,7 @@ def test_failed_conversion_leaves_no_staging(llama_src: Path, tmp_path: Path) ->
     arrays = dict(mx.load(str(src / "model.safetensors")))
     arrays["model.language_model.norm.weight"] = arrays["model.norm.weight"]  # maps onto model.norm.weight too
     mx.save_safetensors(str(src / "model.safetensors"), arrays)
-    with pytest.raises(ConversionError, match="two source tensors map onto install tensor 'model.norm.weight'"):
+    with pytest.raises(ConversionError, match=r"two source tensors map onto install tensor 'model\.norm\.weight'"):
         convert(src, tmp_path / "dst")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -222,7 +222,11 @@ def test_source_that_does_not_exist(tmp_path: Path, names) -> None:
 
 @pytest.mark.parametrize(
     ("option", "flag"),
-    [({"quantize": "q3"}, "--quantize 'q3'"), ({"dtype": "float64"}, "--dtype 'float64'"), ({"group_size": 48}, "--group-size 48")],
+    [
+        ({"quantize": "q3"}, "--quantize 'q3'"),
+        ({"dtype": "float64"}, "--dtype 'float64'"),
+        ({"group_size": 48}, "--group-size 48"),
+    ],
 )
 def test_bad_convert_options(llama_src: Path, tmp_path: Path, option, flag: str, names) -> None:
     with pytest.raises(ConversionError) as e:

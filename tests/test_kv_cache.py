@@ -8,7 +8,7 @@ import pytest
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ContextOverflowError
-from turbospark_core.kv_cache import KVCache, make_caches
+from turbospark_core.kv_cache import KVCache
 
 SPEC = CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3)
 

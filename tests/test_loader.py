@@ -266,7 +266,7 @@ def test_logits_bad_token_ids(runner, ids, expected: str, names) -> None:
 
 def _incremental(model, cache, ids: list[int], cuts: list[int]) -> np.ndarray:
     outs = []
-    for start, end in zip([0, *cuts], [*cuts, len(ids)]):
+    for start, end in zip([0, *cuts], [*cuts, len(ids)], strict=True):
         out = model(mx.array([ids[start:end]]), cache)
         mx.eval(out)
         outs.append(np.array(out[0].astype(mx.float32)))

@@ -6,8 +6,9 @@ import importlib.metadata
 import json
 import threading
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pluggy
 import pytest
@@ -228,8 +229,9 @@ def test_unknown_model_type_refusal_lists_installed_families(fresh_plugins: plug
         assert f"{family.name} ({', '.join(family.model_types)})" in msg
     assert msg.endswith("; install turbospark-madeup")
     assert isinstance(err.value, LookupError)
-    generic = str(pytest.raises(UnknownFamilyError, plugins.family_hooks, "made_up_lm").value)
-    assert generic.endswith("install the turbospark plugin distribution that serves it")
+    with pytest.raises(UnknownFamilyError) as generic:
+        plugins.family_hooks("made_up_lm")
+    assert str(generic.value).endswith("install the turbospark plugin distribution that serves it")
 
 
 # ------------------------------------------------------------------ hook order at open
@@ -290,7 +292,7 @@ def test_kv_quant_probe_fires_before_any_weight_is_read(f32_install: Path) -> No
     calls, undo = _record(plugins.pm)
     try:
         # the fixture's head_dim 16 has no quantization group: refused before any weight is read
-        with pytest.raises(OptionError, match="kv_quant='q8'.*head_dim 16"):
+        with pytest.raises(OptionError, match=r"kv_quant='q8'.*head_dim 16"):
             turbospark_core.open(f32_install, kv_quant="q8")
     finally:
         undo()

@@ -62,7 +62,7 @@ def test_bad_token_ids_are_refused(runner: Runner, ids: list[int]) -> None:
     with pytest.raises(OptionError) as err:
         runner.logits(ids)
     if ids:
-        assert str([t for t in ids if not 0 <= t < 512][0]) in str(err.value)
+        assert str(next(t for t in ids if not 0 <= t < 512)) in str(err.value)
         assert "512" in str(err.value)
     with pytest.raises(OptionError):
         runner.generate(ids, max_tokens=1)
@@ -200,7 +200,7 @@ def test_absent_stop_string_changes_nothing(runner: Runner, prompt: list[int], g
 def test_stream_pieces_join_to_generate_text(runner: Runner, prompt: list[int], greedy: Generation) -> None:
     stream = runner.stream(prompt, max_tokens=16)
     with pytest.raises(RuntimeError, match="not finished"):
-        stream.result
+        _ = stream.result
     pieces = list(stream)
     assert all(isinstance(p, str) and p for p in pieces)
     assert "".join(pieces) == greedy.text

@@ -55,9 +55,9 @@ def test_switching_sessions_gives_dedicated_results(runner: turbospark_core.Runn
     a.reset(), b.reset()
     a.generate(prompt[:10], max_tokens=3)
     b.generate(prompt[::-1][:12], max_tokens=3)
-    got = a.generate(prompt[:10] + [5, 6], max_tokens=5)
+    got = a.generate([*prompt[:10], 5, 6], max_tokens=5)
     assert got.stats.reused_tokens == 10
-    assert got.tokens == runner.generate(prompt[:10] + [5, 6], max_tokens=5).tokens
+    assert got.tokens == runner.generate([*prompt[:10], 5, 6], max_tokens=5).tokens
 
 
 def test_lru_eviction(runner: turbospark_core.Runner, prompt: list[int]) -> None:
@@ -73,7 +73,7 @@ def test_overflow_keeps_session_usable(runner: turbospark_core.Runner, prompt: l
     session.generate(prompt[:10], max_tokens=2)
     with pytest.raises(ContextOverflowError, match="max_context"):
         session.generate(prompt, max_tokens=runner.max_context)
-    assert session.generate(prompt[:10] + [3], max_tokens=2).stats.reused_tokens == 10
+    assert session.generate([*prompt[:10], 3], max_tokens=2).stats.reused_tokens == 10
 
 
 def test_bad_slot_count_refused() -> None:

@@ -88,7 +88,9 @@ def test_quant_spec_with_a_kernel(bits: int, group: int) -> None:
     assert QuantSpec.from_manifest("x", {"bits": 4, "group_size": 32, "mode": "mxfp4"}).mode == "mxfp4"
 
 
-@pytest.mark.parametrize("entry", [{"bits": 7, "group_size": 64, "mode": "affine"}, {"bits": 4, "group_size": 64, "mode": "nf4"}])
+@pytest.mark.parametrize(
+    "entry", [{"bits": 7, "group_size": 64, "mode": "affine"}, {"bits": 4, "group_size": 64, "mode": "nf4"}]
+)
 def test_install_with_an_unservable_quantization_is_refused_at_open(q4_copy: Path, tamper, entry, names) -> None:
     base = "model.layers.1.self_attn.v_proj"
     tamper.edit(q4_copy, lambda raw: raw["quantization"].__setitem__(base, entry))
@@ -137,7 +139,7 @@ def test_the_first_offending_tensor_is_named(install: Path, tamper, names) -> No
 
 # ------------------------------------------------------------------ corrupt headers
 def test_header_length_larger_than_the_file(install: Path, tamper, names) -> None:
-    header, data = tamper.weights_header(install)
+    _header, data = tamper.weights_header(install)
     blob = struct.pack("<Q", 1 << 60) + b"{}" + data
     tamper.put_file(install, WEIGHTS, blob)
     with pytest.raises(InstallError) as e:

@@ -156,14 +156,14 @@ def test_template_cannot_reach_python_internals(tmp_path: Path, tok_dir: Path) -
 
 
 def test_missing_tokenizer_json_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerError, match="tokenizer.json") as err:
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json") as err:
         Tokenizer.from_install(tmp_path, {})
     assert "turbospark convert" in str(err.value)
 
 
 def test_corrupt_tokenizer_json_is_refused(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(TokenizerError, match="tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         Tokenizer.from_install(tmp_path, {})
 
 

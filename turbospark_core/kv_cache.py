@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -67,10 +68,11 @@ class _Rows:
         return _Rows(tuple(fn(p) for p in self.parts), self.bits, self.dtype)
 
     def concat(self, other: _Rows) -> _Rows:
-        return _Rows(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.parts, other.parts)), self.bits, self.dtype)
+        pairs = zip(self.parts, other.parts, strict=True)
+        return _Rows(tuple(mx.concatenate([a, b], axis=2) for a, b in pairs), self.bits, self.dtype)
 
     def assign(self, start: int, end: int, other: _Rows) -> None:
-        for part, new in zip(self.parts, other.parts):
+        for part, new in zip(self.parts, other.parts, strict=True):
             part[..., start:end, :] = new
 
     @property
@@ -217,13 +219,14 @@ class RingKVCache(_KVBuffers):
         v_new = _Rows.encode(values, self.kv_bits, self.dtype)
         new_pos = mx.arange(self.offset, self.offset + n)
         self.offset += n
-        if n == 1 and self._k is not None and self._k.length == self.capacity:
+        k, v, positions = self._k, self._v, self.positions
+        if n == 1 and k is not None and v is not None and positions is not None and k.length == self.capacity:
             slot = (self.offset - 1) % self.capacity
-            self._k.assign(slot, slot + 1, k_new)
-            self._v.assign(slot, slot + 1, v_new)
-            self.positions[slot : slot + 1] = new_pos
-            self._fetched_positions = self.positions
-            return self._k.decode(), self._v.decode()
+            k.assign(slot, slot + 1, k_new)
+            v.assign(slot, slot + 1, v_new)
+            positions[slot : slot + 1] = new_pos
+            self._fetched_positions = positions
+            return k.decode(), v.decode()
         k_all, v_all, p_all = self._ordered_with(k_new, v_new, new_pos)
         self._fetched_positions = p_all
         self._keep_last(k_all, v_all, p_all)
@@ -233,7 +236,7 @@ class RingKVCache(_KVBuffers):
         if self._k is None or self._v is None or self.positions is None:
             return keys, values, pos
         order = mx.argsort(self.positions)
-        n_kept = int((self.positions >= 0).sum().item())
+        n_kept = int((self.positions >= 0).sum())
         order = order[order.size - n_kept :] if n_kept else order[:0]
         return (
             self._k.map(lambda a: a[..., order, :]).concat(keys),
@@ -247,12 +250,12 @@ class RingKVCache(_KVBuffers):
             start = total - self.capacity
             # the ring's next write goes to the slot of the oldest token
             shift = self.offset % self.capacity
-            self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
-            self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, axis=2))
+            self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
+            self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
             self.positions = mx.roll(p_all[start:], shift)
             return
         pad = self.capacity - total
-        B, H, _, D = k_all.parts[0].shape
+        B, H, _, _ = k_all.parts[0].shape
         self._k = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
         self._v = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
         self.positions = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
@@ -286,6 +289,7 @@ class RingKVCache(_KVBuffers):
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[L, S]`` mask: causal and within the window, by absolute position."""
+        assert self._fetched_positions is not None, "mask() follows update_and_fetch()"
         q = mx.arange(self.offset - n_queries, self.offset)[:, None]
         k = self._fetched_positions[None, :]
         return (k <= q) & (k > q - self.window) & (k >= 0)
@@ -293,7 +297,7 @@ class RingKVCache(_KVBuffers):
     @property
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the step's output."""
-        if self._k is None or self._v is None:
+        if self._k is None or self._v is None or self.positions is None:
             return []
         return [*self._k.parts, *self._v.parts, self.positions]
 

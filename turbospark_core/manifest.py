@@ -88,7 +88,10 @@ def _read_bounded(path: Path) -> bytes:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        msg = f"{path.parent} has no {MANIFEST}; it is not a turbospark install (make one with `turbospark convert SRC DST`)"
+        msg = (
+            f"{path.parent} has no {MANIFEST}; it is not a turbospark install"
+            " (make one with `turbospark convert SRC DST`)"
+        )
         raise ManifestError(msg) from None
     if size > MAX_MANIFEST_BYTES:
         msg = f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte bound for a manifest; the install is corrupt"
@@ -200,7 +203,10 @@ def check_files(manifest: Manifest) -> None:
     for name, entry in manifest.files.items():
         path = manifest.root / name
         if path.is_symlink() or not path.is_file():
-            msg = f"{manifest.root}: {name!r} is in the file table but missing (or not a regular file); re-run `turbospark convert`"
+            msg = (
+                f"{manifest.root}: {name!r} is in the file table but missing (or not a regular file);"
+                " re-run `turbospark convert`"
+            )
             raise FileTableError(msg)
         size = path.stat().st_size
         if size != entry.size:

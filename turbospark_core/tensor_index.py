@@ -19,7 +19,6 @@ FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 PACKED_DTYPES = {"U32": 4, "U8": 1}
 QUANT_BITS = {2, 3, 4, 5, 6, 8}
 QUANT_GROUPS = {32, 64, 128}
-QUANT_MODES = {"affine", "mxfp4"}
 
 
 @attrs.frozen(kw_only=True)
@@ -36,21 +35,22 @@ class QuantSpec:
         if not isinstance(raw, dict):
             msg = f"quantization entry for {name!r} must be an object, got {raw!r}"
             raise TensorStorageError(msg)
-        spec = cls(
-            bits=raw.get("bits"), group_size=raw.get("group_size"), mode=raw.get("mode", "affine")
-        )
-        if spec.mode not in QUANT_MODES or (
-            spec.mode == "affine"
-            and (spec.bits not in QUANT_BITS or spec.group_size not in QUANT_GROUPS)
-        ) or (spec.mode == "mxfp4" and (spec.bits, spec.group_size) != (4, 32)):
+        bits, group_size, mode = raw.get("bits"), raw.get("group_size"), raw.get("mode", "affine")
+        if not (isinstance(bits, int) and isinstance(group_size, int) and _has_kernel(mode, bits, group_size)):
             msg = (
-                f"tensor {name!r} is stored as {spec.mode} {spec.bits}-bit with group "
-                f"size {spec.group_size}, which has no kernel here (affine "
+                f"tensor {name!r} is stored as {mode} {bits}-bit with group "
+                f"size {group_size}, which has no kernel here (affine "
                 f"{sorted(QUANT_BITS)}-bit, groups {sorted(QUANT_GROUPS)}; mxfp4 4-bit "
                 f"group 32); re-convert with `turbospark convert --quantize q4|q8`"
             )
             raise TensorStorageError(msg)
-        return spec
+        return cls(bits=bits, group_size=group_size, mode=mode)
+
+
+def _has_kernel(mode: str, bits: int, group_size: int) -> bool:
+    if mode == "affine":
+        return bits in QUANT_BITS and group_size in QUANT_GROUPS
+    return mode == "mxfp4" and (bits, group_size) == (4, 32)
 
 
 @attrs.frozen(kw_only=True)

@@ -7,7 +7,7 @@ import mmap
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import overload
 
 import attrs
 import mlx.core as mx
@@ -41,7 +41,6 @@ _SCALAR_DTYPES: dict[int, np.dtype] = {
 _STRING = 8
 _ARRAY = 9
 
-_T = TypeVar("_T", np.ndarray, mx.array, AffineQuantized)
 _MISSING = object()
 
 
@@ -112,7 +111,8 @@ class _Cursor:
             dtype = _SCALAR_DTYPES[vtype]
             start = self.take(count * dtype.itemsize, what)
             raw = self.buf[start : start + count * dtype.itemsize]
-            return np.frombuffer(raw, dtype=dtype).tolist()
+            values: list[object] = np.frombuffer(raw, dtype=dtype).tolist()
+            return values
         # Every string or nested array takes at least 8 bytes: bound the count first.
         return [self.value(vtype, what) for _ in self.bounded_range(count, 8, what)]
 
@@ -500,6 +500,7 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     bits ``[i * bits, (i + 1) * bits)`` (so 3-, 5- and 6-bit codes straddle words).
     """
     flat = q.reshape(*q.shape[:-2], -1).astype(np.uint8, copy=False)
+    packed: np.ndarray
     if bits == 8:
         packed = flat
     elif bits == 4:
@@ -605,7 +606,17 @@ EXACT_TYPES = frozenset(("F32", "F16", "BF16", *_AFFINE_DECODERS))
 # ---------------------------------------------------------------------------
 
 
-def unpermute_rotary_rows(t: _T, n_heads: int) -> _T:
+@overload
+def unpermute_rotary_rows(t: np.ndarray, n_heads: int) -> np.ndarray: ...
+@overload
+def unpermute_rotary_rows(t: mx.array, n_heads: int) -> mx.array: ...
+@overload
+def unpermute_rotary_rows(t: AffineQuantized, n_heads: int) -> AffineQuantized: ...
+
+
+def unpermute_rotary_rows(
+    t: np.ndarray | mx.array | AffineQuantized, n_heads: int
+) -> np.ndarray | mx.array | AffineQuantized:
     """Undo the GGUF converters' rotary row permutation of a q/k projection.
 
     GGUF exporters reorder each head's rows from the Hugging Face "rotate half"
@@ -634,4 +645,5 @@ def unpermute_rotary_rows(t: _T, n_heads: int) -> _T:
         return t.take_rows(order)
     if isinstance(t, mx.array):
         return t[mx.array(order)]
-    return t[order]
+    reordered: np.ndarray = t[order]
+    return reordered

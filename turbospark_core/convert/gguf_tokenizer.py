@@ -164,14 +164,14 @@ def _merges_from_scores(src: GGUFSource, tokens: list[str], types: np.ndarray) -
             f"entry per token ({got} for {len(tokens)} tokens); its SentencePiece vocabulary cannot be rebuilt"
         )
         raise ConversionError(msg)
-    normal = {tokens[i]: i for i in np.flatnonzero(types == _NORMAL).tolist()}
+    normal: dict[str, int] = {tokens[i]: i for i in np.flatnonzero(types == _NORMAL).tolist()}
     find = normal.get
-    ranked = []
+    ranked: list[tuple[float, int, int, int]] = []
     for piece, i in normal.items():
         for cut in range(1, len(piece)):
             left = find(piece[:cut])
             right = None if left is None else find(piece[cut:])
-            if right is not None:
+            if left is not None and right is not None:
                 ranked.append((-scores[i], i, left, right))
     ranked.sort()
     return [(tokens[left], tokens[right]) for _, _, left, right in ranked]

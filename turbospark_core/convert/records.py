@@ -21,9 +21,9 @@ class AffineQuantized:
         mode: ``"affine"`` (MLX's default mode).
     """
 
-    weight: np.ndarray = attrs.field(eq=False)
-    scales: np.ndarray = attrs.field(eq=False)
-    biases: np.ndarray | None = attrs.field(eq=False)
+    weight: np.ndarray | mx.array = attrs.field(eq=False)
+    scales: np.ndarray | mx.array = attrs.field(eq=False)
+    biases: np.ndarray | mx.array | None = attrs.field(eq=False)
     bits: int
     group_size: int
     mode: str = "affine"

@@ -12,9 +12,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from turbospark_core.errors import ContextOverflowError, OptionError, TokenizerError, TurbosparkError
@@ -95,22 +96,23 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
 
     # ------------------------------------------------------------- routing
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    # (do_<METHOD> is http.server's naming)
+    def do_GET(self) -> None:
         self._dispatch("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._dispatch("POST")
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         self._dispatch("PUT")
 
-    def do_PATCH(self) -> None:  # noqa: N802
+    def do_PATCH(self) -> None:
         self._dispatch("PATCH")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         self._dispatch("DELETE")
 
-    def do_OPTIONS(self) -> None:  # noqa: N802
+    def do_OPTIONS(self) -> None:
         self._dispatch("OPTIONS")
 
     def setup(self) -> None:
@@ -143,7 +145,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(e, {"Allow": ", ".join(methods)} if e.status == 405 and methods else None)
         except OSError:  # the client went away (broken pipe, reset, timeout): nothing to answer
             self.close_connection = True
-        except Exception:  # noqa: BLE001 - a bug must not take the server down
+        except Exception:  # a bug must not take the server down
             log.exception("unexpected error serving %s %s", method, path)
             self._send_error(APIError(500, "internal server error", type="server_error"))
 
@@ -375,8 +377,8 @@ class Server:
     @property
     def url(self) -> str:
         """``http://host:port`` (append ``/v1`` for an OpenAI client's base URL)."""
-        host = self.httpd.server_address[0]
-        return f"http://[{host}]:{self.port}" if ":" in str(host) else f"http://{host}:{self.port}"
+        host = str(self.httpd.server_address[0])
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def health(self) -> dict[str, Any]:
         """What ``GET /health`` answers."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -243,8 +244,7 @@ def _session_id(body: dict[str, Any]) -> str | None:
 
 def _max_tokens(body: dict[str, Any], names: tuple[str, ...], prompt_len: int, facts: ModelFacts, *, chat: bool) -> int:
     low = 1 if chat else 0
-    asked = [(n, _integer(body, n, low=low)) for n in names]
-    asked = [(n, v) for n, v in asked if v is not None]
+    asked = [(n, v) for n in names if (v := _integer(body, n, low=low)) is not None]
     room = facts.max_context - prompt_len
     if room < 1 or prompt_len == 0:
         msg = (

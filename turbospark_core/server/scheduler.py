@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 
@@ -286,9 +287,10 @@ class Scheduler:
             if job in self._active:
                 self._active.remove(job)
         # closing runs the runner's cleanup (session tokens saved) now, not at GC time
-        for gen in (job._pieces, job._stream):
-            if gen is not None:
-                gen.close()
+        if job._pieces is not None:  # iter(TextStream) is a generator: TextStream.__iter__ yields
+            job._pieces.close()  # type: ignore[attr-defined]
+        if job._stream is not None:
+            job._stream.close()
         job._stream = job._pieces = None
         if job.slot is not None and self._slots is not None:
             self._slots.release(job.slot)
