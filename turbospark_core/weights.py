@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 
+from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
 from turbospark_core.tensor_index import QuantSpec, TensorIndex
@@ -42,16 +43,7 @@ class Linear:
         if self.quant is None:
             y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
             return y
-        y = mx.quantized_matmul(
-            x,
-            self.weight,
-            self.scales,
-            self.biases,
-            transpose=True,
-            group_size=self.quant.group_size,
-            bits=self.quant.bits,
-            mode=self.quant.mode,
-        )
+        y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
 
@@ -73,10 +65,13 @@ class Embedding:
         t = self.table
         if t.quant is None:
             return t.weight[ids]
+        # only the gathered rows are dequantized; affine scales widened first, as at unpacking
+        widen = self.dtype is not None and t.quant.mode == "affine"
+        scales, biases = t.scales[ids], None if t.biases is None else t.biases[ids]
         return mx.dequantize(
             t.weight[ids],
-            t.scales[ids],
-            None if t.biases is None else t.biases[ids],
+            scales.astype(self.dtype) if widen else scales,
+            biases.astype(self.dtype) if widen and biases is not None else biases,
             group_size=t.quant.group_size,
             bits=t.quant.bits,
             mode=t.quant.mode,
@@ -208,7 +203,7 @@ class WeightStore:
     def tensor(self, name: str) -> mx.array:
         """A float tensor (norm weights, biases, router matrices)."""
         if name in self.index.quantization:
-            return self.linear(name).weight if self.policy.unpack else self._dequantized(name)
+            return self._unpacked(name) if self.policy.unpack else self._dequantized(name)
         return self._float(self._take(name))
 
     def optional(self, name: str) -> mx.array | None:
@@ -231,17 +226,24 @@ class WeightStore:
         )
         return w.astype(dtype)
 
-    def linear(self, base: str) -> Linear:
-        """The matrix ``<base>.weight`` (and ``<base>.bias`` when present)."""
+    def _unpacked(self, base: str) -> mx.array:
+        w = self._dequantized(base)
+        self._pending.append(w)
+        return w
+
+    def linear(self, base: str, *, native_ok: bool = True) -> Linear:
+        """The matrix ``<base>.weight`` (and ``<base>.bias`` when present).
+
+        Quantized matrices stay quantized when the policy has native kernels for
+        their layout (``native_ok=False`` for expert stacks, which gather).
+        """
         bias_name = f"{base}.bias"
         bias = self._float(self._take(bias_name)) if bias_name in self._raw else None
         quant = self.index.quantization.get(base)
         if quant is None:
             return Linear(self._float(self._take(f"{base}.weight")), bias)
-        if self.policy.unpack:
-            w = self._dequantized(base)
-            self._pending.append(w)
-            return Linear(w, bias)
+        if self.policy.unpack and not (native_ok and self.policy.native and native.supports(quant)):
+            return Linear(self._unpacked(base), bias)
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
         return Linear(
             self._take(f"{base}.weight"),
@@ -264,9 +266,9 @@ class WeightStore:
         if self._experts is not None and self._experts.has(prefix):
             return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
-            self.linear(f"{prefix}.{gate}"),
-            self.linear(f"{prefix}.{up}"),
-            self.linear(f"{prefix}.{down}"),
+            self.linear(f"{prefix}.{gate}", native_ok=False),
+            self.linear(f"{prefix}.{up}", native_ok=False),
+            self.linear(f"{prefix}.{down}", native_ok=False),
         )
 
     def materialize(self) -> None:
