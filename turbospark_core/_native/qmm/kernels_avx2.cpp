@@ -73,8 +73,48 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
   for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n] = hsum(acc[t]) + bsum[t];
 }
 
+// 4-bit, one activation row: each byte holds values 2t (low nibble) and 2t+1
+// (high nibble), so x is split into even/odd halves per 16 values once, and
+// the weights need one widening load, a mask and a shift per 16 values.
+void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K / 2;
+  std::vector<float> xp(q.K), xsum(groups);
+  for (int64_t j = 0; j < q.K; j += 16) {
+    for (int i = 0; i < 8; i++) {
+      xp[j + i] = x[j + 2 * i];
+      xp[j + 8 + i] = x[j + 2 * i + 1];
+    }
+  }
+  for (int64_t g = 0; g < groups; g++) {
+    float t = 0.0f;
+    for (int j = 0; j < q.group; j++) t += x[g * q.group + j];
+    xsum[g] = t;
+  }
+  const __m256i low = _mm256_set1_epi32(0xf);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    float bsum = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t k0 = g * q.group;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int j = 0; j < q.group; j += 16) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k0 + j) / 2)));
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_loadu_ps(xp.data() + k0 + j), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xp.data() + k0 + j + 8), a1);
+      }
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g)), acc);
+      bsum += scale_at(q.biases, q.scale_type, n * groups + g) * xsum[g];
+    }
+    y[n] = hsum(acc) + bsum;
+  }
+}
+
 template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 4) {
+    if (M == 1 && q.group % 16 == 0) return gemv4(q, x, y, n0, n1);
+  }
   const int64_t groups = q.K / q.group;
   std::vector<float> xsum(M * groups);
   for (int64_t m = 0; m < M; m++) {
