@@ -72,7 +72,8 @@ Runtime& runtime() {
 // Weight rows per chunk: enough work per chunk to pay for the hand-off.
 int64_t chunk_rows(int64_t N, int64_t K, int64_t M, int threads) {
   const int64_t work_per_row = K * std::max<int64_t>(M, 1);
-  const int64_t min_rows = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(work_per_row, 1));
+  // ~128k multiply-adds per chunk: a hand-off costs a wake-up (microseconds), not more
+  const int64_t min_rows = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(work_per_row, 1));
   const int64_t balanced = (N + threads * 4 - 1) / (threads * 4);
   return std::max(min_rows, balanced);
 }
@@ -169,6 +170,12 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
+// The kernels read dense row-major buffers; weights usually are already (no graph node then).
+mx::array row_major(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits) {
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
@@ -188,11 +195,11 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
   check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
-  auto x = mx::contiguous(mx::astype(x_in, mx::float32, s), false, s);
+  auto x = row_major(mx::astype(x_in, mx::float32, s), s);
   auto out_shape = x.shape();
   out_shape.back() = (int)N;
   auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
-                     {x, mx::contiguous(w, false, s), mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)});
+                     {x, row_major(w, s), row_major(scales, s), row_major(biases, s)});
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
