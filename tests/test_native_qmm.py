@@ -57,10 +57,21 @@ def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
 
 
 @needs_native
-def test_large_m_goes_through_panels() -> None:
-    # more rows than the small-M kernel takes, and more weight rows than one panel
+@pytest.mark.parametrize("panel_rows", [None, 17])
+def test_large_m_row_kernel_and_panels(panel_rows: int | None) -> None:
+    from turbospark_core._native import _qmm
+
+    # more activation rows than one tile, more weight rows than one sgemm panel
     x, w, s, b = _case(1000, 512, 33, 4, 64, mx.float16)
-    _close(native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=64)), _reference(x, w, s, b, 64, 4))
+    before = _qmm.gemm_min_rows()
+    if panel_rows is not None:
+        if not _qmm.has_blas():
+            pytest.skip("no BLAS bound for the panel path")
+        _qmm.set_gemm_min_rows(panel_rows)
+    try:
+        _close(native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=64)), _reference(x, w, s, b, 64, 4))
+    finally:
+        _qmm.set_gemm_min_rows(before)
 
 
 @needs_native

@@ -32,8 +32,9 @@ def _load() -> tuple[ModuleType | None, str]:
             f"native kernels built for mlx {_qmm.mlx_version()} but mlx {mx.__version__} is installed; "
             f"reinstall turbospark to rebuild them"
         )
-    gemm = "panels through OpenBLAS for long prompts" if _bind_blas(_qmm) else "no BLAS for long prompts"
-    return _qmm, f"native {_qmm.kernel()} kernels, {_qmm.threads()} threads, {gemm}"
+    panels = _bind_blas(_qmm) and _qmm.gemm_min_rows() < 2**62
+    gemm = f", OpenBLAS panels from {_qmm.gemm_min_rows()} rows" if panels else ""
+    return _qmm, f"native {_qmm.kernel()} kernels, {_qmm.threads()} threads{gemm}"
 
 
 def _bind_blas(module: ModuleType) -> bool:
