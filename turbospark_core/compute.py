@@ -40,15 +40,15 @@ class ComputePolicy:
                 unpack=True,
                 compute_dtype=mx.float32,
                 native=native.available(),
-                reason=f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget; {kernels}",
+                reason=f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget",
             )
         return cls(
             unpack=False,
             compute_dtype=mx.float32,
             native=native.available(),
             reason=(
-                f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed the budget; "
-                f"keeping stored form ({stored_bytes / 1e9:.2f} GB); {kernels}"
+                f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed "
+                f"the budget, keeping stored form ({stored_bytes / 1e9:.2f} GB)"
             ),
         )
 
@@ -56,4 +56,4 @@ class ComputePolicy:
 def _native_note() -> str:
     if native.available():
         return f"quantized matrices stay quantized ({native.STATUS})"
-    return f"quantized matrices unpacked ({native.STATUS})"
+    return f"quantized matrices unpacked: {native.STATUS}"

@@ -101,11 +101,9 @@ void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
   std::vector<float> scratch((size_t)std::min(panel, q.N) * q.K);
   for (int64_t p0 = 0; p0 < q.N; p0 += panel) {
     const int64_t rows = std::min(panel, q.N - p0);
-    const int64_t step = std::max<int64_t>(1, (rows + rt.pool->threads() * 2 - 1) / (rt.pool->threads() * 2));
-    rt.pool->run((rows + step - 1) / step, [&](int64_t c) {
-      const int64_t n0 = p0 + c * step, n1 = std::min(p0 + rows, n0 + step);
-      rt.dequant(q, scratch.data() + (n0 - p0) * q.K, n0, n1);
-    });
+    // on this thread only: OpenBLAS's own threads are still waking from the previous
+    // panel, and two pools on the same cores slow each other down
+    rt.dequant(q, scratch.data(), p0, p0 + rows);
     // row-major (101), no-trans A (111), trans B (112)
     rt.sgemm(101, 111, 112, (int)M, (int)rows, (int)q.K, 1.0f, x, (int)q.K, scratch.data(), (int)q.K, 0.0f, y + p0,
              (int)q.N);
