@@ -57,6 +57,21 @@ def _set_threads(openblas: Path) -> None:
         setter(_threads())
 
 
+def use_one_thread() -> bool:
+    """Run OpenBLAS on one thread per call (the native kernels' pool spreads work instead).
+
+    Kept as set when ``OPENBLAS_NUM_THREADS`` is given. Returns whether it now runs one thread.
+    """
+    openblas = openblas_path()
+    if openblas is None or "OPENBLAS_NUM_THREADS" in os.environ:
+        return False
+    setter = getattr(ctypes.CDLL(str(openblas), mode=ctypes.RTLD_LOCAL), "scipy_openblas_set_num_threads", None)
+    if setter is None:
+        return False
+    setter(1)
+    return True
+
+
 def activate() -> str:
     """Load the shim (once). Returns and records a one-line status."""
     global STATUS

@@ -33,7 +33,7 @@ def _load() -> tuple[ModuleType | None, str]:
             f"reinstall turbospark to rebuild them"
         )
     panels = _bind_blas(_qmm) and _qmm.gemm_min_rows() < 2**62
-    gemm = f", OpenBLAS panels from {_qmm.gemm_min_rows()} rows" if panels else ""
+    gemm = f", dequantized panels through OpenBLAS from {_qmm.gemm_min_rows()} rows" if panels else ""
     return _qmm, f"native {_qmm.kernel()} kernels, {_qmm.threads()} threads{gemm}"
 
 
@@ -41,7 +41,10 @@ def _bind_blas(module: ModuleType) -> bool:
     from turbospark_core import blas
 
     path = blas.openblas_path()
-    return path is not None and bool(module.bind_blas(str(path), "scipy_"))
+    if path is None or not module.bind_blas(str(path), "scipy_"):
+        return False
+    blas.use_one_thread()  # panels run one per pool thread; no BLAS threads spinning beside them
+    return True
 
 
 _MODULE, STATUS = _load()

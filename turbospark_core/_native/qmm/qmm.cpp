@@ -35,10 +35,9 @@ struct Runtime {
   DequantFn dequant = dequant_scalar;
   std::string kernel = "scalar";
   sgemm_fn sgemm = nullptr;
-  // M at or above which panels go through sgemm. Off by default: the row kernel
-  // (8 activation rows per weight pass) measured faster here, and much faster
-  // beside a busy neighbour, where OpenBLAS's waiting threads lose their cores.
-  int64_t gemm_min_rows = INT64_MAX;
+  // M at or above which panels go through sgemm (single-threaded OpenBLAS per
+  // panel measured 3-4x the row kernel's throughput at M = 64..256 here).
+  int64_t gemm_min_rows = 17;
   std::unique_ptr<Pool> pool;
 };
 
@@ -94,20 +93,23 @@ void run_rows(const QMat& q, const float* x, int64_t M, float* y) {
   });
 }
 
-// Large M: dequantize panels of weight rows into a small scratch, then sgemm.
+// Large M: each chunk dequantizes a panel of weight rows into its own small
+// scratch and multiplies it with sgemm. OpenBLAS runs single-threaded here
+// (turbospark_core.native sets it so): this pool spreads the panels, and no
+// BLAS thread spins waiting for work on a shared core.
 void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
   Runtime& rt = runtime();
-  const int64_t panel = std::max<int64_t>(16, ((int64_t)1 << 18) / q.K) / 16 * 16;  // ~1 MiB of floats
-  std::vector<float> scratch((size_t)std::min(panel, q.N) * q.K);
-  for (int64_t p0 = 0; p0 < q.N; p0 += panel) {
-    const int64_t rows = std::min(panel, q.N - p0);
-    // on this thread only: OpenBLAS's own threads are still waking from the previous
-    // panel, and two pools on the same cores slow each other down
+  const int64_t cap = std::max<int64_t>(16, ((int64_t)1 << 18) / q.K);  // ~1 MiB of floats
+  const int64_t even = (q.N + rt.pool->threads() * 2 - 1) / (rt.pool->threads() * 2);
+  const int64_t panel = std::max<int64_t>(16, (std::min(cap, even) + 15) / 16 * 16);
+  rt.pool->run((q.N + panel - 1) / panel, [&](int64_t c) {
+    const int64_t p0 = c * panel, rows = std::min(panel, q.N - p0);
+    std::vector<float> scratch((size_t)rows * q.K);
     rt.dequant(q, scratch.data(), p0, p0 + rows);
     // row-major (101), no-trans A (111), trans B (112)
     rt.sgemm(101, 111, 112, (int)M, (int)rows, (int)q.K, 1.0f, x, (int)q.K, scratch.data(), (int)q.K, 0.0f, y + p0,
              (int)q.N);
-  }
+  });
 }
 
 void compute(const QMat& q, const float* x, int64_t M, float* y) {
