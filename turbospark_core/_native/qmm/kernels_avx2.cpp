@@ -20,9 +20,10 @@ inline float scale_at(const void* p, int type, int64_t i) {
   return f;
 }
 
-// Eight consecutive values starting at p (BITS bytes hold exactly eight).
+// Eight consecutive values starting at p (BITS bytes hold exactly eight); end
+// is the end of the weight buffer (an 8-byte load must not pass it).
 template <int BITS>
-inline __m256 unpack8(const uint8_t* p) {
+inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
   __m256i v;
   if constexpr (BITS == 8) {
     v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -33,7 +34,11 @@ inline __m256 unpack8(const uint8_t* p) {
                          _mm256_set1_epi32(0xf));
   } else {
     uint64_t w = 0;
-    std::memcpy(&w, p, BITS);
+    if (p + 8 <= end) {
+      std::memcpy(&w, p, 8);  // one load; the bits past these 8 values are shifted out
+    } else {
+      std::memcpy(&w, p, BITS);
+    }
     const uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> (4 * BITS));
     const __m256i both = _mm256_set_m128i(_mm_set1_epi32((int)hi), _mm_set1_epi32((int)lo));
     const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 0, BITS, 2 * BITS, 3 * BITS);
@@ -54,6 +59,7 @@ template <int BITS, int MT>
 void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
   const uint8_t* row = q.w + n * row_bytes;
+  const uint8_t* end = q.w + q.N * row_bytes;
   __m256 acc[MT];
   float bsum[MT];
   for (int t = 0; t < MT; t++) {
@@ -65,7 +71,7 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
     const float b = scale_at(q.biases, q.scale_type, n * groups + g);
     const int64_t k0 = g * q.group;
     for (int j = 0; j < q.group; j += 8) {
-      const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8), s);
+      const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
       for (int t = 0; t < MT; t++) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + t) * q.K + k0 + j), acc[t]);
     }
     for (int t = 0; t < MT; t++) bsum[t] += b * xsum[(m0 + t) * groups + g];
@@ -143,6 +149,7 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
 template <int BITS>
 void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
   const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  const uint8_t* end = q.w + q.N * row_bytes;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = q.w + n * row_bytes;
     float* out = dst + (n - n0) * q.K;
@@ -151,7 +158,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
       const __m256 b = _mm256_set1_ps(scale_at(q.biases, q.scale_type, n * groups + g));
       const int64_t k0 = g * q.group;
       for (int j = 0; j < q.group; j += 8)
-        _mm256_storeu_ps(out + k0 + j, _mm256_fmadd_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8), s, b));
+        _mm256_storeu_ps(out + k0 + j, _mm256_fmadd_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s, b));
     }
   }
 }
