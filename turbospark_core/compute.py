@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
+from turbospark_core import native
+
 
 @attrs.frozen(kw_only=True)
 class ComputePolicy:
@@ -16,11 +18,14 @@ class ComputePolicy:
             quantized/half kernels are slow and ``gather_mm`` is float32-only).
         compute_dtype: Activation dtype (and weight dtype when unpacking).
         reason: One line saying why, for ``turbospark inspect``.
+        native: Quantized matrices whose layout the native kernels support stay
+            quantized and multiply through them (see :mod:`turbospark_core.native`).
     """
 
     unpack: bool
     compute_dtype: mx.Dtype = attrs.field(eq=False)
     reason: str
+    native: bool = False
 
     @classmethod
     def choose(cls, *, unpacked_bytes: int, stored_bytes: int, budget: int) -> ComputePolicy:
@@ -29,17 +34,26 @@ class ComputePolicy:
         if not on_cpu:
             # bf16 activations: float16 overflows in some families (Gemma)
             return cls(unpack=False, compute_dtype=mx.bfloat16, reason="gpu: stored weights, quantized kernels")
+        kernels = _native_note()
         if unpacked_bytes <= budget:
             return cls(
                 unpack=True,
                 compute_dtype=mx.float32,
-                reason=f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget",
+                native=native.available(),
+                reason=f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget",
             )
         return cls(
             unpack=False,
             compute_dtype=mx.float32,
+            native=native.available(),
             reason=(
-                f"cpu: float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed the budget; "
-                f"keeping stored form ({stored_bytes / 1e9:.2f} GB)"
+                f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed "
+                f"the budget, keeping stored form ({stored_bytes / 1e9:.2f} GB)"
             ),
         )
+
+
+def _native_note() -> str:
+    if native.available():
+        return f"quantized matrices stay quantized ({native.STATUS})"
+    return f"quantized matrices unpacked: {native.STATUS}"

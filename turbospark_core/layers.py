@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from turbospark_core import native
 from turbospark_core.tensor_index import QuantSpec
 
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -48,16 +49,7 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self.quant is None or self.scales is None:  # __init__ gives every quantized Linear its scales
             return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
-        y = mx.quantized_matmul(
-            x,
-            self.weight,
-            self.scales,
-            self.biases,
-            transpose=True,
-            group_size=self.quant.group_size,
-            bits=self.quant.bits,
-            mode=self.quant.mode,
-        )
+        y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
 
@@ -79,10 +71,13 @@ class Embedding:
         t = self.table
         if t.quant is None or t.scales is None:
             return t.weight[ids]
+        # only the gathered rows are dequantized; affine scales widened first, as at unpacking
+        widen = self.dtype is not None and t.quant.mode == "affine"
+        scales, biases = t.scales[ids], None if t.biases is None else t.biases[ids]
         return mx.dequantize(
             t.weight[ids],
-            t.scales[ids],
-            None if t.biases is None else t.biases[ids],
+            scales.astype(self.dtype) if widen else scales,
+            biases.astype(self.dtype) if widen and biases is not None else biases,
             group_size=t.quant.group_size,
             bits=t.quant.bits,
             mode=t.quant.mode,

@@ -7,6 +7,7 @@ from typing import Protocol, cast
 
 import mlx.core as mx
 
+from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
@@ -78,7 +79,7 @@ class WeightStore:
     def tensor(self, name: str) -> mx.array:
         """A float tensor (norm weights, biases, router matrices)."""
         if name in self.index.quantization:
-            return self.linear(name).weight if self.policy.unpack else self._dequantized(name)
+            return self._unpacked(name) if self.policy.unpack else self._dequantized(name)
         return self._float(self._take(name))
 
     def optional(self, name: str) -> mx.array | None:
@@ -101,17 +102,24 @@ class WeightStore:
         )
         return w.astype(dtype)
 
-    def linear(self, base: str) -> Linear:
-        """The matrix ``<base>.weight`` (and ``<base>.bias`` when present)."""
+    def _unpacked(self, base: str) -> mx.array:
+        w = self._dequantized(base)
+        self._pending.append(w)
+        return w
+
+    def linear(self, base: str, *, native_ok: bool = True) -> Linear:
+        """The matrix ``<base>.weight`` (and ``<base>.bias`` when present).
+
+        Quantized matrices stay quantized when the policy has native kernels for
+        their layout (``native_ok=False`` for expert stacks, which gather).
+        """
         bias_name = f"{base}.bias"
         bias = self._float(self._take(bias_name)) if bias_name in self._raw else None
         quant = self.index.quantization.get(base)
         if quant is None:
             return Linear(self._float(self._take(f"{base}.weight")), bias)
-        if self.policy.unpack:
-            w = self._dequantized(base)
-            self._pending.append(w)
-            return Linear(w, bias)
+        if self.policy.unpack and not (native_ok and self.policy.native and native.supports(quant)):
+            return Linear(self._unpacked(base), bias)
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
         return Linear(
             self._take(f"{base}.weight"),
@@ -134,9 +142,9 @@ class WeightStore:
         if self._experts is not None and self._experts.has(prefix):
             return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
-            self.linear(f"{prefix}.{gate}"),
-            self.linear(f"{prefix}.{up}"),
-            self.linear(f"{prefix}.{down}"),
+            self.linear(f"{prefix}.{gate}", native_ok=False),
+            self.linear(f"{prefix}.{up}", native_ok=False),
+            self.linear(f"{prefix}.{down}", native_ok=False),
         )
 
     def materialize(self) -> None:

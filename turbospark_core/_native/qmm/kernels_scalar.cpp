@@ -1,0 +1,83 @@
+// Portable kernels: any CPU, any bits in {2,3,4,5,6,8}.
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tsq {
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float load_scale(const void* p, int type, int64_t i) {
+  if (type == kF32) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (type == kF16) return half_to_float(h);
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint32_t value_at(const uint8_t* row, int64_t i, int bits) {
+  int64_t bit = i * bits;
+  uint32_t word = 0;
+  int64_t byte = bit >> 3;
+  int nbytes = ((bit & 7) + bits + 7) >> 3;
+  for (int b = 0; b < nbytes; b++) word |= (uint32_t)row[byte + b] << (8 * b);
+  return (word >> (bit & 7)) & ((1u << bits) - 1);
+}
+
+void dequant_scalar(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = q.K * q.bits / 8, groups = q.K / q.group;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    float* out = dst + (n - n0) * q.K;
+    for (int64_t g = 0; g < groups; g++) {
+      float s = load_scale(q.scales, q.scale_type, n * groups + g);
+      float b = load_scale(q.biases, q.scale_type, n * groups + g);
+      for (int j = 0; j < q.group; j++) {
+        int64_t i = g * q.group + j;
+        out[i] = (float)value_at(row, i, q.bits) * s + b;
+      }
+    }
+  }
+}
+
+void rows_scalar(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  std::vector<float> w(q.K);
+  for (int64_t n = n0; n < n1; n++) {
+    dequant_scalar(q, w.data(), n, n + 1);
+    for (int64_t m = 0; m < M; m++) {
+      const float* xm = x + m * q.K;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < q.K; k++) acc += w[k] * xm[k];
+      y[m * ldy + n] = acc;
+    }
+  }
+}
+
+}  // namespace tsq
