@@ -46,13 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  (first: its BLAS shim binds before mlx loads, as in normal use)
+import turbospark_core  # noqa: F401  (first: its BLAS shim binds before mlx loads, as in normal use)  # isort: skip
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
-from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
+import compare_mlx_lm as base  # (shared child-process runners and report)
+from common import arguments, parse, workdir, write_word_tokenizer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -48,8 +48,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -278,10 +279,10 @@ def held_bytes_per_token(total: int, embed_bytes: int, tied: bool) -> int:
 
 def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
     """Open the install (timed), warm up, run once; turbospark's own Generation.stats."""
-    import turbospark_core  # first: its BLAS shim binds before mlx loads
-    from turbospark_core import blas
-
+    import turbospark_core  # first: its BLAS shim binds before mlx loads  # isort: skip
     import mlx.core as mx
+
+    from turbospark_core import blas
 
     release()
     t0 = time.perf_counter()
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(args: argparse.Namespace, models: list[str], work: Path) -> int:
-    import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)
+    import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)  # isort: skip
 
     import mlx.core as mx
 

@@ -10,7 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
-import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
 

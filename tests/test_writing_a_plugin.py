@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+import tomllib
 
 from turbospark_core import plugins
 from turbospark_core.testing import TinyRandomConformance

@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from turbospark_core import blas
 from turbospark_core.errors import TurbosparkError
@@ -168,7 +169,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     folded = "folded" if m.hadamard is not None else "not folded"
     print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
-    print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
+    print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
     if opened.experts is not None:
@@ -185,7 +186,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         base, _, leaf = name.rpartition(".")
         q = opened.index.quantization.get(base)
         storage = f"{q.mode} {q.bits}b g{q.group_size}" if q and leaf == "weight" else info.dtype
-        print(f"{name:<52} {storage:<22} {str(list(info.shape)):<20} {info.nbytes:>10}")
+        print(f"{name:<52} {storage:<22} {list(info.shape)!s:<20} {info.nbytes:>10}")
     print("\nstartup (ms) " + ", ".join(f"{k}={v:.1f}" for k, v in runner.startup_stats.as_dict().items()))
     if args.verify:
         bad = verify_checksums(m)

@@ -51,9 +51,9 @@ from turbospark_core.convert.conventions import (
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.weights import WeightStore
 
 __all__ = [

@@ -9,12 +9,13 @@ import gguf
 import numpy as np
 import pytest
 from tiny_gemma3 import SPECIALS, TINY_CONFIG, random_weights, tokenizer_json
-from turbospark_gemma3 import convert as gconvert
 
 import turbospark_core
 from turbospark_core import cli
 from turbospark_core.convert import convert
 from turbospark_core.errors import ConversionError
+
+from turbospark_gemma3 import convert as gconvert
 
 
 # ------------------------------------------------------------------ Hugging Face configs

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_gemma4 import convert
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from turbospark_core.convert.records import AffineQuantized
 from turbospark_core.errors import ConversionError
+
 from turbospark_gptoss import convert
 
 

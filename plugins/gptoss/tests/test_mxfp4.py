@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core.experts import held
 from turbospark_core.convert import convert, mxfp4
-from turbospark_core.manifest import load_manifest
 from turbospark_core.errors import ConversionError
+from turbospark_core.experts import held
+from turbospark_core.manifest import load_manifest
 from turbospark_core.testing import relative_error
 
 # transformers/integrations/mxfp4.py FP4_VALUES (e2m1 codes 0..15), reimplemented in numpy

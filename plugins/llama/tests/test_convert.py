@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_llama import convert
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from turbospark_core.convert import convert as convert_checkpoint
 from turbospark_core.errors import ConversionError
+
 from turbospark_qwen import convert
 
 

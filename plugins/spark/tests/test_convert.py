@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_spark import convert
 
 

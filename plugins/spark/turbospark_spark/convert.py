@@ -5,7 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.family import ConversionError, TensorTarget, drop_pattern, is_tied_head, rope_scaling, tied_embeddings
+from turbospark_core.family import (
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    tied_embeddings,
+)
 
 from turbospark_spark.family import FULL, SLIDING, Args
 
