@@ -54,7 +54,7 @@ def hf_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _tensors(args: argparse.Namespace, mx: Any) -> dict[str, Any]:
     """Lazy random bf16 tensors under install names (experts stacked ``[E, out, in]``)."""
-    D, I, E, V = args.hidden, args.moe_intermediate, args.experts, args.vocab
+    D, F, E, V = args.hidden, args.moe_intermediate, args.experts, args.vocab
     key = iter(mx.random.split(mx.random.key(0), 64 * args.layers + 8))
 
     def rand(*shape: int, scale: float = 0.02) -> Any:
@@ -73,9 +73,9 @@ def _tensors(args: argparse.Namespace, mx: Any) -> dict[str, Any]:
             f"{p}.self_attn.q_norm.weight": 1 + rand(128),
             f"{p}.self_attn.k_norm.weight": 1 + rand(128),
             f"{p}.mlp.gate.weight": rand(E, D, scale=1.0),
-            f"{p}.mlp.experts.gate_proj.weight": rand(E, I, D),
-            f"{p}.mlp.experts.up_proj.weight": rand(E, I, D),
-            f"{p}.mlp.experts.down_proj.weight": rand(E, D, I),
+            f"{p}.mlp.experts.gate_proj.weight": rand(E, F, D),
+            f"{p}.mlp.experts.up_proj.weight": rand(E, F, D),
+            f"{p}.mlp.experts.down_proj.weight": rand(E, D, F),
         })
     return out
 

@@ -296,11 +296,11 @@ def _cache_maker(
 
 def _plan_memory(
     index: TensorIndex,
-    expert_layout: moe.ExpertLayout | None,
+    expert_layout: ExpertLayout | None,
     layout: tuple[CacheSpec | StateSpec, ...],
     opts: OpenOptions,
     max_context: int,
-) -> tuple[ComputePolicy, moe.ExpertPlan | None, MemoryEstimate]:
+) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
     """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
     itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))

@@ -96,7 +96,7 @@ def test_storage_with_no_kernel_is_refused_naming_the_tensor(moe_copy: Path, tam
 
 def test_overlapping_layers_and_top_k_are_checked(moe_copy: Path, tamper) -> None:
     tamper.edit(moe_copy, lambda raw: raw["experts"]["layers"]["model.layers.1.mlp.experts"].__setitem__("offset", 0))
-    with pytest.raises(InstallError, match="overlap in experts.bin"):
+    with pytest.raises(InstallError, match=r"overlap in experts\.bin"):
         turbospark_core.open(moe_copy)
     tamper.edit(moe_copy, lambda raw: raw["experts"]["layers"]["model.layers.1.mlp.experts"].__setitem__("offset", 196608))
     tamper.edit(moe_copy, lambda raw: raw["experts"].__setitem__("top_k", 9))
@@ -106,12 +106,12 @@ def test_overlapping_layers_and_top_k_are_checked(moe_copy: Path, tamper) -> Non
 
 def test_section_and_file_come_together(moe_copy: Path, tamper) -> None:
     tamper.edit(moe_copy, lambda raw: raw["files"].pop(EXPERTS))
-    with pytest.raises(ManifestError, match="'experts' section but no 'experts.bin'"):
+    with pytest.raises(ManifestError, match=r"'experts' section but no 'experts\.bin'"):
         turbospark_core.open(moe_copy)
 
 
 def test_truncated_experts_bin_is_refused(moe_copy: Path) -> None:
     with (moe_copy / EXPERTS).open("r+b") as f:
         f.truncate(4096)
-    with pytest.raises(InstallError, match="experts.bin"):
+    with pytest.raises(InstallError, match=r"experts\.bin"):
         turbospark_core.open(moe_copy)

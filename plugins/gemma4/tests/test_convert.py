@@ -103,7 +103,7 @@ def test_fused_expert_gate_up_is_split() -> None:
 
 
 def test_bad_fused_expert_tensor_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="layers.0.experts.gate_up_proj"):
+    with pytest.raises(ConversionError, match=r"layers\.0\.experts\.gate_up_proj"):
         convert.hf_transform({}, "model.language_model.layers.0.experts.gate_up_proj", mx.zeros((2, 5, 3)))
 
 

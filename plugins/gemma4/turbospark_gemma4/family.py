@@ -329,7 +329,7 @@ class Model:
         # K/V (and mask) of the layers that KV-shared layers read, from this same pass:
         # a ring may already have dropped rows an earlier query of a long chunk needs
         stored: dict[int, tuple] = {}
-        for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources)):
+        for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources, strict=True)):
             c = cache[i] if cache and src == i else None
             pl = None if per_layer is None else per_layer[:, :, i, :]
             h, kv = block(h, c, offset, stored.get(src) if src != i else None, pl)

@@ -82,7 +82,7 @@ def test_gguf_names_and_rotary_unpermute() -> None:
 def test_gguf_refusals_name_the_tensor() -> None:
     with pytest.raises(ConversionError, match="rope_freqs"):
         convert.gguf_target({}, "rope_freqs.weight")
-    with pytest.raises(ConversionError, match="blk.0.ssm_conv1d.weight"):
+    with pytest.raises(ConversionError, match=r"blk\.0\.ssm_conv1d\.weight"):
         convert.gguf_target({}, "blk.0.ssm_conv1d.weight")
 
 

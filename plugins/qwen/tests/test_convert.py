@@ -103,7 +103,7 @@ def test_fused_experts_split_into_the_expert_bank() -> None:
 
 
 def test_fused_experts_of_the_wrong_shape_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="layers.0.mlp.experts.gate_up_proj"):
+    with pytest.raises(ConversionError, match=r"layers\.0\.mlp\.experts\.gate_up_proj"):
         convert.hf_transform(ARCH, "model.language_model.layers.0.mlp.experts.gate_up_proj", mx.zeros((8, 60, 64)))
 
 

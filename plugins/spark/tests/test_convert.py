@@ -103,7 +103,7 @@ def test_head_gate_keeps_source_precision() -> None:
 
 
 def test_unknown_tensor_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="model.layers.0.self_attn.q_norm.weight"):
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight"):
         convert.hf_target({"model_type": "spark2_5"}, "model.layers.0.self_attn.q_norm.weight")
 
 
