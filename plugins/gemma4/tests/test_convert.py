@@ -66,7 +66,10 @@ E_ARCH = {"num_hidden_layers": 5, "num_kv_shared_layers": 2, "tie_word_embedding
         ("model.language_model.embed_tokens_per_layer.weight", "model.embed_tokens_per_layer.weight"),
         ("language_model.model.layers.2.router.proj.scales", "model.layers.2.router.proj.scales"),
         ("model.language_model.layers.0.experts.down_proj", "model.layers.0.experts.down_proj.weight"),
-        ("language_model.model.layers.1.experts.switch_glu.gate_proj.biases", "model.layers.1.experts.gate_proj.biases"),
+        (
+            "language_model.model.layers.1.experts.switch_glu.gate_proj.biases",
+            "model.layers.1.experts.gate_proj.biases",
+        ),
         ("model.layers.0.layer_scalar", "model.layers.0.layer_scalar"),
     ],
 )

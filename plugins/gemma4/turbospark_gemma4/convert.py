@@ -85,7 +85,10 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """
     cfg = {**_DEFAULTS, **text_config(hf_config)}
     if cfg.get("use_bidirectional_attention") == "all":
-        msg = "use_bidirectional_attention='all' (a non-causal encoder) is not supported; turbospark serves causal decoders"
+        msg = (
+            "use_bidirectional_attention='all' (a non-causal encoder) is not supported; "
+            "turbospark serves causal decoders"
+        )
         raise ConversionError(msg)
     layers = cfg["num_hidden_layers"]
     return {

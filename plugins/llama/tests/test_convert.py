@@ -59,7 +59,9 @@ def test_hf_names(name: str, expected: str, expert: int | None) -> None:
     assert (target.name, target.expert) == (expected, expert)
 
 
-@pytest.mark.parametrize("name", ["model.visual.blocks.0.attn.qkv.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"])
+@pytest.mark.parametrize(
+    "name", ["model.visual.blocks.0.attn.qkv.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+)
 def test_hf_drops_vision_and_buffers(name: str) -> None:
     assert convert.hf_target({"model_type": "qwen3_vl"}, name).name is None
 

@@ -82,7 +82,9 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 _DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
-_STACKED = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(\w+)\.(weight|scales|biases)$")
+_STACKED = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(\w+)\.(weight|scales|biases)$"
+)
 _MINIMAX_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 

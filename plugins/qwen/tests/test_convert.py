@@ -71,7 +71,11 @@ ARCH = {"model_type": "qwen3_5_moe", "hidden_size": 64, "tie_word_embeddings": F
         ("model.language_model.layers.0.linear_attn.dt_bias", "model.layers.0.linear_attn.dt_bias", False),
         ("model.language_model.norm.weight", "model.norm.weight", False),
         ("lm_head.weight", "lm_head.weight", False),
-        ("language_model.model.layers.1.mlp.switch_mlp.up_proj.scales", "model.layers.1.mlp.experts.up_proj.scales", False),
+        (
+            "language_model.model.layers.1.mlp.switch_mlp.up_proj.scales",
+            "model.layers.1.mlp.experts.up_proj.scales",
+            False,
+        ),
         ("language_model.lm_head.weight", "lm_head.weight", False),
     ],
 )

@@ -144,7 +144,9 @@ def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] |
 def _split_experts(arch: dict[str, Any], name: str, base: str, proj: str, data: Any) -> dict[str, Any]:
     moe = arch.get("moe") or {}
     experts, inter = moe.get("num_experts"), moe.get("moe_intermediate_size")
-    expected = (experts, 2 * inter, arch["hidden_size"]) if proj == "gate_up_proj" else (experts, arch["hidden_size"], inter)
+    expected = (
+        (experts, 2 * inter, arch["hidden_size"]) if proj == "gate_up_proj" else (experts, arch["hidden_size"], inter)
+    )
     if tuple(data.shape) != expected:
         msg = f"fused expert tensor {name!r} has shape {tuple(data.shape)}, expected {expected} from the config"
         raise ConversionError(msg)
