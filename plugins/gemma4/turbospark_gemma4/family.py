@@ -178,8 +178,6 @@ def gelu_tanh(x: mx.array) -> mx.array:
     return out
 
 
-
-
 # A layer's keys, values and mask, as KV-shared layers read them
 SharedKV = tuple[mx.array, mx.array, mx.array | str | None]
 
