@@ -10,8 +10,8 @@ import argparse
 import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 WARMUP_PROMPT = 16
 SPECIALS = ("<unk>", "<s>", "</s>")

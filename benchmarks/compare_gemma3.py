@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (the sibling benchmark's measurement helpers)
-from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
+import compare_mlx_lm as base  # (the sibling benchmark's measurement helpers)
+from common import arguments, parse, workdir, write_word_tokenizer
 
 SIZES: dict[str, dict[str, Any]] = {
     "270m": {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,

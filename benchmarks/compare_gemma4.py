@@ -46,13 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  (first: its BLAS shim binds before mlx loads, as in normal use)
+import turbospark_core  # noqa: F401  (first: its BLAS shim binds before mlx loads, as in normal use)  # isort: skip
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
-from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
+import compare_mlx_lm as base  # (shared child-process runners and report)
+from common import arguments, parse, workdir, write_word_tokenizer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -191,7 +191,9 @@ def random_gemma4_checkpoint(dst: Path, text_config: dict[str, Any], seed: int =
     dst.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     tensors = {
-        name: mx.ones(shape, dtype=mx.bfloat16) if len(shape) == 1 else (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
+        name: mx.ones(shape, dtype=mx.bfloat16)
+        if len(shape) == 1
+        else (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
         for name, shape in shapes.items()
     }
     mx.eval(tensors)

@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_mlx_lm import (  # noqa: E402 - the sibling benchmark's measurement helpers
+from common import arguments, parse, workdir, write_word_tokenizer
+from compare_mlx_lm import (  # the sibling benchmark's measurement helpers
     agreement,
     bench_mlx_lm,
     bench_turbospark,
@@ -55,7 +55,6 @@ from compare_mlx_lm import (  # noqa: E402 - the sibling benchmark's measurement
     random_prompt_ids,
     report,
 )
-from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
 
 VOCAB = 32000
 
@@ -122,7 +121,12 @@ def random_weights(c: dict[str, Any]) -> dict[str, mx.array]:
             f"{p}.mlp.experts.down_proj": _normal((n_exp, inter, h)),
             f"{p}.mlp.experts.down_proj_bias": _normal((n_exp, h)),
         }
-        for proj, (out, inp) in {"q_proj": (q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out)}.items():
+        for proj, (out, inp) in {
+            "q_proj": (q_out, h),
+            "k_proj": (kv_out, h),
+            "v_proj": (kv_out, h),
+            "o_proj": (h, q_out),
+        }.items():
             w[f"{p}.self_attn.{proj}.weight"] = _normal((out, inp))
             w[f"{p}.self_attn.{proj}.bias"] = _normal((out,))
     return w

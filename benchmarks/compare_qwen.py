@@ -36,14 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
-from common import arguments, parse, workdir, write_word_tokenizer  # noqa: E402
-
+import compare_mlx_lm as base  # (shared child-process runners and report)
+from common import arguments, parse, workdir, write_word_tokenizer
 
 _COMMON: dict[str, Any] = {
     "model_type": "qwen3_5_text",
@@ -216,7 +215,9 @@ def float32_check(install: Path, model_dir: Path, ids: list[int]) -> str:
     base.release()
     rel = float(np.abs(ts - ml).max() / np.abs(ml).max())
     agree = float((ts.argmax(-1) == ml.argmax(-1)).mean())
-    return f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
+    return (
+        f"float32 check: prompt logits max rel diff {rel:.1e}, argmax agreement {agree:.1%} over {len(ids)} positions"
+    )
 
 
 # ---------------------------------------------------------------- recurrence alone

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # noqa: F401  first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared child-process runners and report)
-from common import SPECIALS, arguments, parse, workdir, write_word_tokenizer  # noqa: E402
+import compare_mlx_lm as base  # (shared child-process runners and report)
+from common import SPECIALS, arguments, parse, workdir, write_word_tokenizer
 
 _COMMON: dict[str, Any] = {
     "architectures": ["Spark2_5ForCausalLM"],

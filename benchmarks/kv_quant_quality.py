@@ -10,7 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
-import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
+import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
 
@@ -58,8 +58,13 @@ def main() -> None:
         agree = float((logits.argmax(-1) == reference.argmax(-1)).mean())
         kv_mb = runner.opened.estimate.kv / 1e6
         rows.append((str(kv_quant), ppl, err, agree, kv_mb))
-    print(f"SmolLM2-135M, {len(ids)} tokens of English ({args.prefill} prefilled, the rest decoded through the KV cache)")
-    print(f"{'kv_quant':<9} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} {'KV MB at max_context':>21}")
+    print(
+        f"SmolLM2-135M, {len(ids)} tokens of English ({args.prefill} prefilled, the rest decoded through the KV cache)"
+    )
+    print(
+        f"{'kv_quant':<9} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} "
+        f"{'KV MB at max_context':>21}"
+    )
     for name, ppl, err, agree, kv_mb in rows:
         print(f"{name:<9} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
 

@@ -54,7 +54,7 @@ def hf_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _tensors(args: argparse.Namespace, mx: Any) -> dict[str, Any]:
     """Lazy random bf16 tensors under install names (experts stacked ``[E, out, in]``)."""
-    D, I, E, V = args.hidden, args.moe_intermediate, args.experts, args.vocab
+    D, F, E, V = args.hidden, args.moe_intermediate, args.experts, args.vocab
     key = iter(mx.random.split(mx.random.key(0), 64 * args.layers + 8))
 
     def rand(*shape: int, scale: float = 0.02) -> Any:
@@ -73,9 +73,9 @@ def _tensors(args: argparse.Namespace, mx: Any) -> dict[str, Any]:
             f"{p}.self_attn.q_norm.weight": 1 + rand(128),
             f"{p}.self_attn.k_norm.weight": 1 + rand(128),
             f"{p}.mlp.gate.weight": rand(E, D, scale=1.0),
-            f"{p}.mlp.experts.gate_proj.weight": rand(E, I, D),
-            f"{p}.mlp.experts.up_proj.weight": rand(E, I, D),
-            f"{p}.mlp.experts.down_proj.weight": rand(E, D, I),
+            f"{p}.mlp.experts.gate_proj.weight": rand(E, F, D),
+            f"{p}.mlp.experts.up_proj.weight": rand(E, F, D),
+            f"{p}.mlp.experts.down_proj.weight": rand(E, D, F),
         })
     return out
 
@@ -96,8 +96,17 @@ def build(args: argparse.Namespace, dst: Path) -> None:
     del tensors  # the pack holds the expert tensors, evaluated and let go one layer at a time
     dst.mkdir(parents=True)
     t0 = time.perf_counter()
-    write_install(dst, arch=arch, tensors=resident, quantization=quant, text_files=texts, family="llama",
-                  distribution="turbospark-llama", provenance={"source": "benchmarks/moe_streaming.py (random)"}, experts=pack)
+    write_install(
+        dst,
+        arch=arch,
+        tensors=resident,
+        quantization=quant,
+        text_files=texts,
+        family="llama",
+        distribution="turbospark-llama",
+        provenance={"source": "benchmarks/moe_streaming.py (random)"},
+        experts=pack,
+    )
     size = (dst / "experts.bin").stat().st_size
     print(f"built {dst}: experts.bin {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
@@ -201,8 +210,10 @@ def report(rows: list[dict[str, Any]], non_expert_gb: float) -> None:
     for r in rows:
         if "error" not in r:
             bound = r["memory_budget_gb"] + non_expert_gb
-            print(f"{r['name']}: {r['plan']} | {r['policy']} | peak RSS {r['peak_rss_gb']:.2f} GB vs budget + non-expert "
-                  f"weights {bound:.2f} GB | estimate {r['estimate_gb']}")
+            print(
+                f"{r['name']}: {r['plan']} | {r['policy']} | peak RSS {r['peak_rss_gb']:.2f} GB vs budget + non-expert "
+                f"weights {bound:.2f} GB | estimate {r['estimate_gb']}"
+            )
 
 
 def main() -> None:
@@ -234,11 +245,24 @@ def main() -> None:
         common = {"install": str(install), "tokens": args.tokens, "prompt": args.prompt}
         specs = [
             {**common, "name": "streamed (warm cache)", "residency": "streamed", "memory_budget": args.budget},
-            {**common, "name": "streamed (cold cache)", "residency": "streamed", "memory_budget": args.budget, "cold": True},
+            {
+                **common,
+                "name": "streamed (cold cache)",
+                "residency": "streamed",
+                "memory_budget": args.budget,
+                "cold": True,
+            },
         ]
         if args.stored:
-            specs.append({**common, "name": "streamed bf16 slots", "residency": "streamed", "memory_budget": args.budget,
-                          "stored": True})
+            specs.append(
+                {
+                    **common,
+                    "name": "streamed bf16 slots",
+                    "residency": "streamed",
+                    "memory_budget": args.budget,
+                    "stored": True,
+                }
+            )
         if not args.skip_resident:
             specs.append({**common, "name": "resident", "residency": "resident"})
         rows = [measure(s) for s in specs]

@@ -124,8 +124,8 @@ def _bank(
     bs = [_normal((experts, hidden), 14), _normal((experts, hidden), 15), _normal((experts, dim), 16)]
     bs = bs if with_bias else [None] * 3
     if quant is None:
-        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs))), [np.array(w) for w in ws], bs
-    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs)]
+        return ExpertBank(*(Linear(w, b) for w, b in zip(ws, bs, strict=True))), [np.array(w) for w in ws], bs
+    made = [_quantized(w, *quant, bias=b) for w, b in zip(ws, bs, strict=True)]
     return ExpertBank(*(lin for lin, _ in made)), [_np(dense) for _, dense in made], bs
 
 
@@ -145,10 +145,10 @@ def test_expert_bank_glu_equals_a_per_expert_loop(quant: tuple[int, int, str] | 
 
 
 def test_expert_glu_sorted_path_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    E, D, I = 8, 32, 16
-    gate = Linear(mx.random.normal((E, I, D), key=mx.random.key(0)), mx.random.normal((E, I), key=mx.random.key(1)))
-    up = Linear(mx.random.normal((E, I, D), key=mx.random.key(2)))
-    down = Linear(mx.random.normal((E, D, I), key=mx.random.key(3)))
+    E, D, F = 8, 32, 16
+    gate = Linear(mx.random.normal((E, F, D), key=mx.random.key(0)), mx.random.normal((E, F), key=mx.random.key(1)))
+    up = Linear(mx.random.normal((E, F, D), key=mx.random.key(2)))
+    down = Linear(mx.random.normal((E, D, F), key=mx.random.key(3)))
     bank = ExpertBank(gate, up, down)
     x = mx.random.normal((2, 40, D), key=mx.random.key(4))
     idx = mx.random.randint(0, E, (2, 40, 2), key=mx.random.key(5))

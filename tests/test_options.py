@@ -115,5 +115,5 @@ def test_open_takes_exactly_the_open_options_keyword_only_with_their_defaults() 
 
 
 def test_closed_option_sets_match_their_literal_types() -> None:
-    assert options.RESIDENCY == typing.get_args(options.Residency)
-    assert options.KV_QUANT == (None, *typing.get_args(options.KVQuant))
+    assert typing.get_args(options.Residency) == options.RESIDENCY
+    assert (None, *typing.get_args(options.KVQuant)) == options.KV_QUANT

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tomllib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator
+from typing import Any, ClassVar
 
 import pytest
+import tomllib
 
 from turbospark_core import plugins
 from turbospark_core.testing import TinyRandomConformance
@@ -52,7 +53,7 @@ def minimal_plugin() -> Iterator[None]:
 
 
 class TestMinimalPlugin(TinyRandomConformance):
-    tiny_configs = {"minimal_llama": TINY_CONFIG}
+    tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {"minimal_llama": TINY_CONFIG}
 
 
 def test_registry_lists_the_minimal_family() -> None:

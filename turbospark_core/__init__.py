@@ -6,8 +6,9 @@ from turbospark_core import blas
 
 blas.activate()  # before anything imports mlx: MLX's CPU matmuls then use OpenBLAS
 
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, Callable, TypeVar  # noqa: E402
+from typing import TYPE_CHECKING, Any, TypeVar  # noqa: E402
 
 import pluggy  # noqa: E402
 
@@ -102,4 +103,4 @@ def open(  # noqa: A001 - the API's name
 
 from turbospark_core.runner import Generation, Runner  # noqa: E402
 
-__all__ = ["Generation", "Runner", "TurbosparkError", "hookimpl", "open", "__version__"]
+__all__ = ["Generation", "Runner", "TurbosparkError", "__version__", "hookimpl", "open"]

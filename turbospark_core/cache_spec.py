@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import attrs
 
 
@@ -39,6 +41,11 @@ class CacheSpec:
         return cls(n_kv_heads=n_kv_heads, head_dim=head_dim, window=window)
 
 
+def _shapes(shapes: Mapping[str, Iterable[int]]) -> dict[str, tuple[int, ...]]:
+    """The state shapes by name, each as a tuple (a plugin may give lists)."""
+    return {name: tuple(shape) for name, shape in shapes.items()}
+
+
 @attrs.frozen(kw_only=True)
 class StateSpec:
     """A layer's fixed-size recurrent state (conv window, linear-attention state...).
@@ -52,7 +59,7 @@ class StateSpec:
         dtype: Storage dtype name (``"float32"``).
     """
 
-    shapes: dict[str, tuple[int, ...]] = attrs.field(converter=lambda d: {k: tuple(v) for k, v in d.items()})
+    shapes: dict[str, tuple[int, ...]] = attrs.field(converter=_shapes)
     dtype: str = "float32"
 
     def bytes_at(self, tokens: int, itemsize: float, ring_capacity: int | None = None) -> int:

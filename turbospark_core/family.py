@@ -17,8 +17,9 @@ Weights
     ``Linear``, ``Embedding``, ``ExpertBank``, and ``Experts`` (the protocol
     that resident and streamed expert banks both follow).
 Attention
-    ``Cache`` (any per-layer cache), ``KVCache``, ``RingKVCache``,
-    ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
+    ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
+    two KV caches follow, for an attention layer's argument), ``KVCache``,
+    ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -50,10 +51,10 @@ from turbospark_core.convert.conventions import (
 )
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
-from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
+from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.weights import WeightStore
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "VISION_TOWERS",
     "AffineQuantized",
     "ArchConfigError",
+    "AttentionCache",
     "Cache",
     "CacheSpec",
     "ConversionError",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -353,6 +353,20 @@ class RecurrentState:
 
 
 Cache = KVCache | RingKVCache | RecurrentState
+
+
+class AttentionCache(Protocol):
+    """What an attention layer uses of its cache (a :class:`KVCache` or a :class:`RingKVCache`)."""
+
+    offset: int
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append the step's keys/values; the rows attention reads."""
+        ...
+
+    def mask(self, n_queries: int) -> mx.array | str | None:
+        """The mask for the last ``n_queries`` tokens over the fetched rows."""
+        ...
 
 
 def make_cache(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -111,7 +112,10 @@ def _refuse_vision_sidecar(path: Path) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # the manifest step reports it
         if isinstance(raw, dict) and (raw.get("sidecar") == "vision" or "vision" in str(raw.get("format", ""))):
-            msg = f"{path} is a vision sidecar, not a language model install; open the text model's install (the sidecar is passed separately)"
+            msg = (
+                f"{path} is a vision sidecar, not a language model install; "
+                "open the text model's install (the sidecar is passed separately)"
+            )
             raise NotAnInstallError(msg)
     config = path / "config.json"
     if not manifest.exists() and config.is_file() and config.stat().st_size < 1 << 20:
@@ -120,9 +124,14 @@ def _refuse_vision_sidecar(path: Path) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return
         text_config = ("text_config" in json.loads(config.read_bytes())) if model_type else False
-        pixel_only = (path / "preprocessor_config.json").exists() and not text_config and not list(path.glob("tokenizer*"))
+        pixel_only = (
+            (path / "preprocessor_config.json").exists() and not text_config and not list(path.glob("tokenizer*"))
+        )
         if "vision" in model_type or pixel_only:
-            msg = f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; open the text model's install instead"
+            msg = (
+                f"{path} is a vision sidecar (model_type {model_type!r}), not a language model; "
+                "open the text model's install instead"
+            )
             raise NotAnInstallError(msg)
 
 
@@ -295,11 +304,11 @@ def _cache_maker(
 
 def _plan_memory(
     index: TensorIndex,
-    expert_layout: moe.ExpertLayout | None,
+    expert_layout: ExpertLayout | None,
     layout: tuple[CacheSpec | StateSpec, ...],
     opts: OpenOptions,
     max_context: int,
-) -> tuple[ComputePolicy, moe.ExpertPlan | None, MemoryEstimate]:
+) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
     """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
     itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
@@ -346,7 +355,9 @@ def _choose_policy(
     return policy, f32_plan if policy.unpack else stored_plan
 
 
-def _check_expert_budget(estimate: MemoryEstimate, plan: ExpertPlan | None, opts: OpenOptions, max_context: int) -> None:
+def _check_expert_budget(
+    estimate: MemoryEstimate, plan: ExpertPlan | None, opts: OpenOptions, max_context: int
+) -> None:
     """An over-budget MoE open names the expert knobs too."""
     if plan is None or estimate.total <= opts.memory_budget:
         return

@@ -70,7 +70,7 @@ def load_plugins() -> None:
 def _import_entry_point(ep: importlib.metadata.EntryPoint) -> object:
     try:
         return ep.load()
-    except Exception as e:  # noqa: BLE001 - re-raised with the entry point named
+    except Exception as e:  # re-raised with the entry point named
         dist = ep.dist.name if ep.dist is not None else "?"
         msg = (
             f"turbospark plugin entry point {ep.name!r} ({ep.value}, from "

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from turbospark_core.errors import PluginError
+
+
+def _names(values: Iterable[str]) -> tuple[str, ...]:
+    """The names a plugin gave (any iterable of strings), as a tuple."""
+    return tuple(values)
 
 
 @attrs.frozen(kw_only=True)
@@ -19,9 +26,9 @@ class FamilySpec:
     """
 
     name: str
-    model_types: tuple[str, ...] = attrs.field(converter=tuple)
+    model_types: tuple[str, ...] = attrs.field(converter=_names)
     distribution: str
-    gguf_architectures: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    gguf_architectures: tuple[str, ...] = attrs.field(converter=_names, default=())
 
 
 @attrs.frozen(kw_only=True)

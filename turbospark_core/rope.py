@@ -25,7 +25,7 @@ class Rope:
         self.scale = scale
         self.mscale = mscale
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.mscale != 1.0:
             x = _scale_rotated(x, self.dims, self.mscale)
         return mx.fast.rope(

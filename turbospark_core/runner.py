@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence, cast
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import mlx.core as mx
@@ -164,7 +165,7 @@ class Runner:
                     history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
                     token = step(self.model(current[:, None], state.caches)[:, -1, :])
                     fed += 1
-                    mx.async_eval(token)
+                    mx.async_eval(token)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
                 tok = int(cast(int, current.item()))
                 produced.append(tok)
                 progress.decode_s = time.perf_counter() - t0

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -199,8 +200,10 @@ def write_tiny_checkpoint(
 
 def _random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     if len(shape) == 1:
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        values = 1.0 + 0.1 * rng.standard_normal(shape)
+    else:
+        values = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return np.asarray(values, dtype=np.float32)
 
 
 def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
@@ -297,7 +300,8 @@ class StructuralChecks:
         arch = runner.manifest.arch
         hooks = plugins.family_hooks(arch["model_type"])
         assert hooks.arch_problems(arch) == []
-        assert 0 < len(hooks.cache_layout(arch)) <= arch["num_hidden_layers"]
+        layout = hooks.cache_layout(arch)
+        assert layout is not None and 0 < len(layout) <= arch["num_hidden_layers"]
         for kv_quant in ("q8", "q4"):
             reason = hooks.kv_quant_unsupported_reason(arch, kv_quant)
             assert reason is None or (isinstance(reason, str) and reason), f"{kv_quant}: {reason!r}"
@@ -409,4 +413,5 @@ class TinyRandomConformance(StructuralChecks):
     @pytest.fixture
     def prompt_ids(self, fixture_name: str) -> list[int]:
         vocab = int(self.tiny_configs[fixture_name]["vocab_size"])
-        return np.random.default_rng(1).integers(3, vocab, size=self.prompt_length).tolist()
+        ids: list[int] = np.random.default_rng(1).integers(3, vocab, size=self.prompt_length).tolist()
+        return ids

@@ -78,7 +78,11 @@ def refs_of(turbospark_fixtures: Path) -> Callable[[str], dict[str, np.ndarray]]
 def _synthetic(tmp_path: Path, kind: str, experts: int = 6, dim: int = 64, hidden: int = 64) -> ExpertLayout:
     """A one-layer experts.bin with random experts stored as ``kind`` (f32, bf16+bias, q4, mxfp4+bias)."""
     rng = np.random.default_rng(7)
-    shapes = {"gate_proj": (experts, hidden, dim), "up_proj": (experts, hidden, dim), "down_proj": (experts, dim, hidden)}
+    shapes = {
+        "gate_proj": (experts, hidden, dim),
+        "up_proj": (experts, hidden, dim),
+        "down_proj": (experts, dim, hidden),
+    }
     tensors: dict[str, mx.array] = {}
     quantization: dict[str, Any] = {}
     for proj, shape in shapes.items():

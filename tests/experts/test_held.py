@@ -39,7 +39,9 @@ def test_held_form_is_float32_when_unpacked_and_as_stored_otherwise(
 ) -> None:
     layout = synthetic(kind)
     layer = layout.layers[LAYER0]
-    records = np.fromfile(tmp_path / EXPERTS, np.uint8)[layer.offset : layer.end].reshape(layer.num_experts, layer.stride)
+    records = np.fromfile(tmp_path / EXPERTS, np.uint8)[layer.offset : layer.end].reshape(
+        layer.num_experts, layer.stride
+    )
     proj = layer.projections["gate_proj"]
     stored = from_records(proj, records)
     assert set(stored) == set(proj.tensors) and stored["weight"].shape[0] == 6

@@ -30,7 +30,8 @@ def test_plans_fit_the_room_they_are_given(synthetic: Callable[[str], ExpertLayo
     layout = synthetic("f32")
     everything = layout.slot_bytes(6, unpack=True)
     resident = plan_experts(layout, RESIDENT, "auto", everything, unpack=True)
-    assert resident is not None and (resident.residency, resident.slots, resident.held_bytes) == (RESIDENT, 6, everything)
+    assert resident is not None
+    assert (resident.residency, resident.slots, resident.held_bytes) == (RESIDENT, 6, everything)
     assert plan_experts(layout, RESIDENT, "auto", everything - 1, unpack=True) is None
     three = layout.slot_bytes(3, unpack=True) + layout.staging_bytes(3)
     streamed = plan_experts(layout, STREAMED, "auto", three, unpack=True)  # the most slots that fit
@@ -38,7 +39,9 @@ def test_plans_fit_the_room_they_are_given(synthetic: Callable[[str], ExpertLayo
     assert plan_experts(layout, STREAMED, 99, 10**12, unpack=True).slots == 6  # capped at the expert count
     assert plan_experts(layout, STREAMED, "auto", 1, unpack=True) is None  # not even top_k slots fit
     assert minimal_plan(layout, STREAMED, "auto", unpack=False).slots == layout.top_k == 2
-    assert "streamed: 2 slots per routed layer, stored form" in minimal_plan(layout, STREAMED, 2, unpack=False).describe()
+    assert (
+        "streamed: 2 slots per routed layer, stored form" in minimal_plan(layout, STREAMED, 2, unpack=False).describe()
+    )
 
 
 def test_residencies_tried_in_order(synthetic: Callable[[str], ExpertLayout]) -> None:
@@ -65,7 +68,7 @@ def test_no_experts_file_keeps_the_old_layout(moe_install: Callable[..., Path], 
     assert f"{LAYER0}.gate_proj.weight" in mx.load(str(root / WEIGHTS))
     refs = refs_of("qwen3_moe")
     assert np.abs(turbospark_core.open(root).logits(refs["prompt_ids"].tolist()) - refs["logits"]).max() < 1e-4
-    with pytest.raises(OptionError, match="residency='streamed' needs experts.bin"):
+    with pytest.raises(OptionError, match=r"residency='streamed' needs experts\.bin"):
         turbospark_core.open(root, residency="streamed")
 
 

@@ -58,7 +58,9 @@ def test_streamed_is_bit_identical_to_resident_for_every_slot_count(
         assert stats.residency == "streamed" and stats.slots == slots and stats.misses >= len(layout.layers)
 
 
-def test_stored_policy_streams_quantized_experts_bit_identically(moe_install: Callable[..., Path], refs_of: Callable) -> None:
+def test_stored_policy_streams_quantized_experts_bit_identically(
+    moe_install: Callable[..., Path], refs_of: Callable
+) -> None:
     root = moe_install("gpt_oss_mxfp4")
     ids = refs_of("gpt_oss_mxfp4")["prompt_ids"].tolist()
     resident = turbospark_core.open(root, memory_budget=600_000, max_context=256, residency="resident")
@@ -76,7 +78,9 @@ def test_an_unused_routed_layer_is_refused(moe_copy: Path, tamper) -> None:
         layers["model.layers.7.mlp.experts"] = {**layers[LAYER0], "offset": len(blob)}
 
     tamper.edit(moe_copy, add)
-    with pytest.raises(InstallError, match=r"not used by family 'llama', first 'model\.layers\.7\.mlp\.experts \(experts\.bin\)'"):
+    with pytest.raises(
+        InstallError, match=r"not used by family 'llama', first 'model\.layers\.7\.mlp\.experts \(experts\.bin\)'"
+    ):
         turbospark_core.open(moe_copy)
 
 
@@ -94,11 +98,17 @@ def test_generation_stats_carry_the_expert_counters(moe_install: Callable[..., P
 
 def test_cli_prints_expert_stats(moe_install: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
     root = str(moe_install("qwen3_moe"))
-    assert main(["inspect", root, "--stats", "--residency", "streamed", "--expert-slots", "3", "--stats-tokens", "4"]) == 0
+    assert (
+        main(["inspect", root, "--stats", "--residency", "streamed", "--expert-slots", "3", "--stats-tokens", "4"]) == 0
+    )
     out = capsys.readouterr().out
-    assert "experts      experts.bin: 2 routed layers x 8 experts" in out and "streamed: 3 slots per routed layer" in out
+    assert (
+        "experts      experts.bin: 2 routed layers x 8 experts" in out and "streamed: 3 slots per routed layer" in out
+    )
     assert "experts: streamed, 3 slots/layer | hits" in out and "ms/token" in out
-    assert main(["generate", root, "Hi", "--max-tokens", "3", "-v", "--residency", "streamed", "--expert-slots", "2"]) == 0
+    assert (
+        main(["generate", root, "Hi", "--max-tokens", "3", "-v", "--residency", "streamed", "--expert-slots", "2"]) == 0
+    )
     assert "experts: streamed, 2 slots/layer | hits" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", root, "Hi", "--expert-slots", "many"])

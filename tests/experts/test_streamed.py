@@ -23,7 +23,9 @@ ROLES = ("gate_proj", "up_proj", "down_proj")
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "mxfp4"])
 @pytest.mark.parametrize(
-    ("unpack", "in_place"), [(True, True), (True, False), (False, False)], ids=["float32-in-place", "float32-mlx-updates", "stored"]
+    ("unpack", "in_place"),
+    [(True, True), (True, False), (False, False)],
+    ids=["float32-in-place", "float32-mlx-updates", "stored"],
 )
 def test_streamed_bank_equals_resident_bank_bit_for_bit(
     synthetic: Callable[[str], ExpertLayout],

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -53,13 +54,18 @@ def quant_for(config: dict[str, Any], base: str) -> dict[str, Any] | None:
     return {"bits": params["bits"], "group_size": params["group_size"], "mode": params.get("mode", "affine")}
 
 
+def load_shard(path: Path) -> dict[str, mx.array]:
+    """A safetensors shard's tensors by name, loaded lazily."""
+    return cast(dict[str, mx.array], mx.load(str(path)))  # a safetensors file loads as a dict
+
+
 def tensors(src: Path, config: dict[str, Any]) -> Iterator[tuple[SourceTensor, dict[str, Any] | None]]:
     """Every tensor (lazily loaded) with its quantization when it is a packed part.
 
     In an MXFP4 checkpoint each ``X_blocks``/``X_scales`` pair (possibly in two
     shards) is yielded once, as ``X`` holding an ``mxfp4`` :class:`AffineQuantized`.
     """
-    files = [(path, mx.load(str(path))) for path in weight_files(src)]
+    files = [(path, load_shard(path)) for path in weight_files(src)]
     fp4 = {n: a for _, arrays in files for n, a in arrays.items()} if mxfp4.is_mxfp4(config) else {}
     fp4_names = set(fp4)
     mxfp4.check_pairs(fp4_names)

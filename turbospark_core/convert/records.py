@@ -34,9 +34,9 @@ class AffineQuantized:
         rows, words = self.weight.shape[-2], self.weight.shape[-1]
         return (rows, words * 32 // self.bits)
 
-    def take_rows(self, order: np.ndarray | mx.array) -> AffineQuantized:
-        """Reorder (or select) rows along the row axis, ``-2`` (groups run along a
-        row, so this is exact); a leading expert axis is kept."""
+    def take_rows(self, order: np.ndarray | mx.array | slice) -> AffineQuantized:
+        """Reorder (or select: an index array or a slice) rows along the row axis,
+        ``-2`` (groups run along a row, so this is exact); a leading expert axis is kept."""
         return attrs.evolve(
             self,
             weight=self.weight[..., order, :],

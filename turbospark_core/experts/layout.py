@@ -183,12 +183,18 @@ class LayerLayout:
         )
         if layer.offset % alignment or layer.stride % alignment:
             raise _fail(where, f"offset {layer.offset} and stride {layer.stride} must be multiples of {alignment}")
-        spans = sorted((t.offset, t.offset + t.nbytes, f"{p.name}.{leaf}") for p in layer.projections.values() for leaf, t in p.tensors.items())
+        spans = sorted(
+            (t.offset, t.offset + t.nbytes, f"{p.name}.{leaf}")
+            for p in layer.projections.values()
+            for leaf, t in p.tensors.items()
+        )
         for (_, end, a), (start, _, b) in pairwise(spans):
             if start < end:
                 raise _fail(where, f"tensors {a} and {b} overlap in the expert record")
         if spans[-1][1] > layer.stride:
-            raise _fail(where, f"tensor {spans[-1][2]} ends at byte {spans[-1][1]}, past the {layer.stride}-byte record")
+            raise _fail(
+                where, f"tensor {spans[-1][2]} ends at byte {spans[-1][1]}, past the {layer.stride}-byte record"
+            )
         return layer
 
 
@@ -239,7 +245,9 @@ class ExpertLayout:
             if start < end:
                 raise _fail(where, f"layers {a!r} and {b!r} overlap in experts.bin")
         if spans[-1][1] > file_size:
-            raise _fail(where, f"layer {spans[-1][2]!r} ends at byte {spans[-1][1]}, past the {file_size}-byte experts.bin")
+            raise _fail(
+                where, f"layer {spans[-1][2]!r} ends at byte {spans[-1][1]}, past the {file_size}-byte experts.bin"
+            )
         fewest = min(layer.num_experts for layer in self.layers.values())
         if self.top_k is not None and self.top_k > fewest:
             raise _fail(where, f"top_k={self.top_k} exceeds the {fewest} experts of a layer")

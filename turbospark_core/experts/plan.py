@@ -53,11 +53,17 @@ def check_slots(layout: ExpertLayout, expert_slots: int | str) -> None:
         raise OptionError(msg)
 
 
-def plan_experts(layout: ExpertLayout, residency: str, expert_slots: int | str, room: int, unpack: bool) -> ExpertPlan | None:
+def plan_experts(
+    layout: ExpertLayout, residency: str, expert_slots: int | str, room: int, unpack: bool
+) -> ExpertPlan | None:
     """The plan for ``residency`` in ``room`` bytes with experts held unpacked or not; ``None`` if it does not fit."""
     if residency == RESIDENT:
         need = layout.slot_bytes(layout.max_experts, unpack)
-        return ExpertPlan(residency=RESIDENT, slots=layout.max_experts, unpack=unpack, held_bytes=need) if need <= room else None
+        return (
+            ExpertPlan(residency=RESIDENT, slots=layout.max_experts, unpack=unpack, held_bytes=need)
+            if need <= room
+            else None
+        )
     fewest = layout.top_k or 1
 
     def need_for(slots: int) -> int:
@@ -87,7 +93,12 @@ def residencies(residency: str, expert_slots: int | str, layout: ExpertLayout) -
 def minimal_plan(layout: ExpertLayout, residency: str, expert_slots: int | str, unpack: bool) -> ExpertPlan:
     """The smallest plan for ``residency`` (for the over-budget refusal's figures)."""
     if residency == RESIDENT:
-        return ExpertPlan(residency=RESIDENT, slots=layout.max_experts, unpack=unpack, held_bytes=layout.slot_bytes(layout.max_experts, unpack))
+        return ExpertPlan(
+            residency=RESIDENT,
+            slots=layout.max_experts,
+            unpack=unpack,
+            held_bytes=layout.slot_bytes(layout.max_experts, unpack),
+        )
     slots = min(expert_slots if isinstance(expert_slots, int) else (layout.top_k or 1), layout.max_experts)
     need = layout.slot_bytes(slots, unpack) + layout.staging_bytes(slots)
     return ExpertPlan(residency=STREAMED, slots=slots, unpack=unpack, held_bytes=need)

@@ -45,12 +45,16 @@ class ExpertStore:
         """Open step 10: read every expert (resident), or allocate the slots and the read buffer (streamed)."""
         for prefix, layer in self.layout.layers.items():
             if self.plan.residency == RESIDENT:
-                records = self.read(layer.offset, layer.num_experts * layer.stride).reshape(layer.num_experts, layer.stride)
+                records = self.read(layer.offset, layer.num_experts * layer.stride).reshape(
+                    layer.num_experts, layer.stride
+                )
                 self._resident[prefix] = {name: from_records(p, records) for name, p in layer.projections.items()}
                 mx.eval(self._resident[prefix])
             else:
                 slots = min(self.plan.slots, layer.num_experts)
-                self._slots[prefix] = {name: empty_slots(p, slots, self.policy) for name, p in layer.projections.items()}
+                self._slots[prefix] = {
+                    name: empty_slots(p, slots, self.policy) for name, p in layer.projections.items()
+                }
         if self.plan.residency == STREAMED:
             self.staging = np.empty(self.layout.staging_bytes(self.plan.slots), np.uint8)
 
@@ -61,7 +65,10 @@ class ExpertStore:
         while done < size:
             got = os.preadv(self._fd, [view[done : done + _READ_CHUNK]], offset + done)
             if got <= 0:
-                msg = f"{self.path}: read past its end at byte {offset + done}; the file shrank after open, re-run `turbospark convert`"
+                msg = (
+                    f"{self.path}: read past its end at byte {offset + done}; "
+                    "the file shrank after open, re-run `turbospark convert`"
+                )
                 raise InstallError(msg)
             done += got
         return buf
@@ -144,6 +151,9 @@ def _check_roles(layer: LayerLayout, roles: tuple[str, str, str]) -> None:
         )
         raise InstallError(msg)
     gate, up, down = (layer.projections[r] for r in roles)
-    if not (gate.out_features == up.out_features == down.in_features and gate.in_features == up.in_features == down.out_features):
+    if not (
+        gate.out_features == up.out_features == down.in_features
+        and gate.in_features == up.in_features == down.out_features
+    ):
         msg = f"experts of {layer.prefix!r}: gate/up/down shapes do not chain; re-run `turbospark convert`"
         raise InstallError(msg)

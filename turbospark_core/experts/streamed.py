@@ -76,11 +76,13 @@ class StreamedExpertBank:
             )
             raise OptionError(msg)
         if idx.size and (idx.min() < 0 or idx.max() >= self.layer.num_experts):
-            msg = f"router of {self.layer.prefix!r} chose expert {int(idx.max())}, outside [0, {self.layer.num_experts})"
+            msg = (
+                f"router of {self.layer.prefix!r} chose expert {int(idx.max())}, outside [0, {self.layer.num_experts})"
+            )
             raise ValueError(msg)
 
     def _glu_grouped(self, x: mx.array, idx: np.ndarray, uniq: np.ndarray, activation: Activation) -> mx.array:
-        """More distinct experts than slots (a long prefill): run them a slot-full at a time, per (token, expert) pair."""
+        """More distinct experts than slots (a long prefill): a slot-full at a time, per (token, expert) pair."""
         k = idx.shape[-1]
         flat, xf = idx.reshape(-1), x.reshape(-1, x.shape[-1])
         present = self._slot_of[uniq] >= 0

@@ -9,12 +9,13 @@ import gguf
 import numpy as np
 import pytest
 from tiny_gemma3 import SPECIALS, TINY_CONFIG, random_weights, tokenizer_json
-from turbospark_gemma3 import convert as gconvert
 
 import turbospark_core
 from turbospark_core import cli
 from turbospark_core.convert import convert
 from turbospark_core.errors import ConversionError
+
+from turbospark_gemma3 import convert as gconvert
 
 
 # ------------------------------------------------------------------ Hugging Face configs
@@ -28,7 +29,11 @@ def test_hf_config_v5_rope_parameters_and_layer_types() -> None:
 
 def test_hf_legacy_config_pattern_and_global_only_scaling() -> None:
     cfg = {k: v for k, v in TINY_CONFIG.items() if k not in ("layer_types", "rope_parameters")}
-    cfg |= {"num_hidden_layers": 12, "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    cfg |= {
+        "num_hidden_layers": 12,
+        "sliding_window_pattern": 6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
     arch = gconvert.arch_from_hf(cfg)
     assert [i for i, t in enumerate(arch["layer_types"]) if t == "full_attention"] == [5, 11]
     assert arch["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
@@ -158,7 +163,9 @@ def _write_gguf(path: Path, weights: dict[str, np.ndarray], q6k: str | None = No
     w.add_tokenizer_model("llama")
     w.add_token_list(pieces)
     w.add_token_scores([-float(i) for i in range(len(pieces))])
-    w.add_token_types([3 if p in SPECIALS or p.startswith("<unused") else 6 if p.startswith("<0x") else 1 for p in pieces])
+    w.add_token_types(
+        [3 if p in SPECIALS or p.startswith("<unused") else 6 if p.startswith("<0x") else 1 for p in pieces]
+    )
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_add_bos_token(True)

@@ -11,13 +11,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from tiny_gemma3 import TINY, TINY_CONFIG
-from turbospark_gemma3 import convert, plugin
-from turbospark_core.kv_cache import causal_mask as _causal_mask
-from turbospark_gemma3.family import Args, _residual
 
 import turbospark_core
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ArchConfigError
+from turbospark_core.kv_cache import causal_mask as _causal_mask
+
+from turbospark_gemma3 import convert, plugin
+from turbospark_gemma3.family import Args, _residual
 
 BASE = convert.arch_from_hf(TINY_CONFIG)
 

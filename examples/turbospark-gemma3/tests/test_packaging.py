@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import turbospark_gemma3
 from tiny_gemma3 import TINY
 
 import turbospark_core
 from turbospark_core import cli, plugins
 from turbospark_core.convert import convert
 from turbospark_core.errors import UnknownFamilyError
+
+import turbospark_gemma3
 
 # What a third-party plugin imports from turbospark: the curated surface for plugin authors
 PUBLIC = {"turbospark_core.family"}

@@ -80,8 +80,16 @@ def test_real_blocks_dequantize_exactly(gemma3_270m_gguf: Path, name: str) -> No
 # ------------------------------------------------------------------ the tokenizer rebuilt from the GGUF
 def _varied_strings(n: int) -> list[str]:
     rng = random.Random(0)
-    pools = ["abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789", " .,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`",
-             " \t\n\r  \n\n", "éèàüößçñøåæœ", "中文字符日本語한국어", "Ελληνικάкириллицаالعربيةעברית", "🙂🚀👍🏽❤️‍🔥∑∫√≈"]
+    pools = [
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "0123456789",
+        " .,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`",
+        " \t\n\r  \n\n",
+        "éèàüößçñøåæœ",
+        "中文字符日本語한국어",
+        "Ελληνικάкириллицаالعربيةעברית",
+        "🙂🚀👍🏽❤️‍🔥∑∫√≈",
+    ]
     fixed = ["", " ", "Hello world", "The capital of France is Paris.", "def f(x):\n    return x ** 2\n",
              "don't won't it's I'll", "   leading and trailing   ", "<start_of_turn>user\nhi<end_of_turn>",
              "<table><tr><td>1</td></tr></table>", "naïve café déjà vu", "2024-01-31 12:00:00 UTC"]

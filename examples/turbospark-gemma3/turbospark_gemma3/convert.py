@@ -5,7 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.family import ConversionError, TensorTarget, drop_pattern, is_tied_head, rope_scaling, tied_embeddings
+from turbospark_core.family import (
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    tied_embeddings,
+)
 
 # Transformers' defaults for Gemma 3 (Gemma3TextConfig.default_theta, sliding_window_pattern)
 GLOBAL_THETA = 1_000_000.0

@@ -94,7 +94,9 @@ class Args:
         """One KV cache per layer: a ring of ``sliding_window`` tokens on sliding layers."""
         n_kv, head_dim = self.num_key_value_heads, self.head_dim
         return [
-            CacheSpec.sliding(n_kv, head_dim, self.sliding_window) if kind == SLIDING else CacheSpec.full(n_kv, head_dim)
+            CacheSpec.sliding(n_kv, head_dim, self.sliding_window)
+            if kind == SLIDING
+            else CacheSpec.full(n_kv, head_dim)
             for kind in self.layer_types
         ]
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+
 from turbospark_gemma3 import (
     DISTRIBUTION,
     FAMILY,

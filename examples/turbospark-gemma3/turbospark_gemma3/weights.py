@@ -24,7 +24,10 @@ class WeightsUnavailableError(TurbosparkError, LookupError):
 
 def cache_dir() -> Path:
     """Where the joined file goes: ``$TURBOSPARK_GEMMA3_CACHE`` or ``~/.cache/turbospark-gemma3``."""
-    base = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "turbospark-gemma3"
+    base = (
+        os.environ.get(CACHE_ENV)
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "turbospark-gemma3"
+    )
     return Path(base)
 
 

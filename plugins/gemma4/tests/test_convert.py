@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_gemma4 import convert
 
 
@@ -65,7 +66,10 @@ E_ARCH = {"num_hidden_layers": 5, "num_kv_shared_layers": 2, "tie_word_embedding
         ("model.language_model.embed_tokens_per_layer.weight", "model.embed_tokens_per_layer.weight"),
         ("language_model.model.layers.2.router.proj.scales", "model.layers.2.router.proj.scales"),
         ("model.language_model.layers.0.experts.down_proj", "model.layers.0.experts.down_proj.weight"),
-        ("language_model.model.layers.1.experts.switch_glu.gate_proj.biases", "model.layers.1.experts.gate_proj.biases"),
+        (
+            "language_model.model.layers.1.experts.switch_glu.gate_proj.biases",
+            "model.layers.1.experts.gate_proj.biases",
+        ),
         ("model.layers.0.layer_scalar", "model.layers.0.layer_scalar"),
     ],
 )
@@ -102,7 +106,7 @@ def test_fused_expert_gate_up_is_split() -> None:
 
 
 def test_bad_fused_expert_tensor_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="layers.0.experts.gate_up_proj"):
+    with pytest.raises(ConversionError, match=r"layers\.0\.experts\.gate_up_proj"):
         convert.hf_transform({}, "model.language_model.layers.0.experts.gate_up_proj", mx.zeros((2, 5, 3)))
 
 

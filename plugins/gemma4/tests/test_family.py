@@ -11,6 +11,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.family import ArchConfigError, CacheSpec
+
 from turbospark_gemma4.family import Args, RopeArgs, make_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -36,7 +36,7 @@ _DEFAULTS: dict[str, Any] = {
     "use_double_wide_mlp": False,
     "attention_bias": False,
 }
-_DEFAULT_ROPE = {
+_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
 }
@@ -85,7 +85,10 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """
     cfg = {**_DEFAULTS, **text_config(hf_config)}
     if cfg.get("use_bidirectional_attention") == "all":
-        msg = "use_bidirectional_attention='all' (a non-causal encoder) is not supported; turbospark serves causal decoders"
+        msg = (
+            "use_bidirectional_attention='all' (a non-causal encoder) is not supported; "
+            "turbospark serves causal decoders"
+        )
         raise ConversionError(msg)
     layers = cfg["num_hidden_layers"]
     return {
@@ -127,7 +130,7 @@ _MLX_EXPERTS = re.compile(r"^experts\.switch_glu\.(gate_proj|up_proj|down_proj)\
 
 def first_kv_shared_layer(arch: dict[str, Any]) -> int:
     """Index of the first layer that reuses an earlier layer's keys and values."""
-    return arch["num_hidden_layers"] - (arch.get("num_kv_shared_layers") or 0)
+    return int(arch["num_hidden_layers"]) - int(arch.get("num_kv_shared_layers") or 0)
 
 
 def _unused_attention_part(arch: dict[str, Any], layer: int, rest: str) -> bool:

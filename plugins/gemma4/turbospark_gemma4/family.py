@@ -10,7 +10,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
+from turbospark_core.family import (
+    ArchConfigError,
+    AttentionCache,
+    CacheSpec,
+    KVCache,
+    RingKVCache,
+    Rope,
+    WeightStore,
+    causal_mask,
+)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
@@ -165,9 +174,12 @@ def make_rope(head_dim: int, p: RopeArgs) -> Rope:
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
-    return nn.gelu_approx(x)
+    out: mx.array = nn.gelu_approx(x)  # mlx.nn's activations are unannotated
+    return out
 
 
+# A layer's keys, values and mask, as KV-shared layers read them
+SharedKV = tuple[mx.array, mx.array, mx.array | str | None]
 
 
 class Attention:
@@ -189,7 +201,7 @@ class Attention:
             self.v_proj = self.k_proj if args.k_eq_v(i) else w.linear(f"{prefix}.v_proj")
         self.rope = make_rope(self.head_dim, args.rope[args.layer_types[i]])
 
-    def _own_kv(self, x: mx.array, cache: Any, offset: int) -> tuple[mx.array, mx.array, Any]:
+    def _own_kv(self, x: mx.array, cache: AttentionCache | None, offset: int) -> SharedKV:
         B, L, _ = x.shape
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         v = k if self.v_proj is self.k_proj else self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -200,7 +212,9 @@ class Attention:
         k, v = cache.update_and_fetch(k, v)
         return k, v, cache.mask(L)
 
-    def __call__(self, x: mx.array, cache: Any, offset: int, shared: tuple | None) -> tuple[mx.array, tuple]:
+    def __call__(
+        self, x: mx.array, cache: AttentionCache | None, offset: int, shared: SharedKV | None
+    ) -> tuple[mx.array, SharedKV]:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         q = self.rope(mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
@@ -227,8 +241,8 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
 
 
 class Router:
-    def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
-        self.top_k = args.moe.top_k
+    def __init__(self, args: Args, moe: MoEArgs, w: WeightStore, prefix: str) -> None:
+        self.top_k = moe.top_k
         self.eps = args.rms_norm_eps
         self.proj = w.linear(f"{prefix}.proj")
         # The unit-scale norm, the learned scale and 1/sqrt(hidden) fold into one weight
@@ -260,8 +274,8 @@ class Block:
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
         self.layer_scalar = w.tensor(f"{prefix}.layer_scalar")
         self.moe = args.moe is not None
-        if self.moe:
-            self.router = Router(args, w, f"{prefix}.router")
+        if args.moe is not None:
+            self.router = Router(args, args.moe, w, f"{prefix}.router")
             self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
             self.pre_feedforward_layernorm_2 = norm("pre_feedforward_layernorm_2")
             self.post_feedforward_layernorm_1 = norm("post_feedforward_layernorm_1")
@@ -286,12 +300,18 @@ class Block:
         return self._norm(out, self.post_feedforward_layernorm_1) + self._norm(y, self.post_feedforward_layernorm_2)
 
     def __call__(
-        self, x: mx.array, cache: Any, offset: int, shared: tuple | None, per_layer: mx.array | None
-    ) -> tuple[mx.array, tuple]:
+        self,
+        x: mx.array,
+        cache: AttentionCache | None,
+        offset: int,
+        shared: SharedKV | None,
+        per_layer: mx.array | None,
+    ) -> tuple[mx.array, SharedKV]:
         a, kv = self.self_attn(self._norm(x, self.input_layernorm), cache, offset, shared)
         h = x + self._norm(a, self.post_attention_layernorm)
         h = h + self._norm(self._feed_forward(h), self.post_feedforward_layernorm)
         if self.ple:
+            assert per_layer is not None, "a per-layer-input block is given its per-layer input"
             g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer
             h = h + self._norm(self.per_layer_projection(g), self.post_per_layer_input_norm)
         return h * self.layer_scalar, kv
@@ -317,8 +337,10 @@ class Model:
     def _per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
         B, L = inputs.shape
         shape = (B, L, self.args.num_hidden_layers, self.ple_dim)
-        token = (self.embed_tokens_per_layer(inputs) * self.ple_dim**0.5).reshape(shape)
-        context = self.per_layer_model_projection(h) * self.args.hidden_size**-0.5
+        token_scale: float = self.ple_dim**0.5
+        context_scale: float = self.args.hidden_size**-0.5
+        token = (self.embed_tokens_per_layer(inputs) * token_scale).reshape(shape)
+        context = self.per_layer_model_projection(h) * context_scale
         context = mx.fast.rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
         return (context + token.astype(context.dtype)) * 2**-0.5
 
@@ -328,8 +350,8 @@ class Model:
         offset = cache[0].offset if cache else 0
         # K/V (and mask) of the layers that KV-shared layers read, from this same pass:
         # a ring may already have dropped rows an earlier query of a long chunk needs
-        stored: dict[int, tuple] = {}
-        for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources)):
+        stored: dict[int, SharedKV] = {}
+        for i, (block, src) in enumerate(zip(self.blocks, self.kv_sources, strict=True)):
             c = cache[i] if cache and src == i else None
             pl = None if per_layer is None else per_layer[:, :, i, :]
             h, kv = block(h, c, offset, stored.get(src) if src != i else None, pl)

@@ -12,6 +12,7 @@ import pytest
 import turbospark_core
 from turbospark_core.convert import convert
 from turbospark_core.errors import TokenizerError
+
 from turbospark_gptoss import harmony
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from turbospark_core.convert.records import AffineQuantized
 from turbospark_core.errors import ConversionError
+
 from turbospark_gptoss import convert
 
 
@@ -65,14 +66,14 @@ def test_unknown_tensor_refused_by_name() -> None:
 
 
 def test_float_experts_are_transposed_and_deinterleaved() -> None:
-    E, D, I = 3, 4, 5
-    gate_up = np.arange(E * D * 2 * I, dtype=np.float32).reshape(E, D, 2 * I)
+    E, D, F = 3, 4, 5
+    gate_up = np.arange(E * D * 2 * F, dtype=np.float32).reshape(E, D, 2 * F)
     out = convert.hf_transform({}, "model.layers.2.mlp.experts.gate_up_proj", mx.array(gate_up))
     p = "model.layers.2.mlp.experts"
     assert set(out) == {f"{p}.gate_proj.weight", f"{p}.up_proj.weight"}
     np.testing.assert_array_equal(np.array(out[f"{p}.gate_proj.weight"]), gate_up[..., 0::2].swapaxes(1, 2))
     np.testing.assert_array_equal(np.array(out[f"{p}.up_proj.weight"]), gate_up[..., 1::2].swapaxes(1, 2))
-    down = np.arange(E * I * D, dtype=np.float32).reshape(E, I, D)
+    down = np.arange(E * F * D, dtype=np.float32).reshape(E, F, D)
     out = convert.hf_transform({}, f"{p}.down_proj", mx.array(down))
     np.testing.assert_array_equal(np.array(out[f"{p}.down_proj.weight"]), down.swapaxes(1, 2))
 

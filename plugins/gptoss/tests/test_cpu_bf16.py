@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +36,9 @@ def test_bf16_experts_held_as_float32_on_cpu(bf16_runner: turbospark_core.Runner
     assert bf16_runner.opened.manifest.arch["model_type"] == "gpt_oss"
 
 
-def test_bf16_install_generates_the_bf16_reference(bf16_runner: turbospark_core.Runner, turbospark_fixtures: Path) -> None:
+def test_bf16_install_generates_the_bf16_reference(
+    bf16_runner: turbospark_core.Runner, turbospark_fixtures: Path
+) -> None:
     refs = np.load(turbospark_fixtures / "gpt_oss" / "references.npz")
     want = refs["greedy_tokens_bf16_weights"].tolist()
     gen = bf16_runner.generate(refs["prompt_ids"].tolist(), max_tokens=len(want), temperature=0.0)

@@ -8,6 +8,7 @@ import pytest
 
 from turbospark_core.errors import ArchConfigError
 from turbospark_core.kv_cache import causal_mask
+
 from turbospark_gptoss import family
 from turbospark_gptoss.family import Args
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core.experts import held
 from turbospark_core.convert import convert, mxfp4
-from turbospark_core.manifest import load_manifest
 from turbospark_core.errors import ConversionError
+from turbospark_core.experts import held
+from turbospark_core.manifest import load_manifest
 from turbospark_core.testing import relative_error
 
 # transformers/integrations/mxfp4.py FP4_VALUES (e2m1 codes 0..15), reimplemented in numpy
@@ -81,10 +81,15 @@ def test_blocks_and_scales_pair_across_shards(turbospark_fixtures: Path, install
     tensors = mx.load(str(src / "model.safetensors"))
     (src / "model.safetensors").unlink()
     scales = {k: v for k, v in tensors.items() if k.endswith("_scales")}
-    mx.save_safetensors(str(src / "model-00001-of-00002.safetensors"), {k: v for k, v in tensors.items() if k not in scales})
+    mx.save_safetensors(
+        str(src / "model-00001-of-00002.safetensors"), {k: v for k, v in tensors.items() if k not in scales}
+    )
     mx.save_safetensors(str(src / "model-00002-of-00002.safetensors"), scales)
     convert(src, tmp_path / "install")
-    got = {**mx.load(str(tmp_path / "install" / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(tmp_path / "install"))}
+    got = {
+        **mx.load(str(tmp_path / "install" / "model_weights.safetensors")),
+        **held.read_expert_tensors(load_manifest(tmp_path / "install")),
+    }
     want = {**mx.load(str(install / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(install))}
     assert set(got) == set(want) and all(mx.array_equal(got[k], want[k]).item() for k in want)
 
@@ -128,7 +133,10 @@ def test_mlx_lm_mxfp4_directory_converts(install: Path, turbospark_fixtures: Pat
     """An mlx-lm gpt-oss directory (experts already split, mxfp4 ``.weight``/``.scales``) converts as is."""
     src = tmp_path / "mlx-lm"
     shutil.copytree(turbospark_fixtures / "gpt_oss_mxfp4", src, ignore=shutil.ignore_patterns("*.safetensors", "*.npz"))
-    tensors = {**mx.load(str(install / "model_weights.safetensors")), **held.read_expert_tensors(load_manifest(install))}
+    tensors = {
+        **mx.load(str(install / "model_weights.safetensors")),
+        **held.read_expert_tensors(load_manifest(install)),
+    }
     mx.save_safetensors(str(src / "model.safetensors"), tensors)
     config = json.loads((src / "config.json").read_text())
     del config["quantization_config"]

@@ -83,7 +83,9 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 _DROP = drop_pattern()
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
-_INSTALLED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias|scales|biases)$")
+_INSTALLED_EXPERTS = re.compile(
+    r"^model\.layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias|scales|biases)$"
+)
 # Everything else keeps its name; (mlx-lm quantized directories add .scales/.biases)
 _KNOWN = re.compile(
     r"^((lm_head|model\.embed_tokens)\.(weight|scales|biases)|model\.norm\.weight"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_llama import convert
 
 
@@ -58,7 +59,9 @@ def test_hf_names(name: str, expected: str, expert: int | None) -> None:
     assert (target.name, target.expert) == (expected, expert)
 
 
-@pytest.mark.parametrize("name", ["model.visual.blocks.0.attn.qkv.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"])
+@pytest.mark.parametrize(
+    "name", ["model.visual.blocks.0.attn.qkv.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+)
 def test_hf_drops_vision_and_buffers(name: str) -> None:
     assert convert.hf_target({"model_type": "qwen3_vl"}, name).name is None
 
@@ -81,7 +84,7 @@ def test_gguf_names_and_rotary_unpermute() -> None:
 def test_gguf_refusals_name_the_tensor() -> None:
     with pytest.raises(ConversionError, match="rope_freqs"):
         convert.gguf_target({}, "rope_freqs.weight")
-    with pytest.raises(ConversionError, match="blk.0.ssm_conv1d.weight"):
+    with pytest.raises(ConversionError, match=r"blk\.0\.ssm_conv1d\.weight"):
         convert.gguf_target({}, "blk.0.ssm_conv1d.weight")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from turbospark_core.errors import ArchConfigError
+
 from turbospark_llama.family import Args
 
 BASE = {

@@ -45,7 +45,11 @@ def test_english_is_far_more_likely_than_chance(runner: turbospark_core.Runner) 
     text = "The cat sat on the mat. It was a sunny day, and the children were playing in the park."
     ids = runner.tokenizer.encode(text)
     logits = runner.logits(ids)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     nll = -np.mean([logp[i, ids[i + 1]] for i in range(len(ids) - 1)])
     assert nll < 4.0, f"mean NLL {nll:.2f} nats (chance is {np.log(logits.shape[1]):.2f})"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from turbospark_core.family import (
@@ -23,7 +24,7 @@ _MOE_TYPES = ("qwen3_moe", "minimax_m2")
 _IMPLIED_QKV_BIAS = ("qwen2",)
 
 
-def _moe(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, Any] | None:
+def _moe(cfg: Mapping[str, Any], model_type: str, layers: int) -> dict[str, Any] | None:
     if model_type not in _MOE_TYPES:
         return None
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -46,7 +47,7 @@ def _moe(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, Any] | 
     }
 
 
-def _qk_norm(cfg: dict[str, Any], model_type: str) -> str | None:
+def _qk_norm(cfg: Mapping[str, Any], model_type: str) -> str | None:
     if model_type == "minimax_m2":
         return "full" if cfg.get("use_qk_norm", True) else None
     return "head" if model_type in ("qwen3", "qwen3_moe", "qwen3_vl") else None
@@ -82,7 +83,9 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 _DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
-_STACKED = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(\w+)\.(weight|scales|biases)$")
+_STACKED = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.(?:switch_mlp|experts)\.(\w+)\.(weight|scales|biases)$"
+)
 _MINIMAX_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 

@@ -125,7 +125,7 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
         B, _, L, _ = q.shape
-        mask = "causal" if L > 1 else None
+        mask: mx.array | str | None = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
@@ -181,8 +181,8 @@ class Block:
         prefix = f"model.layers.{i}"
         self.eps = args.rms_norm_eps
         self.self_attn = Attention(args, w, f"{prefix}.self_attn")
-        sparse = args.moe is not None and i in args.moe.sparse_layers
-        self.mlp = MoE(args.moe, w, f"{prefix}.mlp") if sparse else MLP(w, f"{prefix}.mlp")
+        moe = args.moe if args.moe is not None and i in args.moe.sparse_layers else None
+        self.mlp = MLP(w, f"{prefix}.mlp") if moe is None else MoE(moe, w, f"{prefix}.mlp")
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 

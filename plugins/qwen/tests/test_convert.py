@@ -12,6 +12,7 @@ import pytest
 
 from turbospark_core.convert import convert as convert_checkpoint
 from turbospark_core.errors import ConversionError
+
 from turbospark_qwen import convert
 
 
@@ -70,7 +71,11 @@ ARCH = {"model_type": "qwen3_5_moe", "hidden_size": 64, "tie_word_embeddings": F
         ("model.language_model.layers.0.linear_attn.dt_bias", "model.layers.0.linear_attn.dt_bias", False),
         ("model.language_model.norm.weight", "model.norm.weight", False),
         ("lm_head.weight", "lm_head.weight", False),
-        ("language_model.model.layers.1.mlp.switch_mlp.up_proj.scales", "model.layers.1.mlp.experts.up_proj.scales", False),
+        (
+            "language_model.model.layers.1.mlp.switch_mlp.up_proj.scales",
+            "model.layers.1.mlp.experts.up_proj.scales",
+            False,
+        ),
         ("language_model.lm_head.weight", "lm_head.weight", False),
     ],
 )
@@ -102,7 +107,7 @@ def test_fused_experts_split_into_the_expert_bank() -> None:
 
 
 def test_fused_experts_of_the_wrong_shape_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="layers.0.mlp.experts.gate_up_proj"):
+    with pytest.raises(ConversionError, match=r"layers\.0\.mlp\.experts\.gate_up_proj"):
         convert.hf_transform(ARCH, "model.language_model.layers.0.mlp.experts.gate_up_proj", mx.zeros((8, 60, 64)))
 
 

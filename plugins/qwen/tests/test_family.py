@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from turbospark_core.errors import ArchConfigError
+
 from turbospark_qwen import convert, plugin
 from turbospark_qwen.family import Args
 

@@ -13,6 +13,7 @@ import turbospark_core
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.kv_cache import KVCache, RecurrentState, restore_caches, snapshot_caches
 from turbospark_core.testing import relative_error
+
 from turbospark_qwen import gated_delta
 
 FIXTURES = ("qwen3_5", "qwen3_5_moe")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -26,7 +27,7 @@ _DEFAULT_INTERVAL = 4
 _DEFAULT_PARTIAL_ROTARY = 0.25
 
 
-def _layer_types(cfg: dict[str, Any]) -> list[str]:
+def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
     interval = cfg.get("full_attention_interval", _DEFAULT_INTERVAL)
@@ -37,14 +38,14 @@ def _layer_types(cfg: dict[str, Any]) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
     """(theta, partial rotary factor, rope_scaling for Rope.from_config or None)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY)))
     return rope_theta(cfg, params, 10000.0), partial, rope_scaling(params)
 
 
-def _moe(cfg: dict[str, Any], model_type: str) -> dict[str, Any] | None:
+def _moe(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any] | None:
     if model_type not in _MOE_TYPES:
         return None
     return {
@@ -142,9 +143,14 @@ def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] |
 
 
 def _split_experts(arch: dict[str, Any], name: str, base: str, proj: str, data: Any) -> dict[str, Any]:
-    moe = arch.get("moe") or {}
-    experts, inter = moe.get("num_experts"), moe.get("moe_intermediate_size")
-    expected = (experts, 2 * inter, arch["hidden_size"]) if proj == "gate_up_proj" else (experts, arch["hidden_size"], inter)
+    moe = arch.get("moe")
+    if not moe:
+        msg = f"fused expert tensor {name!r} in a checkpoint whose config declares no experts (num_experts)"
+        raise ConversionError(msg)
+    experts, inter = int(moe["num_experts"]), int(moe["moe_intermediate_size"])
+    expected = (
+        (experts, 2 * inter, arch["hidden_size"]) if proj == "gate_up_proj" else (experts, arch["hidden_size"], inter)
+    )
     if tuple(data.shape) != expected:
         msg = f"fused expert tensor {name!r} has shape {tuple(data.shape)}, expected {expected} from the config"
         raise ConversionError(msg)

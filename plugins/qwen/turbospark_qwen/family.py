@@ -248,7 +248,7 @@ class Attention:
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         offset = 0 if cache is None else cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
-        mask = "causal" if L > 1 else None
+        mask: mx.array | str | None = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
@@ -301,8 +301,13 @@ class Block:
         self.post_attention_layernorm = norm_weight(w.tensor(f"{prefix}.post_attention_layernorm.weight"))
 
     def __call__(self, x: mx.array, cache: KVCache | RecurrentState | None) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(rms_norm(x, self.input_layernorm, self.eps), cache)
+        normed = rms_norm(x, self.input_layernorm, self.eps)
+        if self.is_linear:
+            assert not isinstance(cache, KVCache), "a linear-attention layer's cache is its RecurrentState"
+            h = x + self.linear_attn(normed, cache)
+        else:
+            assert not isinstance(cache, RecurrentState), "an attention layer's cache is a KVCache"
+            h = x + self.self_attn(normed, cache)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 

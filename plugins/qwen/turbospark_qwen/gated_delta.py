@@ -16,7 +16,7 @@ graph, evaluated once by the caller.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 

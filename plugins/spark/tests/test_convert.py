@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from turbospark_core.errors import ConversionError
+
 from turbospark_spark import convert
 
 
@@ -47,8 +48,15 @@ def test_rope_scaling_is_kept_per_layer_type(turbospark_fixtures: Path) -> None:
         ({"gate_attn_act_mode": "tanh"}, "gate_attn_act_mode='tanh'"),
         ({"headwise_attn_output_gate": False}, "headwise_attn_output_gate=False"),
         ({"layer_types": ["sliding_attention", "mamba", "sliding_attention", "full_attention"]}, "'mamba'"),
-        ({"rope_parameters": {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"partial_rotary_factor": 0.3125}}},
-         "full_attention rotary dims 5"),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_theta": 1e4},
+                    "full_attention": {"partial_rotary_factor": 0.3125},
+                }
+            },
+            "full_attention rotary dims 5",
+        ),
         ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}, "rope_parameters['full_attention']"),
         ({"rope_parameters": {"sliding_attention": {"rope_type": "longrope"}, "full_attention": {}}}, "'longrope'"),
     ],
@@ -102,7 +110,7 @@ def test_head_gate_keeps_source_precision() -> None:
 
 
 def test_unknown_tensor_refused_by_name() -> None:
-    with pytest.raises(ConversionError, match="model.layers.0.self_attn.q_norm.weight"):
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight"):
         convert.hf_target({"model_type": "spark2_5"}, "model.layers.0.self_attn.q_norm.weight")
 
 

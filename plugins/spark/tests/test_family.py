@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from turbospark_core.errors import ArchConfigError
+
 from turbospark_spark.family import Args
 
 BASE: dict[str, Any] = {

@@ -5,7 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from turbospark_core.family import ConversionError, TensorTarget, drop_pattern, is_tied_head, rope_scaling, tied_embeddings
+from turbospark_core.family import (
+    ConversionError,
+    TensorTarget,
+    drop_pattern,
+    is_tied_head,
+    rope_scaling,
+    tied_embeddings,
+)
 
 from turbospark_spark.family import FULL, SLIDING, Args
 
@@ -91,5 +98,7 @@ def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
     if _LAYER.match(name) or _TOP.match(name):
         # The tiny head gate stays at source precision (never cast or quantized), as in mlx-lm
         return TensorTarget.to(name, keep_dtype=".self_attn.g_proj." in name)
-    msg = f"source tensor {name!r} has no place in a {arch['model_type']} install; the checkpoint is not plain Spark 2.5"
+    msg = (
+        f"source tensor {name!r} has no place in a {arch['model_type']} install; the checkpoint is not plain Spark 2.5"
+    )
     raise ConversionError(msg)

@@ -9,7 +9,15 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.family import ROPE_TYPES, ArchConfigError, Cache, CacheSpec, Rope, WeightStore, causal_mask
+from turbospark_core.family import (
+    ROPE_TYPES,
+    ArchConfigError,
+    AttentionCache,
+    CacheSpec,
+    Rope,
+    WeightStore,
+    causal_mask,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -125,7 +133,8 @@ def _layer_problems(arch: dict[str, Any]) -> list[str]:
     unknown = sorted({k for k in kinds if k not in LAYER_TYPES}, key=str)
     if unknown:
         return [f"layer type(s) {', '.join(map(repr, unknown))} not implemented; supported: {', '.join(LAYER_TYPES)}"]
-    rope = arch.get("rope") if isinstance(arch.get("rope"), dict) else {}
+    given = arch.get("rope")
+    rope: dict[str, Any] = given if isinstance(given, dict) else {}
     return [p for kind in sorted(set(kinds)) for p in _rope_problems(kind, rope.get(kind), arch.get("head_dim"))]
 
 
@@ -169,7 +178,7 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Cache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: AttentionCache | None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = mx.split(self.q_k_v_proj(x), self.splits, axis=-1)
         # Views of the fused projection: make them contiguous before the rope kernel
@@ -212,7 +221,7 @@ class Block:
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: Cache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: AttentionCache | None) -> mx.array:
         h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), mask, cache)
         return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
 
@@ -225,7 +234,7 @@ class Model:
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = None if args.tie_word_embeddings else w.linear("lm_head")
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[AttentionCache] | None = None) -> mx.array:
         h = self.embedding(inputs)
         L = h.shape[1]
         # Without a cache every layer sees the whole sequence; caches build their own masks
