@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import multiprocessing
@@ -45,11 +46,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_mlx_lm as base  # noqa: E402  (shared: GGUF lookup, convert, prompt ids, bandwidth, table)
+import compare_mlx_lm as base
 
 WORKER_FLAG = "--_worker"
 LLAMA_HINT = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
@@ -77,7 +79,9 @@ def gemma3_gguf() -> Path:
     try:
         from turbospark_gemma3.weights import gemma3_270m_gguf
     except ImportError as e:
-        raise SystemExit(f"the turbospark-gemma3 example plugin is not installed ({e}); `pip install -e examples/turbospark-gemma3`")
+        fix = "`pip install -e examples/turbospark-gemma3`"
+        msg = f"the turbospark-gemma3 example plugin is not installed ({e}); {fix}"
+        raise SystemExit(msg) from None
     return gemma3_270m_gguf()
 
 
@@ -144,7 +148,7 @@ def bench_llama_cpp(gguf: Path, ids: list[int], gen: int, threads: int) -> dict[
         model_path=str(gguf), n_ctx=len(ids) + gen + 64, n_threads=threads, n_threads_batch=threads,
         n_batch=512, verbose=False,
     )
-    for _ in zip(range(WARMUP_TOKENS), llm.generate(ids[:16], top_k=1, temp=0.0, reset=True)):
+    for _ in itertools.islice(llm.generate(ids[:16], top_k=1, temp=0.0, reset=True), WARMUP_TOKENS):
         pass
     tokens: list[int] = []
     t0 = time.perf_counter()
@@ -182,7 +186,9 @@ def _busy() -> None:
         pass
 
 
-def run_child(runtime: str, model: dict[str, Any], gen: int, threads: int, work: Path, neighbour: bool) -> dict[str, Any]:
+def run_child(
+    runtime: str, model: dict[str, Any], gen: int, threads: int, work: Path, neighbour: bool
+) -> dict[str, Any]:
     spec_file, out_file = work / f"job-{runtime}.json", work / f"result-{runtime}.json"
     out_file.unlink(missing_ok=True)
     spec = {"runtime": runtime, "install": str(model["install"]), "gguf": str(model["gguf"]), "ids": model["ids"],
@@ -228,8 +234,8 @@ def report(results: list[dict[str, Any]], bandwidth: float, neighbour: bool) -> 
                      f"first tokens turbospark {ts['tokens'][:8]}, llama.cpp {lc['tokens'][:8]}")
         notes.append(f"  turbospark: {ts['note']}")
         notes.append(f"  llama.cpp: {lc['note']}")
-    notes.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (numpy, all cores); "
-                 + ("a CPU-bound neighbour ran on every core during each trial" if neighbour else "no neighbour process"))
+    load = "a CPU-bound neighbour ran on every core during each trial" if neighbour else "no neighbour process"
+    notes.append(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (numpy, all cores); {load}")
     return base.render(rows) + "\n\n" + "\n".join(notes)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -25,7 +24,8 @@ def _case(n: int, k: int, m: int, bits: int, group: int, dtype: mx.Dtype, seed: 
 
 
 def _reference(x, w, s, b, group: int, bits: int) -> np.ndarray:
-    y = mx.quantized_matmul(x, w, s.astype(mx.float32), b.astype(mx.float32), transpose=True, group_size=group, bits=bits)
+    s, b = s.astype(mx.float32), b.astype(mx.float32)
+    y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)
     return np.array(y)
 
 

@@ -13,10 +13,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-import tomllib
 
 from turbospark_core import plugins
 from turbospark_core.testing import TinyRandomConformance
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "example" / "turbospark-minimal"

@@ -40,7 +40,9 @@ class ComputePolicy:
                 unpack=True,
                 compute_dtype=mx.float32,
                 native=native.available(),
-                reason=f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget",
+                reason=(
+                    f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget"
+                ),
             )
         return cls(
             unpack=False,

@@ -72,12 +72,14 @@ class Embedding:
         if t.quant is None or t.scales is None:
             return t.weight[ids]
         # only the gathered rows are dequantized; affine scales widened first, as at unpacking
-        widen = self.dtype is not None and t.quant.mode == "affine"
         scales, biases = t.scales[ids], None if t.biases is None else t.biases[ids]
+        if self.dtype is not None and t.quant.mode == "affine":
+            scales = scales.astype(self.dtype)
+            biases = None if biases is None else biases.astype(self.dtype)
         return mx.dequantize(
             t.weight[ids],
-            scales.astype(self.dtype) if widen else scales,
-            biases.astype(self.dtype) if widen and biases is not None else biases,
+            scales,
+            biases,
             group_size=t.quant.group_size,
             bits=t.quant.bits,
             mode=t.quant.mode,

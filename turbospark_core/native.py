@@ -9,6 +9,7 @@ that sleeps when idle). Without it (not built, built against another MLX, or
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -18,18 +19,19 @@ from turbospark_core.tensor_index import QuantSpec
 
 OFF_ENV = "TURBOSPARK_NATIVE"
 BITS = frozenset({2, 3, 4, 5, 6, 8})
+MLX_VERSION: str = mx.__version__  # type: ignore[attr-defined]  # the stubs omit it
 
 
 def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get(OFF_ENV, "1").lower() in {"0", "off", "false", "no"}:
         return None, f"native kernels off ({OFF_ENV}=0)"
     try:
-        from turbospark_core._native import _qmm
+        _qmm = importlib.import_module("turbospark_core._native._qmm")
     except ImportError as err:
         return None, f"native kernels missing (not built at install: {err}); reinstall with cmake and a C++ compiler"
-    if _qmm.mlx_version() != mx.__version__:
+    if _qmm.mlx_version() != MLX_VERSION:
         return None, (
-            f"native kernels built for mlx {_qmm.mlx_version()} but mlx {mx.__version__} is installed; "
+            f"native kernels built for mlx {_qmm.mlx_version()} but mlx {MLX_VERSION} is installed; "
             f"reinstall turbospark to rebuild them"
         )
     panels = _bind_blas(_qmm) and _qmm.gemm_min_rows() < 2**62
@@ -64,8 +66,9 @@ def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, quant: QuantSpec
 ) -> mx.array:
     """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel."""
-    if biases is not None and supports(quant) and mx.default_device() == mx.cpu:
-        return _MODULE.quantized_matmul(x, w, scales, biases, group_size=quant.group_size, bits=quant.bits)
+    if _MODULE is not None and biases is not None and supports(quant) and mx.default_device() == mx.cpu:
+        out: mx.array = _MODULE.quantized_matmul(x, w, scales, biases, group_size=quant.group_size, bits=quant.bits)
+        return out
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
