@@ -29,7 +29,11 @@ class ComputePolicy:
 
     @classmethod
     def choose(cls, *, unpacked_bytes: int, stored_bytes: int, budget: int) -> ComputePolicy:
-        """Pick the policy for the default device within ``budget`` bytes."""
+        """Pick the policy for the default device within ``budget`` bytes.
+
+        ``unpacked_bytes``: the weights held under the unpacking policy (float32,
+        except the quantized matrices the native kernels multiply as stored).
+        """
         on_cpu = mx.default_device() == mx.cpu
         if not on_cpu:
             # bf16 activations: float16 overflows in some families (Gemma)
@@ -41,7 +45,7 @@ class ComputePolicy:
                 compute_dtype=mx.float32,
                 native=native.available(),
                 reason=(
-                    f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) fit the budget"
+                    f"cpu: float32 compute, {kernels}; weights as held ({unpacked_bytes / 1e9:.2f} GB) fit the budget"
                 ),
             )
         return cls(
@@ -49,7 +53,7 @@ class ComputePolicy:
             compute_dtype=mx.float32,
             native=native.available(),
             reason=(
-                f"cpu: float32 compute, {kernels}; float32 weights ({unpacked_bytes / 1e9:.2f} GB) exceed "
+                f"cpu: float32 compute, {kernels}; unpacked weights ({unpacked_bytes / 1e9:.2f} GB) exceed "
                 f"the budget, keeping stored form ({stored_bytes / 1e9:.2f} GB)"
             ),
         )

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import plugins
+from turbospark_core import native, plugins
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
@@ -314,11 +314,19 @@ def _plan_memory(
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
     kv_bytes = per_sequence * opts.session_slots
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
-    weight_bytes = index.float_bytes(4) if policy.unpack else index.stored_bytes()
+    weight_bytes = _unpacked_bytes(index) if policy.unpack else index.stored_bytes()
     estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
     _check_expert_budget(estimate, plan, opts, max_context)
     estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
     return policy, plan, estimate
+
+
+def _unpacked_bytes(index: TensorIndex) -> int:
+    """Weight bytes under the CPU's unpacking policy: float32, except the 2-D quantized
+    matrices the native kernels multiply in stored form (expert stacks are unpacked)."""
+    if mx.default_device() != mx.cpu or not native.available():
+        return index.float_bytes(4)
+    return index.float_bytes(4, keep=lambda base, spec: native.supports(spec) and len(index.logical_shape(base)) == 2)
 
 
 def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:
@@ -339,7 +347,7 @@ def _choose_policy(
     """The compute policy and, for MoE installs, the expert plan: float32 resident, stored resident,
     float32 streamed, stored streamed, the first that fits the budget (residency permitting)."""
     room = max(0, opts.memory_budget - kv_bytes)
-    f32, stored = index.float_bytes(4), index.stored_bytes()
+    f32, stored = _unpacked_bytes(index), index.stored_bytes()
     if layout is None:
         return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room), None
     for residency in residencies(opts.residency, opts.expert_slots, layout):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +79,19 @@ class TensorIndex:
             return info.shape
         return (*info.shape[:-1], info.shape[-1] * 32 // quant.bits)
 
-    def float_bytes(self, itemsize: int = 4) -> int:
-        """Bytes every weight takes once unpacked to ``itemsize``-byte floats."""
+    def float_bytes(self, itemsize: int = 4, keep: Callable[[str, QuantSpec], bool] | None = None) -> int:
+        """Bytes every weight takes once unpacked to ``itemsize``-byte floats.
+
+        ``keep(base, spec)`` says which quantized matrices stay in their stored
+        form (counted as stored) rather than being unpacked.
+        """
         total = 0
         for name, info in self.tensors.items():
             base, _, leaf = name.rpartition(".")
             if base in self.quantization:
-                if leaf == "weight":
+                if keep is not None and keep(base, self.quantization[base]):
+                    total += info.nbytes
+                elif leaf == "weight":
                     total += math.prod(self.logical_shape(base)) * itemsize
                 continue
             total += math.prod(info.shape) * itemsize
