@@ -57,7 +57,11 @@ _DOWN = re.compile(r"(?:^|\.)down_proj$")
 
 
 def ffn_edges() -> np.ndarray:
-    """The ``FFN_BINS + 1`` bin edges (the outermost are ``-inf``/``inf``)."""
+    """The ``FFN_BINS + 1`` bin edges (the outermost are ``-inf``/``inf``).
+
+    Bins are mirrored in magnitude: a positive bin is ``[lower, upper)``, its
+    negative twin ``(-upper, -lower]``; the centre bin is ``|x| < 1e-4``.
+    """
     mags = 10.0 ** (FLOOR_DECADE + np.arange(1, MAGNITUDE_BINS) / PER_DECADE)
     floor = 10.0**FLOOR_DECADE
     return np.concatenate([[-np.inf], -mags[::-1], [-floor, floor], mags, [np.inf]])
