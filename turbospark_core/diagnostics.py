@@ -51,6 +51,7 @@ MAGNITUDE_BINS = (CEILING_DECADE - FLOOR_DECADE) * PER_DECADE
 FFN_BINS = 2 * MAGNITUDE_BINS + 1
 CENTRE = MAGNITUDE_BINS
 _FLUSH_EVERY = 32  # records between asynchronous evaluations of an accumulator (bounds its lazy graph)
+_FLUSH_ELEMENTS = 1 << 20  # ... or sooner once this many values wait: the lazy graph keeps its inputs alive
 _FOLD_AT = 1 << 30  # elements added since the last fold at which an int32 accumulator is folded to the host
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DOWN = re.compile(r"(?:^|\.)down_proj$")
@@ -79,9 +80,10 @@ def ffn_bins(h: mx.array) -> mx.array:
 class Tally:
     """Per-bin totals accumulated on the device, read back as host int64/float64.
 
-    Each :meth:`add` is one scatter-add into a device array; every few adds
-    the array is evaluated asynchronously (its lazy graph stays short), and
-    it is folded into the host totals when read or before int32 could wrap.
+    Each :meth:`add` is one scatter-add into a device array; every few adds,
+    or once many values wait, the array is evaluated asynchronously (its lazy
+    graph, and the activations it reads, stay small), and it is folded into
+    the host totals when read or before int32 could wrap.
     """
 
     def __init__(self, size: int, dtype: mx.Dtype) -> None:
@@ -90,6 +92,7 @@ class Tally:
         self._host = np.zeros(size, np.float64 if dtype == mx.float32 else np.int64)
         self._since_fold = 0
         self._depth = 0
+        self._waiting = 0
 
     def add(self, index: mx.array, values: mx.array | int, elements: int) -> None:
         """Add ``values`` (or a constant) at bins ``index``; ``elements`` bounds what this adds."""
@@ -97,17 +100,18 @@ class Tally:
         self._device = base.at[index.reshape(-1)].add(values if isinstance(values, int) else values.reshape(-1))
         self._since_fold += elements
         self._depth += 1
+        self._waiting += elements
         if self._since_fold >= _FOLD_AT:
             self.fold()
-        elif self._depth >= _FLUSH_EVERY:
+        elif self._depth >= _FLUSH_EVERY or self._waiting >= _FLUSH_ELEMENTS:
             mx.async_eval(self._device)
-            self._depth = 0
+            self._depth = self._waiting = 0
 
     def fold(self) -> None:
         """Move the device totals into the host totals (a synchronisation)."""
         if self._device is not None:
             self._host += np.array(self._device)
-        self._device, self._since_fold, self._depth = None, 0, 0
+        self._device, self._since_fold, self._depth, self._waiting = None, 0, 0, 0
 
     def read(self) -> np.ndarray:
         """The totals so far."""
@@ -116,7 +120,7 @@ class Tally:
 
     def reset(self) -> None:
         """Forget everything counted."""
-        self._device, self._since_fold, self._depth = None, 0, 0
+        self._device, self._since_fold, self._depth, self._waiting = None, 0, 0, 0
         self._host[:] = 0
 
 
