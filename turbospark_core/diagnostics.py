@@ -233,9 +233,9 @@ class ObservedWeights(WeightStore):
         """As :meth:`WeightStore.experts`, wrapped in :class:`ObservedExperts`."""
         bank = super().experts(prefix, gate, up, down)
         layer = _layer_of(prefix + ".")
-        if layer is None:
-            layer = len(self.diagnostics.unnumbered)
+        if layer is None:  # no "layers.N." in the name: negative ids, apart from every numbered layer
             self.diagnostics.unnumbered.append(prefix)
+            layer = -len(self.diagnostics.unnumbered)
         d = self.diagnostics
         router = d.router_layer(layer, bank.num_experts) if d.router else None
         ffn = d.ffn_tally(layer) if d.ffn else None
