@@ -37,6 +37,8 @@ def open(  # noqa: A001 - the API's name
     session_slots: int = 1,
     ring_capacity: int | None = None,
     warmup: bool = False,
+    router_histogram: bool = False,
+    ffn_histogram: bool = False,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -63,6 +65,15 @@ def open(  # noqa: A001 - the API's name
         ring_capacity: Sliding-window layers: ring size in tokens (default
             and minimum: the window).
         warmup: Run one token through the model before returning.
+        router_histogram: MoE installs: count, per routed layer and expert,
+            the selections and routing-weight mass of everything run after
+            the open (:meth:`Runner.router_histogram`); refused on a model
+            without routed experts. Off: nothing is allocated or computed.
+        ffn_histogram: Per layer, a fixed-bin histogram of the FFN's
+            intermediate activations, the input of the down projection
+            (:meth:`Runner.ffn_histogram`). Off: nothing is allocated.
+            With either histogram on, the family's flow runs uncompiled
+            (an ``mx.compile`` trace cannot record).
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -90,6 +101,8 @@ def open(  # noqa: A001 - the API's name
             "session_slots": session_slots,
             "ring_capacity": ring_capacity,
             "warmup": warmup,
+            "router_histogram": router_histogram,
+            "ffn_histogram": ffn_histogram,
         }
     )
     opened = open_install(path, options)  # steps 3-15

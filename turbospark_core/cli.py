@@ -1,4 +1,4 @@
-"""The ``turbospark`` command line: convert, generate, chat, inspect, families, serve."""
+"""The ``turbospark`` command line: convert, generate, chat, inspect, families, serve, plot, bench."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def _open(args: argparse.Namespace) -> Any:
     for name in ("residency", "expert_slots"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
+    options.update(_diagnostic_options(args))
     return turbospark_core.open(args.install, **options)
 
 
@@ -132,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _stream_out(stream)
     if args.verbose:
         _print_stats(stream.result.stats)
+    _save_histograms(runner, args)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -285,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("install")
     p.add_argument("prompt")
     _add_sampling(p)
+    _add_diagnostic_flags(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -313,7 +316,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     p.set_defaults(func=cmd_serve)
+    _add_plot_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+# ------------------------------------------------------------------ diagnostics: histograms, plot, bench
+def _add_diagnostic_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router-hist", metavar="OUT.npz", default=None, help="MoE: save the router histogram (layers x experts) of this run")
+    p.add_argument("--ffn-hist", metavar="OUT.npz", default=None, help="save per-layer FFN activation histograms of this run")
+
+
+def _diagnostic_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if getattr(args, "router_hist", None):
+        options["router_histogram"] = True
+    if getattr(args, "ffn_hist", None):
+        options["ffn_histogram"] = True
+    return options
+
+
+def _save_histograms(runner: Any, args: argparse.Namespace) -> None:
+    """``--router-hist``/``--ffn-hist``: write the histograms (one file when both name the same path)."""
+    from turbospark_core.diagnostics import save_npz
+
+    wanted: dict[str, list[Any]] = {}
+    if getattr(args, "router_hist", None):
+        wanted.setdefault(args.router_hist, []).append(runner.router_histogram())
+    if getattr(args, "ffn_hist", None):
+        wanted.setdefault(args.ffn_hist, []).append(runner.ffn_histogram())
+    for path, histograms in wanted.items():
+        save_npz(path, *histograms)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from turbospark_core.plot import plot_histograms
+
+    print(f"wrote {plot_histograms(args.npz, args.output)}")
+
+
+def _add_plot_parser(sub: Any) -> None:
+    p = sub.add_parser("plot", help="draw a --router-hist/--ffn-hist .npz as a PNG (needs turbospark[plot])")
+    p.add_argument("npz", help="histograms written by `turbospark generate --router-hist/--ffn-hist`")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from turbospark_core import bench
+
+    if args.plot:
+        from turbospark_core.plot import _figure
+
+        _figure(1, 1)  # refuse a missing matplotlib before the long run
+    runner = _open(args)
+    rows = bench.run(runner, args.lengths, args.decode_tokens, show_progress=not args.quiet)
+    if args.json:
+        out = {"install": str(args.install), "model_type": runner.manifest.model_type, "rows": [r.as_dict() for r in rows]}
+        print(json.dumps(out, indent=2))
+    else:
+        print(bench.table(rows))
+    if args.plot:
+        from turbospark_core.plot import plot_bench
+
+        plot_bench([r.as_dict() for r in rows], args.plot, f"turbospark bench: {Path(args.install).name}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _add_bench_parser(sub: Any) -> None:
+    from turbospark_core.bench import DEFAULT_DECODE_TOKENS, DEFAULT_LENGTHS
+
+    p = sub.add_parser("bench", help="prefill and decode tok/s and peak memory at a few prompt lengths")
+    p.add_argument("install")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths (clipped to max context)")
+    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, help="tokens decoded per length")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw tok/s against prompt length (needs turbospark[plot])")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_expert_options(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,13 +104,18 @@ class Experts(Protocol):
         """How many experts the layer has."""
         ...
 
-    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+    def glu(
+        self, x: mx.array, indices: mx.array, activation: Activation, weights: mx.array | None = None
+    ) -> mx.array:
         """Gated expert MLP for each chosen expert.
 
         Args:
             x: Hidden states ``[..., D]``.
             indices: Chosen experts ``[..., k]`` (integer).
             activation: ``(gate, up) -> hidden``, e.g. ``silu(gate) * up``.
+            weights: The routing weights ``[..., k]`` the family applies
+                afterwards; only observed (the router histogram's weight
+                mass), never applied here.
 
         Returns:
             ``[..., k, D]``: each chosen expert's output (unweighted).
@@ -129,8 +134,10 @@ class ExpertBank:
         """How many experts the layer has."""
         return self.gate.weight.shape[0]
 
-    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
-        """Gated expert MLP for each chosen expert (see :meth:`Experts.glu`)."""
+    def glu(
+        self, x: mx.array, indices: mx.array, activation: Activation, weights: mx.array | None = None
+    ) -> mx.array:
+        """Gated expert MLP for each chosen expert (see :meth:`Experts.glu`; ``weights`` is not used)."""
         if indices.size >= SORT_THRESHOLD:
             return self._glu_sorted(x, indices, activation)
         xe = mx.expand_dims(x, (-2, -3))

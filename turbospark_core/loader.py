@@ -15,6 +15,7 @@ from turbospark_core import native, plugins
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
+from turbospark_core.diagnostics import Diagnostics
 from turbospark_core.errors import (
     ArchConfigError,
     FamilyRefusalError,
@@ -80,6 +81,7 @@ class OpenedModel:
     startup_stats: StartupStats
     generation_config: dict[str, Any]
     experts: ExpertStore | None = attrs.field(default=None, eq=False)
+    diagnostics: Diagnostics | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def refuse_non_install(path: Path) -> None:
@@ -226,10 +228,13 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
        sequence, see ``OpenedModel.new_cache``), so no phase times it;
     10. set up the experts (resident banks, or streamed slots);
     11. build the family state (``build_family_state``), then materialize;
+        with a diagnostic on (``router_histogram``, ``ffn_histogram``), the
+        weight store of step 8 hands out recording objects, and one that
+        observes nothing is refused here (:mod:`turbospark_core.diagnostics`);
     12. drafters: not implemented yet;
     13. build the session pool (``session_slots`` parked sequences);
     14. steering: not implemented yet (``steering_supported`` is not asked);
-    15. warm-up (one token), when ``options.warmup``.
+    15. warm-up (one token), when ``options.warmup`` (diagnostics forget it).
 
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
     estimate), expert_setup (the experts section, 10), weights_mapping (8, and
@@ -253,13 +258,19 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
     with timer.phase("expert_setup"):
         expert_layout = _expert_layout(manifest, index, options)  # 10, read before the estimate that counts slots
     policy, plan, estimate = _plan_memory(index, expert_layout, layout, options, max_context)
+    diagnostics = Diagnostics.from_options(options)  # None unless asked for: then nothing is wrapped
     with timer.phase("weights_mapping"):
-        weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
+        if diagnostics is None:
+            weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
+        else:
+            weights = diagnostics.weights(manifest.path(WEIGHTS), index, policy)
     with timer.phase("expert_setup"):
         experts = _open_experts(manifest, expert_layout, plan, policy)  # 10
         weights.use_experts(experts)
     with timer.phase("family_state"):
         model = _build_family(manifest, hooks, weights, layout, policy)  # 11
+        if diagnostics is not None:
+            model = diagnostics.attach(model, manifest.model_type, experts)
     with timer.phase("weights_mapping"):
         weights.materialize()
     new_cache = _cache_maker(layout, max_context, policy, options)
@@ -268,6 +279,8 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
     if options.warmup:
         with timer.phase("warmup"):
             mx.eval(model(mx.array([[0]]), new_cache()))  # 15
+            if diagnostics is not None:
+                diagnostics.reset()
     return OpenedModel(
         manifest=manifest,
         hooks=hooks,
@@ -284,6 +297,7 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         startup_stats=timer.finish(),
         generation_config=_generation_config(root, manifest),
         experts=experts,
+        diagnostics=diagnostics,
     )
 
 

@@ -10,6 +10,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core.diagnostics import Diagnostics, FFNHistogram, RouterHistogram
 from turbospark_core.errors import ContextOverflowError, OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.loader import OpenedModel
@@ -84,6 +85,44 @@ class Runner:
         """MoE expert counters since open (hits, misses, bytes read, load time); ``None`` without experts.bin."""
         experts = self._opened.experts
         return None if experts is None else experts.stats()
+
+    def router_histogram(self, *, reset: bool = False) -> RouterHistogram:
+        """Per routed layer x expert: selections and routing-weight mass since open (or the last reset).
+
+        Alongside, per layer: tokens routed, ``top_k``, and the streamed
+        residency's slot hits and misses (``.hit_rate``), to size
+        ``expert_slots`` from data. Reading synchronises once.
+
+        Args:
+            reset: Start counting afresh after this read.
+
+        Raises:
+            OptionError: The install was opened without ``router_histogram=True``.
+        """
+        diagnostics = self._diagnostics("router_histogram")
+        out = diagnostics.router_histogram()
+        if reset:
+            diagnostics.reset(ffn=False)
+        return out
+
+    def ffn_histogram(self, *, reset: bool = False) -> FFNHistogram:
+        """Per layer, the fixed-bin histogram of the FFN intermediate (the down projection's input) since open.
+
+        Raises:
+            OptionError: The install was opened without ``ffn_histogram=True``.
+        """
+        diagnostics = self._diagnostics("ffn_histogram")
+        out = diagnostics.ffn_histogram()
+        if reset:
+            diagnostics.reset(router=False)
+        return out
+
+    def _diagnostics(self, option: str) -> Diagnostics:
+        diagnostics = self._opened.diagnostics
+        if diagnostics is None or not getattr(self._opened.options, option):
+            msg = f"{option} is off for this Runner; open the install with {option}=True"
+            raise OptionError(msg)
+        return diagnostics
 
     @property
     def startup_stats(self) -> StartupStats:

@@ -51,7 +51,9 @@ class StreamedExpertBank:
         held = np.nonzero(self._expert_in >= 0)[0]
         return [int(self._expert_in[s]) for s in held[np.argsort(self._used[held], kind="stable")]]
 
-    def glu(self, x: mx.array, indices: mx.array, activation: Activation) -> mx.array:
+    def glu(
+        self, x: mx.array, indices: mx.array, activation: Activation, weights: mx.array | None = None
+    ) -> mx.array:
         """Gated expert MLP for each chosen expert (see :meth:`ExpertBank.glu`); loads missing experts."""
         idx = np.asarray(indices).astype(np.int64)
         self._check(idx)

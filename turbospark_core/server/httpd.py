@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 from turbospark_core.errors import ContextOverflowError, OptionError, TokenizerError, TurbosparkError
 from turbospark_core.runner import Runner
 from turbospark_core.server import protocol
+from turbospark_core.server.metrics import endpoint_label, server_metrics
 from turbospark_core.server.protocol import APIError, GenerationRequest, ModelFacts
 from turbospark_core.server.scheduler import DEFAULT_MAX_QUEUE, DONE, ERROR, PIECE, Job, Scheduler
 
@@ -36,6 +37,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "/v1/completions": {"POST": "_completions"},
     "/v1/models": {"GET": "_models"},
     "/health": {"GET": "_health"},
+    "/metrics": {"GET": "_metrics"},
 }
 MODEL_PREFIX = "/v1/models/"
 
@@ -118,6 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self._linger = False
+        self._endpoint: str | None = None  # the route being answered (metrics); None between requests
 
     def finish(self) -> None:
         super().finish()
@@ -128,10 +131,17 @@ class _Handler(BaseHTTPRequestHandler):
     def app(self) -> Server:
         return self.server.app
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._status = code
+        if self._endpoint is not None:  # counted as the answer starts (metrics hook)
+            self.app.metrics.request(self._endpoint, code)
+        super().send_response(code, message)
+
     def _dispatch(self, method: str) -> None:
         self._body_read = False
         self._headers_sent = False
         path = urlsplit(self.path).path
+        self._status, self._endpoint = None, endpoint_label(path, ROUTES, MODEL_PREFIX)
         methods = ROUTES.get(path) or ({"GET": "_model"} if path.startswith(MODEL_PREFIX) else None)
         try:
             if methods is None:
@@ -145,9 +155,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(e, {"Allow": ", ".join(methods)} if e.status == 405 and methods else None)
         except OSError:  # the client went away (broken pipe, reset, timeout): nothing to answer
             self.close_connection = True
+            if self._status is None:
+                self.app.metrics.request(self._endpoint, None)
         except Exception:  # a bug must not take the server down
             log.exception("unexpected error serving %s %s", method, path)
             self._send_error(APIError(500, "internal server error", type="server_error"))
+        finally:
+            self._endpoint = None
 
     # ------------------------------------------------------------- bodies
     def _read_json(self) -> dict[str, Any]:
@@ -177,9 +191,11 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(obj).encode()
+        self._send_body(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _send_body(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -210,6 +226,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _health(self, path: str) -> None:
         self._send_json(200, self.app.health())
+
+    def _metrics(self, path: str) -> None:
+        self._send_body(200, self.app.metrics.render(), self.app.metrics.content_type)
 
     # ------------------------------------------------------------- generation
     def _chat(self, path: str) -> None:
@@ -333,12 +352,14 @@ class Server:
             msg = f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
             raise TurbosparkError(msg) from None
         self.httpd.app = self
-        self.scheduler = Scheduler(opener, max_queue=max_queue)
+        self.metrics = server_metrics()
+        self.scheduler = Scheduler(opener, max_queue=max_queue, observer=self.metrics)
         try:
             self.runner = self.scheduler.start()
         except BaseException:
             self.httpd.server_close()
             raise
+        self.metrics.bind(self.scheduler)
         self.created = int(time.time())
         self.facts = _facts(self.runner, model_id)
         self._thread: threading.Thread | None = None

@@ -21,6 +21,7 @@ import attrs
 
 from turbospark_core.errors import TurbosparkError
 from turbospark_core.runner import Runner, TextStream
+from turbospark_core.server.metrics import NullMetrics
 from turbospark_core.server.protocol import APIError, GenerationRequest
 from turbospark_core.sessions import common_prefix
 
@@ -145,11 +146,16 @@ class Scheduler:
             MLX streams are per thread (arrays made lazily on one thread
             cannot be evaluated on another).
         max_queue: Most requests waiting for a slot before new ones get 503.
+        observer: Metrics hooks, called on the worker thread (see
+            :mod:`turbospark_core.server.metrics`).
     """
 
-    def __init__(self, opener: Callable[[], Runner], *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    def __init__(
+        self, opener: Callable[[], Runner], *, max_queue: int = DEFAULT_MAX_QUEUE, observer: NullMetrics | None = None
+    ) -> None:
         self._opener = opener
         self.max_queue = max_queue
+        self.observer = observer or NullMetrics()
         self.runner: Runner | None = None
         self.counters = Counters()
         self._cond = threading.Condition()
@@ -254,6 +260,8 @@ class Scheduler:
             job._pieces = iter(job._stream)
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
+        else:
+            self.observer.begun(job)
 
     def _step(self, job: Job) -> None:
         """Advance ``job`` by one text piece (one token, or a few when text is held back)."""
@@ -269,6 +277,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
         else:
+            self.observer.piece(job)
             job.events.put((PIECE, piece))
 
     def _finish(self, job: Job, kind: str, value: Any) -> None:
@@ -279,6 +288,7 @@ class Scheduler:
             self.counters.failed += 1
             if not isinstance(value, (APIError, TurbosparkError)):
                 log.error("request %s failed", job.request.request_id, exc_info=value)
+        self.observer.finished(job, kind, value)  # before the client hears of it: a scrape then sees it
         job.events.put((kind, value))
 
     def _close(self, job: Job) -> None:

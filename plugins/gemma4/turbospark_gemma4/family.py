@@ -295,7 +295,7 @@ class Block:
             return out
         # The routed experts run beside the dense MLP, on the same residual
         inds, weights = self.router(h)
-        y = self.experts.glu(self._norm(h, self.pre_feedforward_layernorm_2), inds, geglu)
+        y = self.experts.glu(self._norm(h, self.pre_feedforward_layernorm_2), inds, geglu, weights=weights)
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
         return self._norm(out, self.post_feedforward_layernorm_1) + self._norm(y, self.post_feedforward_layernorm_2)
 

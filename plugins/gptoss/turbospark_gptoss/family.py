@@ -191,7 +191,7 @@ class MoE:
         inds = mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
         # Softmax over the chosen experts' logits only
         weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
-        y = self.experts.glu(x, inds, self.activation)
+        y = self.experts.glu(x, inds, self.activation, weights=weights)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 

@@ -172,7 +172,7 @@ class MoE:
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        y = self.experts.glu(x, inds, swiglu)
+        y = self.experts.glu(x, inds, swiglu, weights=weights)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 

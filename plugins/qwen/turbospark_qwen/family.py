@@ -282,7 +282,7 @@ class SparseMoE:
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        y = self.experts.glu(x, inds, swiglu)
+        y = self.experts.glu(x, inds, swiglu, weights=weights)
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 

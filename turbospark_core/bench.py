@@ -1,0 +1,133 @@
+"""``turbospark bench``: prefill and decode throughput and peak memory at a few prompt lengths.
+
+Each length runs on a fresh cache: a prompt of random token ids is
+prefilled in the Runner's chunks, then ``decode_tokens`` tokens are decoded
+greedily (EOS does not stop a benchmark), pipelined as the Runner does. A
+short unmeasured run first pays for one-time setup. The Runner decodes one
+sequence at a time (the server interleaves requests token by token rather
+than batching them), so there is no batch-size axis.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from turbospark_core.errors import OptionError
+from turbospark_core.progress import progress
+from turbospark_core.runner import PREFILL_CHUNK
+
+if TYPE_CHECKING:
+    from turbospark_core.kv_cache import Cache
+    from turbospark_core.runner import Runner
+
+DEFAULT_LENGTHS = (128, 512, 2048)
+DEFAULT_DECODE_TOKENS = 32
+_SEED = 0
+
+
+@attrs.frozen(kw_only=True)
+class BenchRow:
+    """One prompt length's measurements."""
+
+    prompt_tokens: int
+    prefill_s: float
+    prefill_tps: float
+    decode_tokens: int
+    decode_s: float
+    decode_tps: float
+    peak_memory_gb: float
+    expert_hit_rate: float | None = None  # streamed MoE: slot hits over lookups during this row
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return attrs.asdict(self)
+
+
+def prompt_lengths(requested: Iterable[int], max_context: int, decode_tokens: int) -> list[int]:
+    """``requested`` clipped so prompt + decode fits ``max_context`` (sorted, duplicates dropped)."""
+    room = max_context - decode_tokens
+    if room < 1:
+        msg = f"--decode-tokens {decode_tokens} leaves no room for a prompt in max_context={max_context}; lower it"
+        raise OptionError(msg)
+    bad = [n for n in requested if n < 1]
+    if bad:
+        raise OptionError(f"prompt length {bad[0]} is invalid; use positive numbers of tokens")
+    return sorted({min(n, room) for n in requested})
+
+
+def run(
+    runner: Runner,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    decode_tokens: int = DEFAULT_DECODE_TOKENS,
+    *,
+    show_progress: bool = True,
+) -> list[BenchRow]:
+    """Measure every length in ``lengths`` (clipped to the Runner's ``max_context``)."""
+    if decode_tokens < 1:
+        raise OptionError(f"decode_tokens={decode_tokens} is invalid; decode at least one token")
+    todo = prompt_lengths(lengths, runner.max_context, decode_tokens)
+    rng = np.random.default_rng(_SEED)
+    vocab = int(runner.manifest.arch["vocab_size"])
+    _measure(runner, rng.integers(0, vocab, min(8, todo[0])).tolist(), 2)  # unmeasured: one-time setup
+    return [
+        _measure(runner, rng.integers(0, vocab, n).tolist(), decode_tokens)
+        for n in progress(todo, len(todo), "bench", enabled=show_progress)
+    ]
+
+
+def _measure(runner: Runner, ids: list[int], decode_tokens: int) -> BenchRow:
+    model = runner.model
+    cache = runner.opened.new_cache()
+    experts_before = runner.expert_stats()
+    mx.eval([c.state for c in cache])
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    token = _prefill(model, ids, cache)
+    mx.eval(token)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = mx.argmax(model(token[:, None], cache)[:, -1, :], axis=-1)
+        mx.async_eval(token)
+    mx.eval(token)
+    decode_s = time.perf_counter() - t0
+    after = runner.expert_stats()
+    hit_rate = None
+    if after is not None and experts_before is not None and after.residency == "streamed":
+        hit_rate = after.since(experts_before).hit_rate
+    return BenchRow(
+        prompt_tokens=len(ids),
+        prefill_s=prefill_s,
+        prefill_tps=len(ids) / prefill_s if prefill_s else 0.0,
+        decode_tokens=decode_tokens,
+        decode_s=decode_s,
+        decode_tps=decode_tokens / decode_s if decode_s else 0.0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        expert_hit_rate=hit_rate,
+    )
+
+
+def _prefill(model: Any, ids: list[int], cache: list[Cache]) -> mx.array:
+    """The prompt in the Runner's chunks; the greedy next token ``[1]``."""
+    for start in range(0, len(ids) - 1, PREFILL_CHUNK):
+        model(mx.array([ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]]), cache)
+        mx.eval([c.state for c in cache])
+    return mx.argmax(model(mx.array([ids[-1:]]), cache)[:, -1, :], axis=-1)
+
+
+def table(rows: Sequence[BenchRow]) -> str:
+    """The rows as an aligned text table."""
+    streamed = any(r.expert_hit_rate is not None for r in rows)
+    head = f"{'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>9}" + ("  expert hits" if streamed else "")
+    lines = [head]
+    for r in rows:
+        line = f"{r.prompt_tokens:>8} {r.prefill_tps:>14.1f} {r.decode_tps:>13.1f} {r.peak_memory_gb:>9.3f}"
+        if streamed:
+            line += f"  {r.expert_hit_rate:>10.1%}" if r.expert_hit_rate is not None else "  -"
+        lines.append(line)
+    return "\n".join(lines)
