@@ -75,7 +75,9 @@ def _hide_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # also when it was never imported
 
 
-def test_plot_without_matplotlib_names_the_extra(histograms: Path, tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+def test_plot_without_matplotlib_names_the_extra(
+    histograms: Path, tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
     _hide_matplotlib(monkeypatch)
     out = tmp_path / "never.png"
     assert main(["plot", str(histograms), "-o", str(out)]) == 2
@@ -84,7 +86,9 @@ def test_plot_without_matplotlib_names_the_extra(histograms: Path, tmp_path: Pat
     assert not out.exists()
 
 
-def test_bench_plot_without_matplotlib_fails_before_the_run(dense: Path, tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+def test_bench_plot_without_matplotlib_fails_before_the_run(
+    dense: Path, tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
     _hide_matplotlib(monkeypatch)
     assert main(["bench", str(dense), "--plot", str(tmp_path / "b.png"), "-q"]) == 2
     captured = capsys.readouterr()
@@ -121,13 +125,36 @@ def test_bench_json_table_and_plot(dense: Path, tmp_path: Path, capsys: Any) -> 
 
 
 def test_bench_clips_lengths_to_max_context(dense: Path, capsys: Any) -> None:
-    argv = ["bench", str(dense), "--lengths", "16", "4096", "--decode-tokens", "4", "--max-context", "64", "--json", "-q"]
+    argv = [
+        "bench",
+        str(dense),
+        "--lengths",
+        "16",
+        "4096",
+        "--decode-tokens",
+        "4",
+        "--max-context",
+        "64",
+        "--json",
+        "-q",
+    ]
     assert main(argv) == 0
     assert [r["prompt_tokens"] for r in json.loads(capsys.readouterr().out)["rows"]] == [16, 60]
 
 
 def test_bench_streamed_moe_reports_the_expert_hit_rate(moe: Path, capsys: Any) -> None:
-    argv = ["bench", str(moe), "--lengths", "16", "--decode-tokens", "4", "--residency", "streamed", "--expert-slots", "3"]
+    argv = [
+        "bench",
+        str(moe),
+        "--lengths",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--residency",
+        "streamed",
+        "--expert-slots",
+        "3",
+    ]
     assert main([*argv, "--json", "-q"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert 0.0 <= row["expert_hit_rate"] <= 1.0

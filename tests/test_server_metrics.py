@@ -5,8 +5,8 @@ from __future__ import annotations
 import http.client
 import json
 import sys
-from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +26,9 @@ def server(turbospark_install: Any) -> Iterator[Server]:
 
 def call(server: Server, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request(method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request(
+        method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json"}
+    )
     resp = conn.getresponse()
     data = resp.read()
     conn.close()

@@ -11,7 +11,8 @@ than batching them), so there is no batch-size axis.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
@@ -93,7 +94,7 @@ def _measure(runner: Runner, ids: list[int], decode_tokens: int) -> BenchRow:
     t0 = time.perf_counter()
     for _ in range(decode_tokens):
         token = mx.argmax(model(token[:, None], cache)[:, -1, :], axis=-1)
-        mx.async_eval(token)
+        mx.async_eval(token)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
     mx.eval(token)
     decode_s = time.perf_counter() - t0
     after = runner.expert_stats()
@@ -123,7 +124,9 @@ def _prefill(model: Any, ids: list[int], cache: list[Cache]) -> mx.array:
 def table(rows: Sequence[BenchRow]) -> str:
     """The rows as an aligned text table."""
     streamed = any(r.expert_hit_rate is not None for r in rows)
-    head = f"{'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>9}" + ("  expert hits" if streamed else "")
+    head = f"{'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>9}" + (
+        "  expert hits" if streamed else ""
+    )
     lines = [head]
     for r in rows:
         line = f"{r.prompt_tokens:>8} {r.prefill_tps:>14.1f} {r.decode_tps:>13.1f} {r.peak_memory_gb:>9.3f}"

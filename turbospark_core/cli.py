@@ -323,8 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ diagnostics: histograms, plot, bench
 def _add_diagnostic_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router-hist", metavar="OUT.npz", default=None, help="MoE: save the router histogram (layers x experts) of this run")
-    p.add_argument("--ffn-hist", metavar="OUT.npz", default=None, help="save per-layer FFN activation histograms of this run")
+    router_help = "MoE: save the router histogram (layers x experts) of this run"
+    p.add_argument("--router-hist", metavar="OUT.npz", default=None, help=router_help)
+    ffn_help = "save per-layer FFN activation histograms of this run"
+    p.add_argument("--ffn-hist", metavar="OUT.npz", default=None, help=ffn_help)
 
 
 def _diagnostic_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -373,7 +375,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     runner = _open(args)
     rows = bench.run(runner, args.lengths, args.decode_tokens, show_progress=not args.quiet)
     if args.json:
-        out = {"install": str(args.install), "model_type": runner.manifest.model_type, "rows": [r.as_dict() for r in rows]}
+        out = {
+            "install": str(args.install),
+            "model_type": runner.manifest.model_type,
+            "rows": [r.as_dict() for r in rows],
+        }
         print(json.dumps(out, indent=2))
     else:
         print(bench.table(rows))
@@ -389,10 +395,12 @@ def _add_bench_parser(sub: Any) -> None:
 
     p = sub.add_parser("bench", help="prefill and decode tok/s and peak memory at a few prompt lengths")
     p.add_argument("install")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths (clipped to max context)")
+    lengths_help = "prompt lengths (clipped to max context)"
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help=lengths_help)
     p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, help="tokens decoded per length")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw tok/s against prompt length (needs turbospark[plot])")
+    plot_help = "draw tok/s against prompt length (needs turbospark[plot])"
+    p.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     _add_expert_options(p)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
@@ -89,7 +90,7 @@ class Tally:
     def __init__(self, size: int, dtype: mx.Dtype) -> None:
         self.size, self.dtype = size, dtype
         self._device: mx.array | None = None
-        self._host = np.zeros(size, np.float64 if dtype == mx.float32 else np.int64)
+        self._host: np.ndarray = np.zeros(size, np.float64 if dtype == mx.float32 else np.int64)
         self._since_fold = 0
         self._depth = 0
         self._waiting = 0
@@ -104,7 +105,7 @@ class Tally:
         if self._since_fold >= _FOLD_AT:
             self.fold()
         elif self._depth >= _FLUSH_EVERY or self._waiting >= _FLUSH_ELEMENTS:
-            mx.async_eval(self._device)
+            mx.async_eval(self._device)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
             self._depth = self._waiting = 0
 
     def fold(self) -> None:
@@ -116,7 +117,8 @@ class Tally:
     def read(self) -> np.ndarray:
         """The totals so far."""
         self.fold()
-        return self._host.copy()
+        out: np.ndarray = self._host.copy()
+        return out
 
     def reset(self) -> None:
         """Forget everything counted."""
@@ -174,9 +176,7 @@ class ObservedExperts:
         """How many experts the layer has."""
         return self.inner.num_experts
 
-    def glu(
-        self, x: mx.array, indices: mx.array, activation: Activation, weights: mx.array | None = None
-    ) -> mx.array:
+    def glu(self, x: mx.array, indices: mx.array, activation: Activation, weights: mx.array | None = None) -> mx.array:
         """The wrapped bank's ``glu``, recorded (see :meth:`~turbospark_core.layers.Experts.glu`)."""
         if self.router is not None:
             self.router.record(indices, weights)
@@ -221,9 +221,9 @@ class ObservedWeights(WeightStore):
         super().__init__(path, index, policy)
         self.diagnostics = diagnostics
 
-    def linear(self, base: str) -> Linear:
+    def linear(self, base: str, *, native_ok: bool = True) -> Linear:
         """As :meth:`WeightStore.linear`; a ``layers.N. ... down_proj`` is recorded when the FFN histogram is on."""
-        lin = super().linear(base)
+        lin = super().linear(base, native_ok=native_ok)
         layer = _layer_of(base)
         if not self.diagnostics.ffn or layer is None or not _DOWN.search(base):
             return lin
@@ -436,5 +436,5 @@ def save_npz(path: str | Path, *histograms: RouterHistogram | FFNHistogram) -> P
         arrays.update(h.arrays())
     out = Path(path)
     with out.open("wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, allow_pickle=False, **arrays)
     return out

@@ -6,7 +6,7 @@ their types and the checks behind its refusals.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -68,14 +68,19 @@ def _kv_quant(value: object) -> KVQuant | None:
     return _choice("kv_quant", value, KV_QUANT)
 
 
-def _flag(name: str) -> Callable[[object], bool]:
-    def check(value: object) -> bool:
-        if not isinstance(value, bool):
-            msg = f"{name}={value!r} is invalid; use True or False"
-            raise OptionError(msg)
-        return value
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        msg = f"{name}={value!r} is invalid; use True or False"
+        raise OptionError(msg)
+    return value
 
-    return check
+
+def _router_histogram(value: object) -> bool:
+    return _flag("router_histogram", value)
+
+
+def _ffn_histogram(value: object) -> bool:
+    return _flag("ffn_histogram", value)
 
 
 @attrs.frozen(kw_only=True)
@@ -90,8 +95,8 @@ class OpenOptions:
     session_slots: int = attrs.field(default=1, converter=_session_slots)
     ring_capacity: int | None = attrs.field(default=None, converter=_ring_capacity)
     warmup: bool = False
-    router_histogram: bool = attrs.field(default=False, converter=_flag("router_histogram"))
-    ffn_histogram: bool = attrs.field(default=False, converter=_flag("ffn_histogram"))
+    router_histogram: bool = attrs.field(default=False, converter=_router_histogram)
+    ffn_histogram: bool = attrs.field(default=False, converter=_ffn_histogram)
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

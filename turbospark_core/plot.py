@@ -7,8 +7,9 @@ with the Agg canvas directly (no pyplot state, no display needed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -56,7 +57,8 @@ def plot_histograms(npz: str | Path, out: str | Path) -> Path:
         raise TurbosparkError(msg) from None
     router, ffn = "router_counts" in arrays, "ffn_counts" in arrays
     if not (router or ffn):
-        msg = f"{npz} holds no router_* or ffn_* arrays; write one with `turbospark generate ... --router-hist FILE.npz`"
+        fix = "write one with `turbospark generate ... --router-hist FILE.npz`"
+        msg = f"{npz} holds no router_* or ffn_* arrays; {fix}"
         raise TurbosparkError(msg)
     panels = int(router) + int(ffn)
     fig = _figure(10, 4.5 * panels)
@@ -91,7 +93,8 @@ def _ffn_curves(ax: Any, arrays: dict[str, np.ndarray]) -> None:
     cmap = _colormap()
     for i, row in enumerate(counts):
         total = row.sum()
-        ax.plot(x, row / total if total else row, color=cmap(i / max(len(counts) - 1, 1)), label=f"layer {int(layers[i])}")
+        color = cmap(i / max(len(counts) - 1, 1))
+        ax.plot(x, row / total if total else row, color=color, label=f"layer {int(layers[i])}")
     edges = arrays.get("ffn_edges")
     if edges is not None and len(edges) == bins + 1:
         ticks = _decade_ticks(edges, centre)

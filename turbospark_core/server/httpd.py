@@ -96,6 +96,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "turbospark"
     timeout = SOCKET_TIMEOUT_S
     server: _HTTPServer
+    _status: int | None = None  # the answer's status once it has started (metrics)
 
     # ------------------------------------------------------------- routing
     # (do_<METHOD> is http.server's naming)
