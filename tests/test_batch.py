@@ -305,3 +305,36 @@ def test_smollm2_eight_greedy_rows(tmp_path_factory: pytest.TempPathFactory) -> 
     batched = runner.generate_many(prompts, max_tokens=16)
     for prompt, got in zip(prompts, batched):
         assert got.tokens == runner.generate(prompt, max_tokens=16).tokens
+
+
+def test_server_batches_concurrent_clients(turbospark_install: Any, llama: Any) -> None:
+    """8 concurrent greedy clients on a server decoding at most 3 rows per forward: each equals its lone answer."""
+    import threading
+
+    from openai import OpenAI
+
+    from turbospark_core.server import Server
+
+    prompts = [f"Item {i}: the {i * 7} quick foxes" for i in range(8)]
+    want = [llama.generate(p, max_tokens=8).text for p in prompts]
+    got: dict[int, str] = {}
+    with Server.from_install(turbospark_install("llama", "float32"), port=0, session_slots=8, max_batch=3).start() as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(i: int) -> None:
+            got[i] = client.completions.create(model="m", prompt=prompts[i], temperature=0, max_tokens=8).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert srv.scheduler.snapshot()["completed"] == 8
+    assert [got.get(i) for i in range(8)] == want
+
+
+def test_server_refuses_a_bad_max_batch() -> None:
+    from turbospark_core.server.scheduler import Scheduler
+
+    with pytest.raises(OptionError, match="max_batch=0"):
+        Scheduler(lambda: None, max_batch=0)  # type: ignore[arg-type, return-value]
