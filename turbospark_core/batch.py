@@ -9,9 +9,8 @@ Sampling parameters, seeds, repetition history, stop strings, EOS and
 ``max_tokens`` are per row; a finished row leaves the batch at once.
 
 Exactness: a row's prompt is prefilled alone, so its first token is the
-single-sequence one bit for bit; its decode steps run in the batch, whose
-per-row results equal the row run alone where MLX reduces in the same order
-(matmul rows, masked softmax: checked bit-for-bit by the tests).
+single-sequence one bit for bit; its decode steps run in the batch (see
+:mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
 """
 
 from __future__ import annotations

@@ -15,9 +15,13 @@ The layout (the core's bookkeeping; families never see it):
   token, which is what ``mx.fast.rope`` takes for per-row positions.
 
 Exactness: a masked key contributes an exact zero to the softmax sum and to
-the weighted value sum, and per-row matmuls do not depend on the other rows,
-so a row decoded in a batch equals the row decoded alone wherever MLX's
-kernels reduce in the same order (checked bit-for-bit by the tests).
+the weighted value sum, so the bookkeeping itself is exact: under MLX's own
+BLAS (``TURBOSPARK_BLAS=reference``) a row decoded in a batch, with padding
+and rewind holes, is bit-identical to the row decoded alone (tested). With
+OpenBLAS (the default shim) float32 results differ by ~1e-6 relative: its
+sgemm reduces an ``M > 1`` product in another order than its ``M = 1`` path,
+and a padded key length changes its blocking of ``P @ V``. The tests hold
+batched logits within 1e-5 of the lone row and greedy tokens equal.
 
 Rows join from single-sequence caches (a prompt is prefilled alone, in
 chunks, then its caches are merged in) and leave back into them.
