@@ -216,8 +216,8 @@ class Scheduler:
         try:
             self.runner = self._opener()
             self._slots = SlotTable(self.runner)
+            # requests beyond max_batch keep their slot and wait in the batch's queue
             rows = self.runner.sessions.slots if self.max_batch is None else self.max_batch
-            self._slots.capacity = min(self._slots.capacity, rows)
             self._batch = self.runner.batch(max_rows=rows)
         except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self._open_error = e
@@ -278,10 +278,12 @@ class Scheduler:
         try:
             pieces = self._batch.step()
         except Exception as e:  # noqa: BLE001 - a failed forward fails every row it carried
-            for job in list(self._active):
-                self._finish(job, ERROR, e)
+            # a fresh batch first; each session still holds what it held when its row joined
             assert self.runner is not None
             self._batch = self.runner.batch(max_rows=self._batch.max_rows)
+            for job in list(self._active):
+                job._row = None
+                self._finish(job, ERROR, e)
             return
         for row, piece in pieces:
             job = by_row.get(id(row))
