@@ -243,7 +243,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.memory_budget is not None:
         options["memory_budget"] = args.memory_budget
     serve(
-        args.install, host=args.host, port=args.port, max_body=args.max_body, verbose=args.verbose, **options
+        args.install,
+        host=args.host,
+        port=args.port,
+        max_body=args.max_body,
+        max_batch=args.max_batch,
+        verbose=args.verbose,
+        **options,
     )
 
 
@@ -311,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="TCP port (0 picks a free one)")
     p.add_argument("--session-slots", type=int, default=4, help="parked conversations = concurrent requests")
+    p.add_argument(
+        "--max-batch", type=int, default=None, help="most requests decoding in one forward (default: --session-slots)"
+    )
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import ContextOverflowError
@@ -164,6 +165,24 @@ class KVCache(_KVBuffers):
         """The attention mask for the ``n_queries`` tokens just added."""
         return "causal" if n_queries > 1 else None
 
+    def export_rows(self) -> tuple[_Rows | None, _Rows | None, mx.array]:
+        """The held keys, values (stored form) and their positions, in order (for a batch to take)."""
+        if self._k is None or self._v is None or self.offset == 0:
+            return None, None, mx.zeros((0,), mx.int32)
+        end = self.offset
+        return (
+            self._k.map(lambda a: a[..., :end, :]),
+            self._v.map(lambda a: a[..., :end, :]),
+            mx.arange(end, dtype=mx.int32),
+        )
+
+    def load_rows(self, keys: _Rows, values: _Rows, positions: mx.array, offset: int) -> None:
+        """Hold ``keys``/``values`` (stored form) of positions ``0..offset-1`` (a batch row leaving)."""
+        if positions.size != offset:
+            msg = f"a full KV cache holds every position: got {positions.size} rows for offset {offset}"
+            raise ValueError(msg)
+        self._k, self._v, self.offset = keys, values, offset
+
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of this cache (append-only: the offset is enough)."""
         return {"offset": self.offset}
@@ -286,6 +305,35 @@ class RingKVCache(_KVBuffers):
         self._v = None if snap["v"] is None else snap["v"].map(mx.array)
         self.positions = None if snap["positions"] is None else mx.array(snap["positions"])
         self._fetched_positions = None if snap["fetched"] is None else mx.array(snap["fetched"])
+
+    def export_rows(self) -> tuple[_Rows | None, _Rows | None, mx.array]:
+        """The kept keys, values (stored form) and their positions, in position order."""
+        if self._k is None or self._v is None or self.positions is None:
+            return None, None, mx.zeros((0,), mx.int32)
+        pos = np.array(self.positions)
+        sorted_pos = np.argsort(pos, kind="stable")
+        order = mx.array(sorted_pos[pos[sorted_pos] >= 0].astype(np.int32))
+        return (
+            self._k.map(lambda a: a[..., order, :]),
+            self._v.map(lambda a: a[..., order, :]),
+            self.positions[order],
+        )
+
+    def load_rows(self, keys: _Rows, values: _Rows, positions: mx.array, offset: int) -> None:
+        """Hold the given tokens (stored form, ascending ``positions``), each in slot ``position % capacity``."""
+        pos = np.array(positions)[-self.capacity :]
+        keys = keys.map(lambda a: a[..., a.shape[2] - pos.size :, :])
+        values = values.map(lambda a: a[..., a.shape[2] - pos.size :, :])
+        slots = mx.array((pos % self.capacity).astype(np.int32))
+        B, H = keys.parts[0].shape[:2]
+        self._k = self._pad(B, H, self.capacity, self.spec.head_dim)
+        self._v = self._pad(B, H, self.capacity, self.spec.v_head_dim or self.spec.head_dim)
+        for part, new in zip(self._k.parts + self._v.parts, keys.parts + values.parts, strict=False):
+            part[..., slots, :] = new
+        self.positions = mx.full((self.capacity,), -1, mx.int32)
+        self.positions[slots] = mx.array(pos.astype(np.int32))
+        self._fetched_positions = self.positions
+        self.offset = offset
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[L, S]`` mask: causal and within the window, by absolute position."""

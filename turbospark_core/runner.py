@@ -24,6 +24,8 @@ from turbospark_core.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from turbospark_core.batch import Batch
+
 PREFILL_CHUNK = 512
 
 
@@ -310,6 +312,37 @@ class Runner:
     ) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
         return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
+
+    def generate_many(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_tokens: int | Sequence[int] = 256,
+        *,
+        max_rows: int | None = None,
+        per_row: Sequence[SamplingOptions] | None = None,
+        **sampling: Unpack[SamplingOptions],
+    ) -> list[Generation]:
+        """Generate one completion per prompt, decoding them together in one forward per step.
+
+        Args:
+            prompts: Texts or token-id lists.
+            max_tokens: One limit for all, or one per prompt.
+            max_rows: The most rows decoding at once (default: all prompts).
+            per_row: Per-prompt sampling options laid over ``**sampling`` (seed, stop...).
+            **sampling: Options shared by every prompt, as :meth:`generate`.
+
+        Returns:
+            One :class:`Generation` per prompt, in order; greedy rows equal :meth:`generate`'s.
+        """
+        from turbospark_core.batch import generate_many
+
+        return generate_many(self, prompts, max_tokens, max_rows=max_rows, per_row=per_row, **sampling)
+
+    def batch(self, *, max_rows: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> Batch:
+        """A :class:`~turbospark_core.batch.Batch`: add rows any time; iterate it for ``(row, piece)``."""
+        from turbospark_core.batch import Batch
+
+        return Batch(self, max_rows=max_rows, prefill_chunk=prefill_chunk)
 
     def session(self, session_id: str) -> Session:
         """A parked conversation: its generate/chat continue from its cached tokens.

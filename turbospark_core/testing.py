@@ -272,6 +272,20 @@ class StructuralChecks:
         assert np.abs(batch[0] - runner.logits(ids)).max() <= 1e-4 * np.abs(batch[0]).max()
         assert np.abs(batch[1] - runner.logits(other)).max() <= 1e-4 * np.abs(batch[1]).max()
 
+    def test_batched_rows_equal_single_rows(self, runner: Any, prompt_ids: list[int]) -> None:
+        """Continuous batching: rows of different lengths joining and leaving equal each row alone.
+
+        Greedy tokens must match exactly; the engine's per-row positions,
+        masks and cache bookkeeping are the core's, the family's forward runs
+        over ``[B, 1]`` with the core's batched caches.
+        """
+        ids = prompt_ids
+        prompts = [ids, ids[::-1][: max(2, len(ids) // 3)], ids[len(ids) // 2 :] + ids[:3]]
+        limits = [6, 2, 5]  # the second row leaves early; with max_rows=2 the third joins a running batch
+        got = runner.generate_many(prompts, limits, max_rows=2)
+        for prompt, limit, gen in zip(prompts, limits, got, strict=False):
+            assert gen.tokens == runner.generate(prompt, max_tokens=limit).tokens
+
     def test_session_prefix_reuse_matches_fresh_run(self, runner: Any, prompt_ids: list[int]) -> None:
         from turbospark_core.sessions import SequenceState
 

@@ -1,8 +1,8 @@
 """``turbospark serve``: an OpenAI-compatible HTTP server over one install's session pool.
 
 ``protocol`` validates requests and shapes responses, ``scheduler`` runs the
-model on one worker thread that interleaves requests token by token over
-session slots, ``httpd`` is the stdlib HTTP layer. Start one in-process with::
+model on one worker thread that decodes every active request in one batched
+forward, each on its session slot, ``httpd`` is the stdlib HTTP layer. Start one in-process with::
 
     server = Server.from_install("smollm2", port=0, session_slots=4).start()
     ...  # OpenAI(base_url=server.url + "/v1", api_key="-")

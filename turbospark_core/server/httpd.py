@@ -332,6 +332,7 @@ class Server:
         port: TCP port; 0 picks a free one (see :attr:`port`).
         max_body: Largest request body accepted, in bytes (413 beyond).
         max_queue: Most requests waiting for a session slot (503 beyond).
+        max_batch: Most requests decoding in one forward (default: every session slot).
     """
 
     def __init__(
@@ -343,6 +344,7 @@ class Server:
         port: int = 8080,
         max_body: int = DEFAULT_MAX_BODY,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch: int | None = None,
     ) -> None:
         self.model_id = model_id
         self.max_body = max_body
@@ -354,7 +356,7 @@ class Server:
             raise TurbosparkError(msg) from None
         self.httpd.app = self
         self.metrics = server_metrics()
-        self.scheduler = Scheduler(opener, max_queue=max_queue, observer=self.metrics)
+        self.scheduler = Scheduler(opener, max_queue=max_queue, max_batch=max_batch, observer=self.metrics)
         try:
             self.runner = self.scheduler.start()
         except BaseException:
@@ -375,6 +377,7 @@ class Server:
         port: int = 8080,
         max_body: int = DEFAULT_MAX_BODY,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch: int | None = None,
         model_id: str | None = None,
         **open_options: Any,
     ) -> Server:
@@ -389,6 +392,7 @@ class Server:
             port=port,
             max_body=max_body,
             max_queue=max_queue,
+            max_batch=max_batch,
         )
 
     @property

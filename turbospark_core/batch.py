@@ -1,0 +1,358 @@
+"""Continuous batching: many sequences decoded in one forward, joining and leaving between steps.
+
+A :class:`Batch` owns rows. Each :meth:`Batch.step` does at most one
+prefill chunk of one joining row (run alone, exactly as the single-sequence
+path runs it, so a long prompt stalls the others by at most one chunk), then
+one decode forward over every decoding row (``[B, 1]`` tokens, per-row
+positions and masks from :class:`~turbospark_core.batch_cache.BatchCaches`).
+Sampling parameters, seeds, repetition history, stop strings, EOS and
+``max_tokens`` are per row; a finished row leaves the batch at once.
+
+Exactness: a row's prompt is prefilled alone, so its first token is the
+single-sequence one bit for bit; its decode steps run in the batch (see
+:mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+
+from turbospark_core.batch_cache import BatchCaches
+from turbospark_core.errors import ContextOverflowError, OptionError
+from turbospark_core.kv_cache import Cache
+from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
+from turbospark_core.sessions import SequenceState, common_prefix
+from turbospark_core.stop import StopMatcher
+
+if TYPE_CHECKING:
+    from turbospark_core.runner import Generation, Runner, _Progress
+
+PREFILL_CHUNK = 512
+
+
+@attrs.define(eq=False)
+class BatchRow:
+    """One sequence in a :class:`Batch`: its text so far and, once done, its :class:`Generation`.
+
+    ``status`` is ``"queued"``, ``"prefill"``, ``"decoding"`` or ``"done"``.
+    """
+
+    id: int
+    prompt_tokens: int
+    status: str = "queued"
+    pieces: list[str] = attrs.Factory(list)
+    result: Generation | None = None
+
+    @property
+    def text(self) -> str:
+        """The text emitted so far."""
+        return "".join(self.pieces)
+
+    @property
+    def done(self) -> bool:
+        """Whether the row has finished (or was cancelled)."""
+        return self.status == "done"
+
+
+@attrs.define(eq=False)
+class _Seq:
+    """A row's private decoding state."""
+
+    row: BatchRow
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    matcher: StopMatcher
+    detok: Any
+    progress: _Progress
+    history: mx.array
+    caches: list[Cache] | None = None
+    state: SequenceState | None = None  # a parked session the row continues, and is saved back into
+    sampled: list[int] = attrs.Factory(list)  # every sampled token, EOS included
+    fed: int = 0
+    pending: mx.array | None = None  # the last sampled token, not yet fed
+    generated: int = 0
+    t0: float = 0.0
+
+
+class Batch:
+    """Rows decoded together; add rows any time, call :meth:`step` (or iterate) to advance.
+
+    Args:
+        runner: The opened model.
+        max_rows: The most rows decoding at once; more wait in a queue.
+        prefill_chunk: Prompt tokens per prefill forward of a joining row.
+    """
+
+    def __init__(self, runner: Runner, *, max_rows: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise OptionError(f"max_rows={max_rows!r} must be a positive integer")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise OptionError(f"prefill_chunk={prefill_chunk!r} must be a positive integer")
+        self.runner = runner
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self._next_id = 0
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: _Seq | None = None
+        self._decoding: list[_Seq] = []
+        self._caches: BatchCaches | None = None
+
+    # ------------------------------------------------------------- rows
+    def add(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        state: SequenceState | None = None,
+        **sampling: Any,
+    ) -> BatchRow:
+        """Queue a sequence; options as :meth:`Runner.generate` (its own sampling, seed, stop).
+
+        ``state`` (a parked session, e.g. ``runner.sessions.acquire(key)``): the
+        row reuses the prefix its caches hold and, when it leaves, the state
+        holds exactly the tokens fed, as :meth:`Session.generate` leaves it.
+        The caller keeps it out of other rows' hands until the row is done.
+        """
+        from turbospark_core.runner import _Progress
+
+        options: SamplingOptions = sampling  # type: ignore[assignment]
+        stop = options.get("stop")
+        params = SamplingParams.from_kwargs({k: v for k, v in options.items() if k != "stop"})
+        ids = self.runner._encode_prompt(prompt)
+        _check_budget(len(ids), max_tokens, self.runner.max_context)
+        row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
+        self._next_id += 1
+        progress = _Progress(prompt_tokens=len(ids))
+        seq = _Seq(
+            row=row,
+            ids=ids,
+            max_tokens=max_tokens,
+            sampler=Sampler(params),
+            matcher=StopMatcher(stop),
+            detok=self.runner.tokenizer.detokenizer(),
+            progress=progress,
+            history=mx.array(ids[-params.repetition_context :]),
+            state=state,
+        )
+        if max_tokens == 0:
+            self._finish(seq, "length", flush=False)
+        else:
+            self._waiting.append(seq)
+        return row
+
+    def cancel(self, row: BatchRow) -> None:
+        """Stop a row now (its row leaves the batch before the next step); its result keeps what it had."""
+        for seq in [*self._waiting, *self._decoding, *([self._prefilling] if self._prefilling else [])]:
+            if seq.row is row and not row.done:
+                if seq is self._prefilling and seq.state is not None:
+                    seq.state.reset()  # a half-prefilled session holds no known prefix
+                self._finish(seq, "stop", flush=False)
+        self._drop_finished()
+
+    @property
+    def idle(self) -> bool:
+        """Whether no row is queued, prefilling or decoding."""
+        return not self._waiting and self._prefilling is None and not self._decoding
+
+    @property
+    def decoding_rows(self) -> int:
+        """How many rows the last decode forward carried (rows now in the batch)."""
+        return len(self._decoding)
+
+    # ------------------------------------------------------------- stepping
+    def step(self) -> list[tuple[BatchRow, str]]:
+        """One prefill chunk (if a row is joining) and one decode forward; returns the pieces emitted."""
+        out: list[tuple[BatchRow, str]] = []
+        self._admit()
+        if self._prefilling is not None:
+            self._prefill_chunk(self._prefilling, out)
+        if self._decoding:
+            self._decode(out)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[BatchRow, str]]:
+        """``(row, piece)`` as rows decode, until every row is done."""
+        while not self.idle:
+            yield from self.step()
+
+    def run(self) -> None:
+        """Step until every row is done."""
+        for _ in self:
+            pass
+
+    def _admit(self) -> None:
+        if self._prefilling is None and self._waiting and len(self._decoding) < self.max_rows:
+            seq = self._waiting.popleft()
+            seq.row.status = "prefill"
+            self._prefilling = seq
+            if seq.state is None:
+                seq.caches = self.runner.opened.new_cache()
+                return
+            reused = common_prefix(seq.state.tokens, seq.ids)
+            reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
+            seq.progress.reused_tokens = reused
+            seq.fed = reused
+            seq.caches = seq.state.caches
+
+    def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
+        """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""
+        assert seq.caches is not None
+        try:
+            self._prefill_step(seq, out)
+        except BaseException:
+            if seq.state is not None:
+                seq.state.reset()  # a failed step leaves the caches unknown: start the session afresh
+            raise
+
+    def _prefill_step(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
+        assert seq.caches is not None
+        t0 = time.perf_counter()
+        model, ids = self.runner.model, seq.ids
+        if seq.fed < len(ids) - 1:
+            chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
+            model(mx.array([chunk]), seq.caches)
+            mx.eval([c.state for c in seq.caches])
+            seq.fed += len(chunk)
+            seq.progress.prompt_s += time.perf_counter() - t0
+            return
+        logits = model(mx.array([ids[-1:]]), seq.caches)[:, -1, :]
+        token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
+        mx.eval(token)
+        seq.fed = len(ids)
+        seq.progress.prompt_s += time.perf_counter() - t0
+        if seq.state is not None:
+            seq.state.tokens = list(ids)
+            seq.state.checkpoint()
+        self._prefilling = None
+        seq.t0 = time.perf_counter()
+        seq.row.status = "decoding"
+        self._accept(seq, _token_id(token), out)
+        if seq.row.done:
+            return
+        if self._caches is None:
+            self._caches = BatchCaches(seq.caches)
+        self._caches.add_row(seq.caches, len(ids))
+        seq.caches = None
+        seq.pending = token
+        self._decoding.append(seq)
+
+    def _decode(self, out: list[tuple[BatchRow, str]]) -> None:
+        assert self._caches is not None
+        rows = self._decoding
+        pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
+        logits = self.runner.model(pending[:, None], self._caches.caches)[:, -1, :]
+        tokens = []
+        for b, seq in enumerate(rows):
+            assert seq.pending is not None
+            ctx = seq.sampler.params.repetition_context
+            seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
+            tokens.append(seq.sampler(seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)))
+        mx.eval(tokens, self._caches.state)
+        self._caches.step_done(1)
+        for seq, token in zip(rows, tokens, strict=False):
+            seq.pending = token
+            self._accept(seq, _token_id(token), out)
+        self._drop_finished()
+
+    def _accept(self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]]) -> None:
+        """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
+        seq.generated += 1
+        seq.sampled.append(tok)
+        seq.progress.decode_s = time.perf_counter() - seq.t0
+        if tok in self.runner.eos_token_ids:
+            self._finish(seq, "stop", flush=True, out=out)
+            return
+        seq.progress.tokens.append(tok)
+        piece, stopped = seq.matcher.feed(seq.detok.add(tok))
+        if piece:
+            seq.row.pieces.append(piece)
+            out.append((seq.row, piece))
+        if stopped:
+            self._finish(seq, "stop", flush=False)
+        elif seq.generated >= seq.max_tokens:
+            self._finish(seq, "length", flush=True, out=out)
+
+    def _finish(self, seq: _Seq, reason: str, *, flush: bool, out: list[tuple[BatchRow, str]] | None = None) -> None:
+        from turbospark_core.runner import Generation
+
+        if flush:
+            tail, _ = seq.matcher.feed(seq.detok.flush(), final=True)
+            if tail:
+                seq.row.pieces.append(tail)
+                if out is not None:
+                    out.append((seq.row, tail))
+        seq.progress.finish_reason = reason
+        seq.row.status = "done"
+        seq.row.result = Generation(text=seq.row.text, tokens=list(seq.progress.tokens), stats=seq.progress.stats())
+
+    def _drop_finished(self) -> None:
+        if self._prefilling is not None and self._prefilling.row.done:
+            self._prefilling = None
+        self._waiting = deque(s for s in self._waiting if not s.row.done)
+        keep = [i for i, s in enumerate(self._decoding) if not s.row.done]
+        if len(keep) == len(self._decoding):
+            return
+        assert self._caches is not None
+        for b, seq in enumerate(self._decoding):
+            if seq.row.done and seq.state is not None:
+                self._park(seq, b)
+        self._caches.keep_rows(keep)
+        self._decoding = [self._decoding[i] for i in keep]
+
+    def _park(self, seq: _Seq, row: int) -> None:
+        """Save a leaving row into its session: its caches and exactly the tokens they hold."""
+        assert self._caches is not None and seq.state is not None
+        fresh = self.runner.opened.new_cache()
+        self._caches.export_row(row, fresh)
+        fed = self._caches.rows.offsets[row]
+        mx.eval([c.state for c in fresh])
+        seq.state.caches = fresh
+        seq.state.tokens = (seq.ids + seq.sampled)[:fed]
+        seq.state.checkpoint()
+
+
+def _check_budget(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
+    if prompt_tokens + max_tokens > max_context:
+        msg = (
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"max_context={max_context}; lower max_tokens or open with a larger max_context"
+        )
+        raise ContextOverflowError(msg)
+
+
+def generate_many(
+    runner: Runner,
+    prompts: Sequence[str | Sequence[int]],
+    max_tokens: int | Sequence[int] = 256,
+    *,
+    max_rows: int | None = None,
+    per_row: Sequence[SamplingOptions] | None = None,
+    **sampling: Any,
+) -> list[Generation]:
+    """Generate a completion per prompt, decoding them together; see :meth:`Runner.generate_many`."""
+    n = len(prompts)
+    limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    extra = [{}] * n if per_row is None else [dict(o) for o in per_row]
+    if len(limits) != n or len(extra) != n:
+        msg = f"max_tokens and per_row must give one entry per prompt ({n}); got {len(limits)} and {len(extra)}"
+        raise OptionError(msg)
+    batch = Batch(runner, max_rows=max_rows or max(n, 1))
+    rows = [batch.add(p, m, **{**sampling, **o}) for p, m, o in zip(prompts, limits, extra, strict=False)]
+    batch.run()
+    return [r.result for r in rows if r.result is not None]
+
+
+def _token_id(token: mx.array) -> int:
+    """A sampled one-element token array as a Python int."""
+    value = token.item()
+    assert isinstance(value, int)
+    return value

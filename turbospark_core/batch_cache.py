@@ -1,0 +1,420 @@
+"""Batched caches: B rows (sequences) of different lengths and positions in one forward.
+
+The layout (the core's bookkeeping; families never see it):
+
+* Every layer cache holds ``[B, H, S, D]`` key/value columns. A step of ``L``
+  tokens writes columns ``[S, S + L)`` of every row at once, so rows stay
+  right-aligned: a shorter row has empty columns on the left.
+* Each layer also holds ``positions`` ``[B, S]`` (int32): the absolute
+  position of the token in each column of each row, ``-1`` for an empty
+  column (left padding, or a token dropped by :meth:`BatchCaches.truncate`).
+  The mask is computed from positions, never from column indices, so holes,
+  padding and sliding windows are one rule: key ``k`` is visible to query
+  ``q`` when ``0 <= k <= q`` (and ``k > q - window`` for a sliding layer).
+* ``offset`` is a ``[B]`` int32 array: the position of each row's first new
+  token, which is what ``mx.fast.rope`` takes for per-row positions.
+
+Exactness: a masked key contributes an exact zero to the softmax sum and to
+the weighted value sum, so the bookkeeping itself is exact: under MLX's own
+BLAS (``TURBOSPARK_BLAS=reference``) a row decoded in a batch, with padding
+and rewind holes, is bit-identical to the row decoded alone (tested). With
+OpenBLAS (the default shim) float32 results differ by ~1e-6 relative: its
+sgemm reduces an ``M > 1`` product in another order than its ``M = 1`` path,
+and a padded key length changes its blocking of ``P @ V``. The tests hold
+batched logits within 1e-5 of the lone row and greedy tokens equal.
+
+Rows join from single-sequence caches (a prompt is prefilled alone, in
+chunks, then its caches are merged in) and leave back into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from turbospark_core.cache_spec import CacheSpec, StateSpec
+from turbospark_core.errors import OptionError
+from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, _Rows
+
+
+class BatchRows:
+    """The per-row positions one batch's layer caches share.
+
+    ``offsets[b]`` is the position of row ``b``'s next token; ``offset`` is
+    the same as a ``[B]`` int32 array (what the families hand to rope).
+    """
+
+    def __init__(self, offsets: Sequence[int] = ()) -> None:
+        self.offsets: list[int] = [int(o) for o in offsets]
+        self.offset = mx.array(self.offsets, dtype=mx.int32)
+        self.steps = 0  # forwards completed (a step's start is where rewinds may return)
+
+    def set(self, offsets: Sequence[int]) -> None:
+        """Replace every row's position."""
+        self.offsets = [int(o) for o in offsets]
+        self.offset = mx.array(self.offsets, dtype=mx.int32)
+
+    def advance(self, n: int) -> None:
+        """Every row consumed ``n`` tokens (one forward completed)."""
+        self.set([o + n for o in self.offsets])
+        self.steps += 1
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+def _empty_like(rows: _Rows, batch: int, columns: int) -> _Rows:
+    """Zero columns shaped like ``rows`` (any quantization): padding, never attended."""
+    parts = tuple(mx.zeros((batch, p.shape[1], columns, p.shape[3]), p.dtype) for p in rows.parts)
+    return _Rows(parts, rows.bits, rows.dtype)
+
+
+def _cat(items: Sequence[_Rows], axis: int) -> _Rows:
+    first = items[0]
+    parts = tuple(mx.concatenate([r.parts[i] for r in items], axis=axis) for i in range(len(first.parts)))
+    return _Rows(parts, first.bits, first.dtype)
+
+
+class BatchKVCache:
+    """One attention layer's keys/values for every row of a batch (full, sliding, quantized).
+
+    A sliding layer (``window`` set) keeps every column until no row can see
+    it any more, then drops whole leading columns (memory stays bounded by
+    the window plus one growth step); a full layer keeps all.
+    """
+
+    def __init__(self, rows: BatchRows, spec: CacheSpec, dtype: mx.Dtype, kv_bits: int | None, step: int = 256) -> None:
+        self.rows = rows
+        self.spec = spec
+        self.window = spec.window
+        self.dtype = dtype
+        self.kv_bits = kv_bits
+        self.step = step
+        self._k: _Rows | None = None
+        self._v: _Rows | None = None
+        self.positions: mx.array | None = None  # [B, capacity] int32, -1 = empty
+        self.length = 0
+
+    # ------------------------------------------------------------ the family's interface
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position of its first new token, ``[B]`` int32."""
+        return self.rows.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` ``[B, H, L, D]`` as the next columns; return every column."""
+        n = keys.shape[2]
+        self._drop_unseen()
+        end = self.length + n
+        self._grow(keys.shape[0], end, keys.shape[1])
+        assert self._k is not None and self._v is not None and self.positions is not None
+        self._k.assign(self.length, end, _Rows.encode(keys, self.kv_bits, self.dtype))
+        self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
+        self.positions[:, self.length : end] = self.rows.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
+        self.length = end
+        return (
+            self._k.map(lambda a: a[..., :end, :]).decode(),
+            self._v.map(lambda a: a[..., :end, :]).decode(),
+        )
+
+    def mask(self, n_queries: int) -> mx.array:
+        """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
+        assert self.positions is not None
+        q = (self.rows.offset[:, None] + mx.arange(n_queries, dtype=mx.int32)[None, :])[:, :, None]
+        k = self.positions[:, None, : self.length]
+        visible = (k >= 0) & (k <= q)
+        if self.window is not None:
+            visible = visible & (k > q - self.window)
+        return visible[:, None]
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate together with the step's output."""
+        if self._k is None or self._v is None or self.positions is None:
+            return []
+        return [*self._k.parts, *self._v.parts, self.positions]
+
+    # ------------------------------------------------------------ storage
+    def _grow(self, batch: int, needed: int, heads: int) -> None:
+        capacity = 0 if self._k is None else self._k.length
+        if needed <= capacity:
+            return
+        new_cap = ((needed + self.step - 1) // self.step) * self.step
+        v_dim = self.spec.v_head_dim or self.spec.head_dim
+
+        def zeros(d: int) -> _Rows:
+            blank = mx.zeros((batch, heads, new_cap - self.length, d), self.dtype)
+            return _Rows.encode(blank, self.kv_bits, self.dtype)
+
+        empty = mx.full((batch, new_cap - self.length), -1, dtype=mx.int32)
+        if self._k is None or self._v is None or self.positions is None:
+            self._k, self._v, self.positions = zeros(self.spec.head_dim), zeros(v_dim), empty
+            return
+        keep = self.length
+        self._k = self._k.map(lambda a: a[..., :keep, :]).concat(zeros(self.spec.head_dim))
+        self._v = self._v.map(lambda a: a[..., :keep, :]).concat(zeros(v_dim))
+        self.positions = mx.concatenate([self.positions[:, :keep], empty], axis=1)
+
+    def _drop_unseen(self) -> None:
+        """Sliding layers: drop leading columns no row's present or future query can see."""
+        if self.window is None or self.positions is None or self.length < self.window + self.step:
+            return
+        pos = np.array(self.positions[:, : self.length])
+        first_query = np.array(self.rows.offsets)[:, None]
+        seen = (pos >= 0) & (pos > first_query - self.window)
+        cut = int(seen.any(axis=0).argmax()) if seen.any() else self.length
+        if cut > 0:
+            self._cut_columns(cut)
+
+    def _cut_columns(self, cut: int) -> None:
+        assert self._k is not None and self._v is not None and self.positions is not None
+        self._k = self._k.map(lambda a: a[..., cut : self.length, :])
+        self._v = self._v.map(lambda a: a[..., cut : self.length, :])
+        self.positions = self.positions[:, cut : self.length]
+        self.length -= cut
+
+    # ------------------------------------------------------------ rows joining and leaving
+    def add_row(self, cache: Cache) -> None:
+        """Append one sequence's cache (a single-sequence :class:`KVCache`/:class:`RingKVCache`)."""
+        if not isinstance(cache, (KVCache, RingKVCache)):
+            raise TypeError(f"a batched attention layer cannot take a {type(cache).__name__}")
+        k, v, pos = cache.export_rows()
+        if k is None or v is None:
+            return self._add_empty_row()
+        n = pos.size
+        if self._k is None or self._v is None or self.positions is None:
+            self._k, self._v, self.positions, self.length = k, v, pos[None, :], n
+            return None
+        width = max(self.length, n)
+        old_k, old_v, old_pos = self._left_pad(self.length, width)
+        new_k = _cat([_empty_like(k, 1, width - n), k], axis=2)
+        new_v = _cat([_empty_like(v, 1, width - n), v], axis=2)
+        new_pos = mx.concatenate([mx.full((width - n,), -1, dtype=mx.int32), pos])[None, :]
+        self._k, self._v = _cat([old_k, new_k], axis=0), _cat([old_v, new_v], axis=0)
+        self.positions = mx.concatenate([old_pos, new_pos], axis=0)
+        self.length = width
+        return None
+
+    def _add_empty_row(self) -> None:
+        if self._k is None or self._v is None or self.positions is None:
+            return
+        self._k = _cat([self._k, _empty_like(self._k, 1, self._k.length)], axis=0)
+        self._v = _cat([self._v, _empty_like(self._v, 1, self._v.length)], axis=0)
+        self.positions = mx.concatenate([self.positions, mx.full((1, self.positions.shape[1]), -1, mx.int32)])
+
+    def _left_pad(self, used: int, width: int) -> tuple[_Rows, _Rows, mx.array]:
+        assert self._k is not None and self._v is not None and self.positions is not None
+        k = self._k.map(lambda a: a[..., :used, :])
+        v = self._v.map(lambda a: a[..., :used, :])
+        pos = self.positions[:, :used]
+        pad = width - used
+        if pad == 0:
+            return k, v, pos
+        batch = pos.shape[0]
+        return (
+            _cat([_empty_like(k, batch, pad), k], axis=2),
+            _cat([_empty_like(v, batch, pad), v], axis=2),
+            mx.concatenate([mx.full((batch, pad), -1, dtype=mx.int32), pos], axis=1),
+        )
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (in that order), then drop leading columns left empty."""
+        if self._k is None or self._v is None or self.positions is None:
+            return
+        idx = mx.array(list(keep), dtype=mx.int32)
+        self._k = self._k.map(lambda a: a[idx])
+        self._v = self._v.map(lambda a: a[idx])
+        self.positions = self.positions[idx]
+        if not keep:
+            self._k = self._v = self.positions = None
+            self.length = 0
+            return
+        used = np.array(self.positions[:, : self.length]) >= 0
+        cut = int(used.any(axis=0).argmax()) if used.any() else self.length
+        if cut > 0:
+            self._cut_columns(cut)
+
+    def export_row(self, row: int, into: Cache) -> None:
+        """Load row ``row``'s tokens (in position order) into a fresh single-sequence cache."""
+        if not isinstance(into, (KVCache, RingKVCache)):
+            raise TypeError(f"a batched attention layer cannot fill a {type(into).__name__}")
+        if self._k is None or self._v is None or self.positions is None:
+            return
+        pos = np.array(self.positions[row, : self.length])
+        cols = np.nonzero(pos >= 0)[0]
+        cols = cols[np.argsort(pos[cols], kind="stable")]
+        idx = mx.array(cols.astype(np.int32))
+        k = self._k.map(lambda a: a[row : row + 1][:, :, idx, :])
+        v = self._v.map(lambda a: a[row : row + 1][:, :, idx, :])
+        into.load_rows(k, v, mx.array(pos[cols].astype(np.int32)), self.rows.offsets[row])
+
+    def truncate(self, row: int, position: int) -> None:
+        """Forget row ``row``'s tokens at ``position`` and after (their columns become holes)."""
+        if self.positions is None:
+            return
+        hole = (mx.arange(self.positions.shape[0])[:, None] == row) & (self.positions >= position)
+        self.positions = mx.where(hole, -1, self.positions)
+
+
+class BatchRecurrentState:
+    """One recurrent layer's state for every row: each named array gets a leading row axis.
+
+    :meth:`truncate` can go back to the start of the latest step (the state
+    before it is kept until the next step writes), which is exact; a position
+    inside a step needs the per-token states, which the families do not hand out.
+    """
+
+    def __init__(self, rows: BatchRows, spec: StateSpec) -> None:
+        self.rows = rows
+        self.spec = spec
+        self.dtype = getattr(mx, spec.dtype)
+        self.arrays: dict[str, mx.array] = {}
+        self._before: tuple[int, list[int], dict[str, mx.array]] | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position of its first new token, ``[B]`` int32."""
+        return self.rows.offset
+
+    def get(self, name: str, batch: int) -> mx.array:
+        """The state ``name`` of every row (zeros when not yet written)."""
+        arr = self.arrays.get(name)
+        if arr is None:
+            return mx.zeros((batch, *self.spec.shapes[name]), self.dtype)
+        return arr
+
+    def set(self, name: str, value: mx.array) -> None:
+        """Store every row's new state ``name``."""
+        if self._before is None or self._before[0] != self.rows.steps:
+            self._before = (self.rows.steps, list(self.rows.offsets), dict(self.arrays))
+        self.arrays[name] = value.astype(self.dtype)
+
+    def advance(self, n: int) -> None:
+        """The engine advances the shared positions; nothing to count here."""
+        del n
+
+    def mask(self, n_queries: int) -> None:
+        """Recurrent layers need no attention mask."""
+        return None
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate together with the step's output."""
+        return list(self.arrays.values())
+
+    def add_row(self, cache: Cache) -> None:
+        """Append one sequence's :class:`RecurrentState`."""
+        if not isinstance(cache, RecurrentState):
+            raise TypeError(f"a batched recurrent layer cannot take a {type(cache).__name__}")
+        batch = len(self.rows) - 1  # rows already here (the new row's position is already listed)
+        for name in self.spec.shapes:
+            mine = self.arrays.get(name)
+            theirs = cache.arrays.get(name)
+            if mine is None and theirs is None:
+                continue
+            if mine is None:
+                mine = mx.zeros((batch, *self.spec.shapes[name]), self.dtype)
+            if theirs is None:
+                theirs = mx.zeros((1, *self.spec.shapes[name]), self.dtype)
+            self.arrays[name] = mx.concatenate([mine, theirs.astype(self.dtype)], axis=0)
+        self._before = None
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep``."""
+        idx = mx.array(list(keep), dtype=mx.int32)
+        self.arrays = {} if not keep else {n: a[idx] for n, a in self.arrays.items()}
+        self._before = None
+
+    def export_row(self, row: int, into: Cache) -> None:
+        """Copy row ``row``'s state into a fresh single-sequence :class:`RecurrentState`."""
+        if not isinstance(into, RecurrentState):
+            raise TypeError(f"a batched recurrent layer cannot fill a {type(into).__name__}")
+        into.arrays = {n: mx.array(a[row : row + 1]) for n, a in self.arrays.items()}
+        into.offset = self.rows.offsets[row]
+
+    def truncate(self, row: int, position: int) -> None:
+        """Return row ``row`` to the start of the latest step (the only exact point kept)."""
+        latest = self._before is not None and self._before[0] == self.rows.steps - 1
+        if self._before is None or not latest or self._before[1][row] != position:
+            start = self._before[1][row] if self._before is not None and latest else None
+            msg = (
+                f"a recurrent layer can rewind row {row} only to the start of the latest step "
+                f"(position {start}), not to {position}"
+            )
+            raise OptionError(msg)
+        before = self._before[2]
+        for name, arr in self.arrays.items():
+            old = before.get(name)
+            if old is None:
+                old = mx.zeros_like(arr)
+            is_row = (mx.arange(arr.shape[0]) == row).reshape((-1,) + (1,) * (arr.ndim - 1))
+            self.arrays[name] = mx.where(is_row, old, arr)
+
+
+BatchCache = BatchKVCache | BatchRecurrentState
+
+
+class BatchCaches:
+    """Every layer's batched cache plus the shared row positions (a ``list`` for the family).
+
+    ``caches`` is handed to the family's forward in place of one sequence's
+    cache list. Built from one sequence's fresh caches (a template: specs,
+    dtype, KV quantization).
+    """
+
+    def __init__(self, template: Sequence[Cache]) -> None:
+        self.rows = BatchRows()
+        self.caches: list[Any] = [self._make(c) for c in template]
+
+    def _make(self, cache: Cache) -> BatchCache:
+        if isinstance(cache, RecurrentState):
+            return BatchRecurrentState(self.rows, cache.spec)
+        return BatchKVCache(self.rows, cache.spec, cache.dtype, cache.kv_bits)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add_row(self, caches: Sequence[Cache], offset: int) -> int:
+        """Append a sequence (its single-sequence caches, ``offset`` tokens consumed); returns its row."""
+        self.rows.set([*self.rows.offsets, offset])
+        for batch_cache, cache in zip(self.caches, caches, strict=True):
+            batch_cache.add_row(cache)
+        return len(self.rows) - 1
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (the others leave), in that order."""
+        offsets = self.rows.offsets
+        for cache in self.caches:
+            cache.keep_rows(keep)
+        self.rows.set([offsets[i] for i in keep])
+
+    def export_row(self, row: int, fresh: Sequence[Cache]) -> None:
+        """Fill ``fresh`` single-sequence caches with row ``row`` (e.g. to park it in a session)."""
+        for batch_cache, cache in zip(self.caches, fresh, strict=True):
+            batch_cache.export_row(row, cache)
+            if isinstance(cache, KVCache):
+                cache.offset = self.rows.offsets[row]
+
+    def truncate(self, row: int, position: int) -> None:
+        """Rewind row ``row`` to ``position`` (drop its later tokens), exactly, in every layer."""
+        if not 0 <= position <= self.rows.offsets[row]:
+            msg = f"row {row} holds {self.rows.offsets[row]} tokens; cannot rewind it to position {position}"
+            raise OptionError(msg)
+        # recurrent layers first: they may refuse, and then nothing has changed
+        for cache in sorted(self.caches, key=lambda c: not isinstance(c, BatchRecurrentState)):
+            cache.truncate(row, position)
+        offsets = list(self.rows.offsets)
+        offsets[row] = position
+        self.rows.set(offsets)
+
+    def step_done(self, n: int) -> None:
+        """After a forward of ``n`` tokens per row: advance the positions."""
+        self.rows.advance(n)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array to evaluate with a step's output."""
+        return [a for c in self.caches for a in c.state]
