@@ -36,6 +36,7 @@ def open(  # noqa: A001 - the API's name
     session_slots: int = 1,
     ring_capacity: int | None = None,
     warmup: bool = False,
+    verify: bool = False,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -62,6 +63,9 @@ def open(  # noqa: A001 - the API's name
         ring_capacity: Sliding-window layers: ring size in tokens (default
             and minimum: the window).
         warmup: Run one token through the model before returning.
+        verify: Check the sha256 of every file in the manifest's file table
+            before anything reads it (off by default: it reads every byte);
+            a mismatch raises ``FileTableError`` naming the file.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -89,6 +93,7 @@ def open(  # noqa: A001 - the API's name
             "session_slots": session_slots,
             "ring_capacity": ring_capacity,
             "warmup": warmup,
+            "verify": verify,
         }
     )
     opened = open_install(path, options)  # steps 3-15

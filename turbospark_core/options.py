@@ -52,6 +52,16 @@ def _session_slots(value: object) -> int:
     return _count("session_slots", value, "slots")
 
 
+def _flag(name: str) -> Any:
+    def check(value: object) -> bool:
+        if not isinstance(value, bool):
+            msg = f"{name}={value!r} is invalid; use True or False"
+            raise OptionError(msg)
+        return value
+
+    return check
+
+
 def _choice(name: str, value: object, choices: tuple[_C, ...]) -> _C:
     for choice in choices:
         if value == choice:
@@ -80,6 +90,7 @@ class OpenOptions:
     session_slots: int = attrs.field(default=1, converter=_session_slots)
     ring_capacity: int | None = attrs.field(default=None, converter=_ring_capacity)
     warmup: bool = False
+    verify: bool = attrs.field(default=False, converter=_flag("verify"))
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:
