@@ -27,6 +27,7 @@ from turbospark_core.errors import TokenizerError
 
 MAX_RENDER_CHARS = 4 * 1024 * 1024
 MAX_RENDER_SECONDS = 5.0
+_REFIRE_SECONDS = 0.05
 
 
 class _RenderTimeout(Exception):
@@ -71,9 +72,14 @@ class _Watchdog:
 
     def _fire(self) -> None:
         with self._lock:
-            if self._active:
-                self._fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), ctypes.py_object(_RenderTimeout))
+            if not self._active:
+                return
+            self._fired = True
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), ctypes.py_object(_RenderTimeout))
+            # An exception delivered inside a weakref callback or __del__ is swallowed: fire again until the block ends.
+            self._timer = threading.Timer(_REFIRE_SECONDS, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
 
     def __enter__(self) -> _Watchdog:
         self._timer.start()
@@ -82,9 +88,9 @@ class _Watchdog:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._active = False
+            self._timer.cancel()
             if self._fired:  # not delivered yet: clear it, it must not land outside the block
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
-        self._timer.cancel()
 
 
 def render_template(

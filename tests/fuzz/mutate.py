@@ -30,7 +30,7 @@ def hostile_value(rnd: random.Random, near: Any = None) -> Any:
     if roll < 0.85 and isinstance(near, str):
         return _tweak_string(rnd, near)
     if roll < 0.9:
-        depth = rnd.choice([10, 100, 500])
+        depth = rnd.choice([10, 100, 300])
         value: Any = 0
         for _ in range(depth):
             value = [value]
@@ -102,6 +102,15 @@ def mutate_json(rnd: random.Random, doc: Any, *, rounds: int | None = None) -> A
     return doc
 
 
+def mutate_section(rnd: random.Random, value: Any) -> Any:
+    """``value`` (one section of a document) mutated, possibly replaced whole or dropped (``None``)."""
+    try:
+        wrapped = mutate_json(rnd, {"s": value})
+    except RecursionError:
+        return [[[[[[0]]]]]]
+    return wrapped.get("s") if isinstance(wrapped, dict) else wrapped
+
+
 def dumps(doc: Any) -> bytes:
     """JSON text as a converter would write it (non-finite floats as ``Infinity``/``NaN``)."""
     try:
@@ -137,7 +146,10 @@ def mutate_bytes(rnd: random.Random, data: bytes) -> bytes:
 
 def mutate_document(rnd: random.Random, doc: Any) -> bytes:
     """Mostly structure-aware JSON edits, sometimes a byte-level edit of the serialized text."""
-    text = dumps(mutate_json(rnd, doc)) if rnd.random() < 0.85 else dumps(doc)
+    try:
+        text = dumps(mutate_json(rnd, doc)) if rnd.random() < 0.85 else dumps(doc)
+    except RecursionError:  # the edit nested too deep to copy: the nesting bomb is the input
+        text = b"[" * 20000 + b"]" * 20000
     return mutate_bytes(rnd, text) if rnd.random() < 0.2 else text
 
 
@@ -149,7 +161,10 @@ def safetensors_blob(header: Any, data: bytes, *, length: int | None = None) -> 
 
 def mutate_safetensors(rnd: random.Random, header: dict[str, Any], data: bytes) -> bytes:
     """A mutated header (structure-aware), sometimes a wrong length prefix or a byte-level edit."""
-    mutated = mutate_json(rnd, header)
+    try:
+        mutated = mutate_json(rnd, header)
+    except RecursionError:
+        mutated = {"t": [[[[0]]]]}
     roll = rnd.random()
     if roll < 0.1:
         length = rnd.choice([0, 1, 2**63, 2**64 - 1, len(dumps(mutated)) + rnd.randint(-4, 4)])

@@ -44,7 +44,7 @@ from turbospark_core.template import render_template
 from turbospark_core.tokenizer import Tokenizer
 
 from . import gguf_doc
-from .mutate import mutate_bytes, mutate_document, mutate_json, mutate_safetensors
+from .mutate import mutate_bytes, mutate_document, mutate_safetensors, mutate_section
 
 TIME_BOUND = 10.0  # seconds one input may take (a shared 2-core machine is slow and noisy)
 _OPTIONS = OpenOptions(memory_budget="64GB")
@@ -150,7 +150,7 @@ def manifest_target(seeds: Seeds) -> Target:
         if rnd.random() < 0.5:  # aim at one section
             section = rnd.choice([k for k in ("arch", "files", "quantization", "experts", "hadamard") if k in doc])
             value = doc[section]
-            value = mutate_json(rnd, {"s": value}).get("s") if value is not None else rnd.choice([{}, {"size": 4}, [], 1])
+            value = mutate_section(rnd, value) if value is not None else rnd.choice([{}, {"size": 4}, [], 1])
             doc = {**doc, section: value}
             return name, json.dumps(doc, allow_nan=True).encode() if rnd.random() < 0.9 else mutate_bytes(rnd, json.dumps(doc).encode())
         return name, mutate_document(rnd, doc)
@@ -199,7 +199,7 @@ def experts_target(seeds: Seeds) -> Target:
     size = (root / EXPERTS).stat().st_size
 
     def mutate(rnd: random.Random) -> tuple[Any, int]:
-        mutated = mutate_json(rnd, {"s": section}).get("s")
+        mutated = mutate_section(rnd, section)
         return mutated, rnd.choice([size, size, size - 1, 0, size * 2, 2**63])
 
     def run(data: tuple[Any, int]) -> None:

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from .targets import TARGETS, Seeds, run_one
 
 EXAMPLES = {"manifest": 150, "safetensors": 150, "experts": 150, "gguf": 60, "tokenizer": 60, "template": 100}
-_SETTINGS = settings(derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
@@ -26,8 +25,9 @@ def test_only_turbospark_errors_escape(name: str, seeds: Seeds) -> None:
     except RuntimeError as e:  # a seed this environment lacks (the SmolLM2 package, a fixture)
         pytest.skip(str(e))
 
-    @_SETTINGS
-    @settings(max_examples=EXAMPLES[name])
+    @settings(
+        max_examples=EXAMPLES[name], derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
     def check(seed: int) -> None:
         run_one(target, target.mutate(random.Random(seed)))
