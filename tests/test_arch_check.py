@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import turbospark_core
+import turbospark_core.errors
 from turbospark_core import loader, plugins
 from turbospark_core.arch_check import generic_problems, rope_scaling_problems
 from turbospark_core.errors import ArchConfigError, TurbosparkError
@@ -156,3 +157,15 @@ def test_random_json_in_any_key_is_refused_or_served(fixture: str, data: st.Data
         _check_then_build({**arch, key: value})
     except TurbosparkError:
         pass
+
+
+@pytest.mark.parametrize(("key", "value"), [("head_dim", 32), ("num_attention_heads", 2), ("num_key_value_heads", 1)])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_an_arch_that_passes_every_check_but_does_not_fit_the_tensors_is_refused_at_open(
+    install: Path, tamper, names, key: str, value: int, warmup: bool
+) -> None:
+    """Was a ValueError from MLX at the first request (or the warm-up): the open builds one token's graph."""
+    tamper.edit(install, lambda raw: raw["arch"].__setitem__(key, value))
+    with pytest.raises(turbospark_core.errors.InstallError) as err:
+        turbospark_core.open(install, warmup=warmup)
+    names(err, "do not fit the arch config", "'llama'", "turbospark convert")

@@ -273,11 +273,14 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
     with timer.phase("weights_mapping"):
         weights.materialize()
     new_cache = _cache_maker(layout, max_context, policy, options)
+    if not options.warmup and (plan is None or plan.residency != STREAMED):
+        with timer.phase("family_state"):
+            _forward_one(model, new_cache, manifest, hooks, evaluate=False)  # 11: shapes checked, nothing computed
     with timer.phase("session_state"):
         sessions = SessionPool(options.session_slots, new_cache)  # 13
     if options.warmup:
         with timer.phase("warmup"):
-            mx.eval(model(mx.array([[0]]), new_cache()))  # 15
+            _forward_one(model, new_cache, manifest, hooks, evaluate=True)  # 15
     return OpenedModel(
         manifest=manifest,
         hooks=hooks,
@@ -295,6 +298,29 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         generation_config=_generation_config(root, manifest),
         experts=experts,
     )
+
+
+def _forward_one(
+    model: FamilyModel, new_cache: Callable[[], list[Cache]], manifest: Manifest, hooks: plugins.FamilyHooks, *, evaluate: bool
+) -> None:
+    """One token through the model: the warm-up (``evaluate``), or only its graph, which MLX shape-checks
+    as it is built (so an arch config that passes every check but does not fit the tensors is refused here,
+    not at the first request).
+
+    Raises:
+        InstallError: The flow's shapes do not fit the install's tensors, naming the family and the op.
+    """
+    try:
+        logits = model(mx.array([[0]]), new_cache())
+        if evaluate:
+            mx.eval(logits)
+    except (ValueError, TypeError, IndexError) as e:  # MLX refuses mismatched shapes with ValueError
+        msg = (
+            f"{manifest.root}: the tensors do not fit the arch config of model type {manifest.model_type!r} "
+            f"as family {hooks.spec.name!r} reads it ({str(e)[:300]}); the arch config was altered, "
+            f"re-run `turbospark convert`"
+        )
+        raise InstallError(msg) from None
 
 
 def _probe(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> Capabilities:

@@ -254,15 +254,18 @@ def _edit_tokenizer(rnd: random.Random, doc: GGUFDoc) -> None:
     kv = by_key.get(key)
     if kv is None:
         return
+    if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens") and not isinstance(kv.value, list):
+        return  # an earlier edit changed its type
     if key == "tokenizer.ggml.merges" and kv.value:
-        kv.value = [*kv.value, rnd.choice(["nope nope", "Ġ zzz", kv.value[0].replace(" ", "")])]
+        kv.value = [*kv.value, rnd.choice(["nope nope", "Ġ zzz", str(kv.value[0]).replace(" ", "")])]
     elif key == "tokenizer.ggml.token_type" and kv.value:
         kv.value = [rnd.choice([0, 1, 2, 3, 4, 5, 6, -1, 2**31 - 1]) if rnd.random() < 0.05 else v for v in kv.value]
     elif key == "tokenizer.ggml.tokens" and kv.value:
         i = rnd.randrange(len(kv.value))
         kv.value = [*kv.value[:i], kv.value[rnd.randrange(len(kv.value))], *kv.value[i + 1 :]]
     elif key.endswith("_id"):
-        kv.value = rnd.choice([0, 2**32 - 1, len(by_key["tokenizer.ggml.tokens"].value)])
+        tokens = by_key["tokenizer.ggml.tokens"].value if "tokenizer.ggml.tokens" in by_key else []
+        kv.value = rnd.choice([0, 2**32 - 1, len(tokens) if isinstance(tokens, list) else 1])
     else:
         kv.value = rnd.choice(["gpt2", "llama", "bert", "smollm", "qwen2", "llama-bpe", "default", ""])
 

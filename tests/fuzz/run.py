@@ -53,7 +53,12 @@ def _run_target(name: str, seeds: Seeds, args: argparse.Namespace) -> dict[str, 
         if args.seconds is not None and time.perf_counter() - start > args.seconds:
             break
         done += 1
-        data = target.mutate(rnd)
+        try:
+            data = target.mutate(rnd)
+        except Exception as e:  # noqa: BLE001 - a mutator bug must not end the run: count it
+            counts["mutator_errors"] += 1
+            kinds[f"mutator {type(e).__name__}"] += 1
+            continue
         t0 = time.perf_counter()
         try:
             counts[run_one(target, data)] += 1
