@@ -8,6 +8,7 @@ Targets:
     manifest: ``manifest.json`` of a dense, a q4 and an MoE install, through the
         open sequence's checks up to the memory plan (file table, arch, quantization,
         experts, hadamard sections; the tensor index).
+    open: the whole open (the family's build) and two tokens, for a mutated arch.
     safetensors: the weights file's header (``build_index``).
     experts: the manifest's ``experts`` section against ``experts.bin`` (layout, slots, plans).
     gguf: a GGUF file (header, typed metadata, nested arrays, tensor infos, alignment,
@@ -164,6 +165,25 @@ def manifest_target(seeds: Seeds) -> Target:
     return Target("manifest", mutate, run)
 
 
+def open_target(seeds: Seeds) -> Target:
+    """The whole open (family build included) and two generated tokens, for a mutated arch section."""
+    docs = {name: json.loads((path / MANIFEST).read_text()) for name, path in seeds.installs.items()}
+
+    def mutate(rnd: random.Random) -> tuple[str, bytes]:
+        name = rnd.choice(sorted(docs))
+        return name, json.dumps({**docs[name], "arch": mutate_section(rnd, docs[name]["arch"])}, allow_nan=True).encode()
+
+    def run(data: tuple[str, bytes]) -> None:
+        import turbospark_core
+
+        name, text = data
+        root = _scratch(seeds, f"{name}")
+        (root / MANIFEST).write_bytes(text)
+        turbospark_core.open(root, memory_budget="8GB").generate("hi", max_tokens=2)
+
+    return Target("open", mutate, run)
+
+
 # ------------------------------------------------------------------ safetensors header
 def safetensors_target(seeds: Seeds) -> Target:
     blobs = {}
@@ -304,6 +324,7 @@ def template_target(seeds: Seeds) -> Target:
 
 TARGETS: dict[str, Callable[[Seeds], Target]] = {
     "manifest": manifest_target,
+    "open": open_target,
     "safetensors": safetensors_target,
     "experts": experts_target,
     "gguf": gguf_target,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from .targets import TARGETS, Seeds, run_one
 
-EXAMPLES = {"manifest": 150, "safetensors": 150, "experts": 150, "gguf": 60, "tokenizer": 60, "template": 100}
+EXAMPLES = {"open": 40, "manifest": 150, "safetensors": 150, "experts": 150, "gguf": 60, "tokenizer": 60, "template": 100}
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
