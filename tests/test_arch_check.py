@@ -169,3 +169,15 @@ def test_an_arch_that_passes_every_check_but_does_not_fit_the_tensors_is_refused
     with pytest.raises(turbospark_core.errors.InstallError) as err:
         turbospark_core.open(install, warmup=warmup)
     names(err, "do not fit the arch config", "'llama'", "turbospark convert")
+
+
+@pytest.mark.parametrize("theta", [1, 1.0, 0.5])
+def test_a_rope_base_of_at_most_1_is_refused(theta: float, names) -> None:
+    """YaRN divides by log(rope_theta): a base of 1 was a ZeroDivisionError when the rope was built."""
+    arch = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 8, "rope_theta": theta}
+    names("; ".join(generic_problems(arch)), "rope_theta", "(1, ")
+
+
+def test_yarn_multipliers_may_be_zero_but_not_negative(names) -> None:
+    assert rope_scaling_problems({"rope_type": "yarn", "factor": 4, "mscale": 0, "mscale_all_dim": 0}) == []
+    names("; ".join(rope_scaling_problems({"rope_type": "yarn", "factor": 4, "mscale": -1})), "'mscale'", ">= 0")

@@ -46,10 +46,13 @@ OPTIONAL_INTS = {
     "num_local_experts": MAX_EXPERTS,
     "num_experts_per_tok": MAX_EXPERTS,
 }
-OPTIONAL_FLOATS = {"rope_theta": MAX_FLOAT, "rms_norm_eps": 1.0, "rope_local_base_freq": MAX_FLOAT}
-# rope_scaling keys and their kinds ("float": finite positive, "int": positive int or float position count)
-_SCALING_FLOATS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                   "original_max_position_embeddings", "mscale", "mscale_all_dim", "attention_factor")  # fmt: skip
+OPTIONAL_FLOATS = {"rms_norm_eps": 1.0}
+# RoPE bases: above 1 (a base of 1 rotates nothing, and YaRN divides by its log)
+ROPE_BASES = {"rope_theta": MAX_FLOAT, "rope_local_base_freq": MAX_FLOAT}
+# rope_scaling keys: finite and positive (divisors, logs), or finite and not negative (multipliers)
+_SCALING_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                     "original_max_position_embeddings")  # fmt: skip
+_SCALING_NON_NEGATIVE = ("mscale", "mscale_all_dim", "attention_factor")
 _SCALING_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}  # fmt: skip
 
@@ -163,8 +166,13 @@ def rope_scaling_problems(value: object, where: str = "rope_scaling") -> list[st
     out = [f"{where} needs {k!r} for rope_type {kind!r}" for k in _SCALING_NEEDS.get(kind, ()) if value.get(k) is None]
     out += [
         f"{where} {k!r} must be a finite positive number (got {_show(value[k])})"
-        for k in _SCALING_FLOATS
+        for k in _SCALING_POSITIVE
         if value.get(k) is not None and not (is_number(value[k]) and 0 < value[k] <= MAX_FLOAT)
+    ]
+    out += [
+        f"{where} {k!r} must be a finite number >= 0 (got {_show(value[k])})"
+        for k in _SCALING_NON_NEGATIVE
+        if value.get(k) is not None and not (is_number(value[k]) and 0 <= value[k] <= MAX_FLOAT)
     ]
     if "truncate" in value and not isinstance(value["truncate"], bool):
         out.append(f"{where} 'truncate' must be true or false (got {_show(value['truncate'])})")
@@ -178,6 +186,7 @@ def generic_problems(arch: dict[str, Any]) -> list[str]:
     out = [p for key, high in REQUIRED_INTS.items() if (p := int_problem(arch, key, high))]
     out += [p for key, high in OPTIONAL_INTS.items() if (p := int_problem(arch, key, high, optional=True))]
     out += [p for key, high in OPTIONAL_FLOATS.items() if (p := float_problem(arch, key, high, optional=True))]
+    out += float_problems(arch, ROPE_BASES, low=1.0, optional=True)
     out += rope_scaling_problems(arch.get("rope_scaling"))
     out += [p for key in ("moe", "rope_parameters", "rope") if (p := section_problem(arch, key))]
     layer_types = arch.get("layer_types")

@@ -40,7 +40,7 @@ _INTS = {
     "vocab_size": MAX_VOCAB, "num_local_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
 }
 _OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS, "sliding_window": MAX_POSITIONS}
-_FLOATS = {"rms_norm_eps": 1.0, "rope_theta": MAX_FLOAT, "swiglu_alpha": MAX_FLOAT, "swiglu_limit": MAX_FLOAT}
+_FLOATS = {"rms_norm_eps": 1.0, "swiglu_alpha": MAX_FLOAT, "swiglu_limit": MAX_FLOAT}
 
 
 @attrs.frozen(kw_only=True)
@@ -105,7 +105,7 @@ class Args:
         so ``from_arch`` raises nothing but :class:`ArchConfigError`.
         """
         out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
-        out += float_problems(arch, _FLOATS)
+        out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(
                 f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "

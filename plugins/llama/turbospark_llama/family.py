@@ -119,14 +119,14 @@ _INTS = {
     "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "vocab_size": MAX_VOCAB,
 }  # fmt: skip
 _OPTIONAL_INTS = {"rotary_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_POSITIONS}
-_FLOATS = {"rms_norm_eps": 1.0, "rope_theta": MAX_FLOAT}
+_FLOATS = {"rms_norm_eps": 1.0}
 _MOE_INTS = {"num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS}
 
 
 def _typed_problems(arch: dict[str, Any]) -> list[str]:
     """The type and range of every key :meth:`Args.from_arch` reads."""
     out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
-    out += float_problems(arch, _FLOATS)
+    out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
     out += rope_scaling_problems(arch.get("rope_scaling"))
     if arch.get("qk_norm") not in QK_NORMS:
         out.append(f"qk_norm={arch.get('qk_norm')!r} is not one of {QK_NORMS}")

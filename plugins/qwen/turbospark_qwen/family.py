@@ -43,7 +43,7 @@ _INTS = {
     "linear_key_head_dim": MAX_HEAD_DIM, "linear_value_head_dim": MAX_HEAD_DIM, "linear_conv_kernel_dim": 64,
 }
 _OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS}
-_FLOATS = {"rms_norm_eps": 1.0, "rope_theta": MAX_FLOAT}
+_FLOATS = {"rms_norm_eps": 1.0}
 _MOE_INTS = {
     "num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "moe_intermediate_size": MAX_INTERMEDIATE,
     "shared_expert_intermediate_size": MAX_INTERMEDIATE,
@@ -117,7 +117,8 @@ class Args:
         so ``from_arch`` raises nothing but :class:`ArchConfigError`.
         """
         out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
-        out += float_problems(arch, _FLOATS) + rope_scaling_problems(arch.get("rope_scaling"))
+        out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
+        out += rope_scaling_problems(arch.get("rope_scaling"))
         if not out:
             out += _head_problems(arch)
         layer_types = arch.get("layer_types")

@@ -154,8 +154,8 @@ def _rope_problems(kind: str, rope: Any, head_dim: Any) -> list[str]:
         return [f"no rope parameters for layer type {kind!r} (rope_parameters[{kind!r}] is missing)"]
     out = []
     theta, dims = rope.get("rope_theta"), rope.get("rotary_dim")
-    if not is_number(theta) or not 0 < theta <= MAX_FLOAT:
-        out.append(f"{kind} rope_theta must be a finite positive number (got {theta!r})")
+    if not is_number(theta) or not 1 < theta <= MAX_FLOAT:
+        out.append(f"{kind} rope_theta must be a finite number above 1 (got {theta!r})")
     limit = head_dim if is_int(head_dim) else 0
     if not is_int(dims) or dims <= 0 or dims % 2 or dims > limit:
         out.append(
