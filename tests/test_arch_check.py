@@ -147,7 +147,7 @@ json_values = st.recursive(
 
 
 @pytest.mark.parametrize("fixture", ["llama", "gpt_oss", "qwen3_5_moe", "gemma4_e", "spark2_5"])
-@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_json_in_any_key_is_refused_or_served(fixture: str, data: st.DataObject) -> None:
     arch = _fixture_arch(fixture)
