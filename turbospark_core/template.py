@@ -7,8 +7,9 @@ left, so no template can hang the caller or exhaust memory:
 - the output is built chunk by chunk and refused past ``max_chars``;
 - ``*``/``**`` on strings, lists and numbers is refused when the result would
   pass the same bound (``"a" * 10**12``, ``2 ** 10**9``);
-- a watchdog stops a render that runs past ``max_seconds`` (a loop that outputs
-  nothing), by raising an exception in the rendering thread;
+- a render that runs past ``max_seconds`` (a loop that outputs nothing) is
+  refused at once, and its thread (one per render) is stopped by an exception
+  raised in it;
 - anything the template raises (``ZeroDivisionError``, a recursion limit...) is a
   :class:`~turbospark_core.errors.TokenizerError` naming the template.
 """
@@ -28,6 +29,7 @@ from turbospark_core.errors import TokenizerError
 MAX_RENDER_CHARS = 4 * 1024 * 1024
 MAX_RENDER_SECONDS = 5.0
 _REFIRE_SECONDS = 0.05
+_STOP_ATTEMPTS = 200  # 10 s of resending before a render stuck in C code is left to finish alone
 
 
 class _RenderTimeout(Exception):
@@ -59,40 +61,6 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return operator.mul(left, right)
 
 
-class _Watchdog:
-    """Raises :class:`_RenderTimeout` in the current thread if the block outlives ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self._thread_id = threading.get_ident()
-        self._lock = threading.Lock()
-        self._active = True
-        self._fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-
-    def _fire(self) -> None:
-        with self._lock:
-            if not self._active:
-                return
-            self._fired = True
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), ctypes.py_object(_RenderTimeout))
-            # An exception delivered inside a weakref callback or __del__ is swallowed: fire again until the block ends.
-            self._timer = threading.Timer(_REFIRE_SECONDS, self._fire)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def __enter__(self) -> _Watchdog:
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._active = False
-            self._timer.cancel()
-            if self._fired:  # not delivered yet: clear it, it must not land outside the block
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
-
-
 def render_template(
     template: str,
     variables: dict[str, Any],
@@ -102,21 +70,46 @@ def render_template(
 ) -> str:
     """Render a chat template in the bounded sandbox.
 
+    The render runs on a short-lived thread of its own: past ``max_seconds`` the
+    caller gets a :class:`TokenizerError` at once, and the render thread is
+    stopped by an exception raised in it (so nothing but that thread ever sees it).
+
     Raises:
         TokenizerError: The template does not compile, raises, or passes a bound (each named).
     """
     env = _BoundedSandbox(max_chars)
-    try:
-        with _Watchdog(max_seconds):
-            return _render(env, template, variables, max_chars)
-    except _RenderTimeout:
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["text"] = _render(env, template, variables, max_chars)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name="chat-template", daemon=True)
+    thread.start()
+    thread.join(max_seconds)
+    if thread.is_alive():
+        _stop(thread)
         msg = f"the install's chat template ran past the {max_seconds:g}-second bound; fix or replace the chat template"
+        raise TokenizerError(msg)
+    error = box.get("error")
+    if isinstance(error, TokenizerError):
+        raise error
+    if error is not None:  # the template is untrusted code: whatever it raised
+        msg = f"the install's chat template failed to render ({type(error).__name__}: {str(error)[:300]})"
         raise TokenizerError(msg) from None
-    except TokenizerError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the template is untrusted code: whatever it raises
-        msg = f"the install's chat template failed to render ({type(e).__name__}: {str(e)[:300]})"
-        raise TokenizerError(msg) from None
+    return str(box["text"])
+
+
+def _stop(thread: threading.Thread) -> None:
+    """Raise :class:`_RenderTimeout` in ``thread`` until it ends (resent: one delivered in a
+    weakref callback or ``__del__`` is swallowed); give up after ``_STOP_ATTEMPTS``."""
+    for _ in range(_STOP_ATTEMPTS):
+        if not thread.is_alive() or thread.ident is None:
+            return
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderTimeout))
+        thread.join(_REFIRE_SECONDS)
 
 
 def _render(env: _BoundedSandbox, template: str, variables: dict[str, Any], max_chars: int) -> str:
