@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +19,25 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
         value = value.get("content")
-    return value if isinstance(value, str) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON) is no token
+        return None
+    return value
+
+
+@contextlib.contextmanager
+def _backend(what: str) -> Iterator[None]:
+    """What the tokenizers library raises (a Rust panic is a BaseException) as a TokenizerError."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exception, or pyo3's PanicException
+        msg = f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); re-run `turbospark convert`"
+        raise TokenizerError(msg) from None
 
 
 def _is_id(value: object) -> bool:
@@ -103,15 +123,23 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string, or ``None``."""
-        return self._tok.token_to_id(token)
+        with _backend("look up a token"):
+            return self._tok.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for ``text`` (with BOS etc. when the tokenizer adds them)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for ``text`` (with BOS etc. when the tokenizer adds them).
+
+        Raises:
+            TokenizerError: The install's tokenizer fails on ``text`` (a malformed
+                ``tokenizer.json`` can make the tokenizers library panic).
+        """
+        with _backend("encode text"):
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text for ``ids``."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with _backend("decode tokens"):
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any

@@ -82,7 +82,9 @@ def run_one(target: Target, data: Any, bound: float = TIME_BOUND) -> str:
         outcome = "refused"
     except _Timeout:
         raise Escape(f"{target.name}: an input ran past the {bound:g}-second bound") from None
-    except Exception as e:  # noqa: BLE001 - what escapes is the finding
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - what escapes is the finding (a Rust panic is a BaseException)
         raise Escape(f"{target.name}: {type(e).__name__}: {str(e)[:300]}") from e
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
