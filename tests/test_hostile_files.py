@@ -129,3 +129,30 @@ def test_the_length_prefix_is_the_only_trusted_size(install: Path, tamper, names
     with pytest.raises(InstallError) as err:
         turbospark_core.open(install)
     names(err, WEIGHTS, "header")
+
+
+def test_a_token_text_with_a_lone_surrogate_is_ignored(install: Path, tamper) -> None:
+    config = json.loads((install / "tokenizer_config.json").read_text())
+    config["bos_token"] = "\ud800"  # was UnicodeEncodeError inside tokenizers (found by the long fuzz run)
+    tamper.put_file(install, "tokenizer_config.json", json.dumps(config).encode())
+    assert turbospark_core.open(install).tokenizer.bos_token is None
+
+
+class _Panic(BaseException):
+    """Stands for pyo3's PanicException, which the tokenizers library raises when a Rust panic crosses into Python."""
+
+
+def test_a_tokenizer_panic_is_a_tokenizer_error(install: Path, names) -> None:
+    tok = turbospark_core.open(install).tokenizer
+
+    class Panicking:
+        def encode(self, *args: object, **kwargs: object) -> None:
+            raise _Panic("slice index starts at 1 but ends at 0")  # seen in the long fuzz run
+
+        decode = token_to_id = encode
+
+    tok._tok = Panicking()  # type: ignore[assignment]
+    for call in (lambda: tok.encode("hi"), lambda: tok.decode([1]), lambda: tok.token_to_id("a")):
+        with pytest.raises(TokenizerError) as err:
+            call()
+        names(err, "the install's tokenizer failed", "slice index")
