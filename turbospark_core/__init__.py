@@ -39,6 +39,7 @@ def open(  # noqa: A001 - the API's name
     warmup: bool = False,
     router_histogram: bool = False,
     ffn_histogram: bool = False,
+    verify: bool = False,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -74,6 +75,9 @@ def open(  # noqa: A001 - the API's name
             (:meth:`Runner.ffn_histogram`). Off: nothing is allocated.
             With either histogram on, the family's flow runs uncompiled
             (an ``mx.compile`` trace cannot record).
+        verify: Check the sha256 of every file in the manifest's file table
+            before anything reads it (off by default: it reads every byte);
+            a mismatch raises ``FileTableError`` naming the file.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -103,6 +107,7 @@ def open(  # noqa: A001 - the API's name
             "warmup": warmup,
             "router_histogram": router_histogram,
             "ffn_histogram": ffn_histogram,
+            "verify": verify,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -27,6 +27,16 @@ Conversion
     ``text_config``, ``tied_embeddings``, ``is_tied_head``,
     ``strip_language_model_prefix``, ``drop_pattern`` (with
     ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``.
+Arch checks
+    Typed, bounded checks for ``Args.problems``: ``int_problem``,
+    ``float_problem`` (and ``int_problems``/``float_problems`` over a
+    ``{key: bound}`` mapping),
+    ``bool_problem``, ``index_list_problem``, ``keys_problem``,
+    ``choice_list_problem``, ``section_problem``, ``rope_scaling_problems``,
+    ``is_int``, ``is_number`` and the bounds ``MAX_LAYERS``, ``MAX_HEADS``,
+    ``MAX_HEAD_DIM``, ``MAX_HIDDEN``, ``MAX_VOCAB``,
+    ``MAX_INTERMEDIATE``, ``MAX_POSITIONS``, ``MAX_EXPERTS``, ``MAX_FLOAT``
+    (the core checks the generic keys before asking the family).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -36,6 +46,29 @@ Errors
 from __future__ import annotations
 
 from turbospark_core import hookimpl
+from turbospark_core.arch_check import (
+    MAX_EXPERTS,
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    bool_problem,
+    choice_list_problem,
+    float_problem,
+    float_problems,
+    index_list_problem,
+    int_problem,
+    int_problems,
+    is_int,
+    is_number,
+    keys_problem,
+    rope_scaling_problems,
+    section_problem,
+)
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.context import FamilyContext, FamilyModel
 from turbospark_core.convert.conventions import (
@@ -58,6 +91,15 @@ from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.weights import WeightStore
 
 __all__ = [
+    "MAX_EXPERTS",
+    "MAX_FLOAT",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_HIDDEN",
+    "MAX_INTERMEDIATE",
+    "MAX_LAYERS",
+    "MAX_POSITIONS",
+    "MAX_VOCAB",
     "MTP_HEADS",
     "ROPE_TYPES",
     "VISION_TOWERS",
@@ -84,12 +126,24 @@ __all__ = [
     "TensorTarget",
     "TurbosparkError",
     "WeightStore",
+    "bool_problem",
     "causal_mask",
+    "choice_list_problem",
     "drop_pattern",
+    "float_problem",
+    "float_problems",
     "hookimpl",
+    "index_list_problem",
+    "int_problem",
+    "int_problems",
+    "is_int",
+    "is_number",
     "is_tied_head",
+    "keys_problem",
     "rope_scaling",
+    "rope_scaling_problems",
     "rope_theta",
+    "section_problem",
     "strip_language_model_prefix",
     "text_config",
     "tied_embeddings",

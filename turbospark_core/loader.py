@@ -12,6 +12,7 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core import native, plugins
+from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
@@ -19,6 +20,7 @@ from turbospark_core.diagnostics import Diagnostics
 from turbospark_core.errors import (
     ArchConfigError,
     FamilyRefusalError,
+    FileTableError,
     InstallError,
     MemoryBudgetError,
     NotAnInstallError,
@@ -45,6 +47,8 @@ from turbospark_core.manifest import (
     Manifest,
     check_files,
     load_manifest,
+    parse_json,
+    verify_checksums,
 )
 from turbospark_core.memory import MemoryEstimate
 from turbospark_core.options import OpenOptions
@@ -54,7 +58,6 @@ from turbospark_core.tensor_index import TensorIndex, build_index
 from turbospark_core.weights import WeightStore
 
 DEFAULT_MAX_CONTEXT = 8192
-_REQUIRED_ARCH = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 @attrs.frozen(kw_only=True)
@@ -111,7 +114,7 @@ def _refuse_vision_sidecar(path: Path) -> None:
     if manifest.is_file() and manifest.stat().st_size < 1 << 20:
         try:
             raw = json.loads(manifest.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # bad JSON/UTF-8, huge integers, nesting bombs
             return  # the manifest step reports it
         if isinstance(raw, dict) and (raw.get("sidecar") == "vision" or "vision" in str(raw.get("format", ""))):
             msg = (
@@ -138,20 +141,34 @@ def _refuse_vision_sidecar(path: Path) -> None:
 
 
 def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
-    """Step 3: the core's generic checks, then the family's."""
-    problems = [
-        f"{key!r} must be a positive integer (got {arch.get(key)!r})"
-        for key in _REQUIRED_ARCH
-        if not _positive_int(arch.get(key))
-    ]
-    problems += hooks.arch_problems(arch)
+    """Step 3: the core's generic checks (types, bounds, consistency), then the family's.
+
+    The family is asked only once the generic keys hold, so its checks may rely on them.
+    """
+    problems = generic_problems(arch)
+    if not problems:
+        problems = hooks.arch_problems(arch)
     if problems:
         msg = f"arch config of model type {arch['model_type']!r} is invalid: " + "; ".join(problems)
         raise ArchConfigError(msg)
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _verify(manifest: Manifest) -> None:
+    """``verify=True``: every file in the table has a recorded sha256, and its bytes match it."""
+    unrecorded = sorted(name for name, entry in manifest.files.items() if not entry.sha256)
+    if unrecorded:
+        msg = (
+            f"{manifest.root}: verify=True, but the file table records no sha256 for "
+            f"{', '.join(map(repr, unrecorded))}; re-run `turbospark convert` (or open without verify)"
+        )
+        raise FileTableError(msg)
+    bad = verify_checksums(manifest)
+    if bad:
+        msg = (
+            f"{manifest.root}: the sha256 of {', '.join(map(repr, bad))} differs from the file table; "
+            f"the install is corrupt or altered, re-run `turbospark convert`"
+        )
+        raise FileTableError(msg)
 
 
 def _check_kv_quant(arch: dict[str, Any], hooks: plugins.FamilyHooks, kv_quant: str | None) -> None:
@@ -202,7 +219,7 @@ def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     name = "generation_config.json"
     if name not in manifest.files:
         return {}
-    raw = json.loads((root / name).read_bytes()[: manifest.files[name].size])
+    raw = parse_json((root / name).read_bytes()[: manifest.files[name].size], root / name, InstallError)
     return raw if isinstance(raw, dict) else {}
 
 
@@ -250,6 +267,8 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         _check_kv_quant(manifest.arch, hooks, options.kv_quant)  # 4
         capabilities = _probe(manifest.arch, hooks)
         check_files(manifest)
+        if options.verify:
+            _verify(manifest)
         _check_hadamard(manifest, hooks, capabilities)  # 6
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
         layout = hooks.cache_layout(manifest.arch) or ()
@@ -274,13 +293,16 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
     with timer.phase("weights_mapping"):
         weights.materialize()
     new_cache = _cache_maker(layout, max_context, policy, options)
+    if not options.warmup and (plan is None or plan.residency != STREAMED):
+        with timer.phase("family_state"):
+            _forward_one(model, new_cache, manifest, hooks, evaluate=False)  # 11: shapes checked, nothing computed
     with timer.phase("session_state"):
         sessions = SessionPool(options.session_slots, new_cache)  # 13
     if options.warmup:
         with timer.phase("warmup"):
-            mx.eval(model(mx.array([[0]]), new_cache()))  # 15
-            if diagnostics is not None:
-                diagnostics.reset()
+            _forward_one(model, new_cache, manifest, hooks, evaluate=True)  # 15
+    if diagnostics is not None:
+        diagnostics.reset()  # neither the shape check nor the warm-up token is counted
     return OpenedModel(
         manifest=manifest,
         hooks=hooks,
@@ -299,6 +321,29 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         experts=experts,
         diagnostics=diagnostics,
     )
+
+
+def _forward_one(
+    model: FamilyModel, new_cache: Callable[[], list[Cache]], manifest: Manifest, hooks: plugins.FamilyHooks, *, evaluate: bool
+) -> None:
+    """One token through the model: the warm-up (``evaluate``), or only its graph, which MLX shape-checks
+    as it is built (so an arch config that passes every check but does not fit the tensors is refused here,
+    not at the first request).
+
+    Raises:
+        InstallError: The flow's shapes do not fit the install's tensors, naming the family and the op.
+    """
+    try:
+        logits = model(mx.array([[0]]), new_cache())
+        if evaluate:
+            mx.eval(logits)
+    except (ValueError, TypeError, IndexError) as e:  # MLX refuses mismatched shapes with ValueError
+        msg = (
+            f"{manifest.root}: the tensors do not fit the arch config of model type {manifest.model_type!r} "
+            f"as family {hooks.spec.name!r} reads it ({str(e)[:300]}); the arch config was altered, "
+            f"re-run `turbospark convert`"
+        )
+        raise InstallError(msg) from None
 
 
 def _probe(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> Capabilities:

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from turbospark_core.errors import FileTableError, ManifestError
+from turbospark_core.errors import FileTableError, ManifestError, TurbosparkError
 from turbospark_core.names import INSTALL_FORMAT, INSTALL_FORMAT_VERSION
 
 MANIFEST = "manifest.json"
@@ -84,6 +84,19 @@ class Manifest:
         }
 
 
+def parse_json(data: bytes, where: Path | str, error: type[TurbosparkError]) -> Any:
+    """``json.loads`` of untrusted bytes: every way it can fail becomes ``error`` naming ``where``.
+
+    Besides malformed JSON and UTF-8 (``ValueError``), Python refuses integers
+    of more than 4300 digits (``ValueError``) and deep nesting (``RecursionError``).
+    """
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        msg = f"{where} is not valid JSON ({str(e)[:200]}); the install is corrupt, re-run `turbospark convert`"
+        raise error(msg) from None
+
+
 def _read_bounded(path: Path) -> bytes:
     try:
         size = path.stat().st_size
@@ -103,7 +116,7 @@ def _read_bounded(path: Path) -> bytes:
 def _require(raw: dict[str, Any], key: str, kind: type, where: Path) -> Any:
     value = raw.get(key)
     if not isinstance(value, kind):
-        msg = f"{where}: {key!r} must be a {kind.__name__}, got {value!r}; re-run `turbospark convert`"
+        msg = f"{where}: {key!r} must be a {kind.__name__}, got {value!r:.80}; re-run `turbospark convert`"
         raise ManifestError(msg)
     return value
 
@@ -120,13 +133,21 @@ def _file_table(raw: dict[str, Any], where: Path) -> dict[str, FileEntry]:
             raise FileTableError(msg)
         size = entry.get("size") if isinstance(entry, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            msg = f"{where}: file table entry {name!r} has no valid 'size': {entry!r}"
+            msg = f"{where}: file table entry {name!r} has no valid 'size': {entry!r:.120}"
             raise FileTableError(msg)
-        files[name] = FileEntry(size=size, sha256=str(entry.get("sha256", "")))
+        digest = entry.get("sha256", "")
+        if not isinstance(digest, str) or (digest and not _is_sha256(digest)):
+            msg = f"{where}: file table entry {name!r} has a 'sha256' that is not 64 hex digits: {digest!r:.80}"
+            raise FileTableError(msg)
+        files[name] = FileEntry(size=size, sha256=digest)
     if WEIGHTS not in files:
         msg = f"{where}: file table lacks {WEIGHTS!r}; re-run `turbospark convert`"
         raise FileTableError(msg)
     return files
+
+
+def _is_sha256(digest: str) -> bool:
+    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
 
 
 def load_manifest(root: Path) -> Manifest:
@@ -137,11 +158,7 @@ def load_manifest(root: Path) -> Manifest:
         FileTableError: A bad file table entry or a name outside the fixed set.
     """
     where = root / MANIFEST
-    try:
-        raw = json.loads(_read_bounded(where))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        msg = f"{where} is not valid JSON ({e}); the install is corrupt, re-run `turbospark convert`"
-        raise ManifestError(msg) from None
+    raw = parse_json(_read_bounded(where), where, ManifestError)
     if not isinstance(raw, dict) or raw.get("format") != INSTALL_FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         msg = f"{where}: format is {got!r}, expected {INSTALL_FORMAT!r}; make an install with `turbospark convert`"
@@ -156,6 +173,10 @@ def load_manifest(root: Path) -> Manifest:
     if not isinstance(arch.get("model_type"), str):
         msg = f"{where}: arch has no 'model_type' string; re-run `turbospark convert`"
         raise ManifestError(msg)
+    for key in ("family", "distribution"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            msg = f"{where}: {key!r} must be a string or null, got {raw[key]!r:.80}; re-run `turbospark convert`"
+            raise ManifestError(msg)
     sections = {key: _optional_object(raw, key, where) for key in _SECTIONS}
     files = _file_table(raw, where)
     _check_paired(sections, files, where)
@@ -189,7 +210,7 @@ def _check_paired(sections: dict[str, Any], files: dict[str, FileEntry], where: 
 def _optional_object(raw: dict[str, Any], key: str, where: Path) -> dict[str, Any] | None:
     value = raw.get(key)
     if value is not None and not isinstance(value, dict):
-        msg = f"{where}: {key!r} must be an object or null, got {value!r}; re-run `turbospark convert`"
+        msg = f"{where}: {key!r} must be an object or null, got {value!r:.80}; re-run `turbospark convert`"
         raise ManifestError(msg)
     return value
 

@@ -52,6 +52,16 @@ def _session_slots(value: object) -> int:
     return _count("session_slots", value, "slots")
 
 
+def _flag(name: str) -> Any:
+    def check(value: object) -> bool:
+        if not isinstance(value, bool):
+            msg = f"{name}={value!r} is invalid; use True or False"
+            raise OptionError(msg)
+        return value
+
+    return check
+
+
 def _choice(name: str, value: object, choices: tuple[_C, ...]) -> _C:
     for choice in choices:
         if value == choice:
@@ -83,6 +93,10 @@ def _ffn_histogram(value: object) -> bool:
     return _flag("ffn_histogram", value)
 
 
+def _verify(value: object) -> bool:
+    return _flag("verify", value)
+
+
 @attrs.frozen(kw_only=True)
 class OpenOptions:
     """What the caller asked of :func:`turbospark_core.open` (each option is documented there)."""
@@ -97,6 +111,7 @@ class OpenOptions:
     warmup: bool = False
     router_histogram: bool = attrs.field(default=False, converter=_router_histogram)
     ffn_histogram: bool = attrs.field(default=False, converter=_ffn_histogram)
+    verify: bool = attrs.field(default=False, converter=_verify)
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

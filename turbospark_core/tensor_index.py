@@ -20,6 +20,7 @@ FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 PACKED_DTYPES = {"U32": 4, "U8": 1}
 QUANT_BITS = {2, 3, 4, 5, 6, 8}
 QUANT_GROUPS = {32, 64, 128}
+MAX_NDIM = 8  # bounds the shape arithmetic of a hostile header
 
 
 @attrs.frozen(kw_only=True)
@@ -37,10 +38,11 @@ class QuantSpec:
             msg = f"quantization entry for {name!r} must be an object, got {raw!r}"
             raise TensorStorageError(msg)
         bits, group_size, mode = raw.get("bits"), raw.get("group_size"), raw.get("mode", "affine")
-        if not (isinstance(bits, int) and isinstance(group_size, int) and _has_kernel(mode, bits, group_size)):
+        known = isinstance(bits, int) and isinstance(group_size, int) and isinstance(mode, str)
+        if not (known and _has_kernel(mode, bits, group_size)):
             msg = (
-                f"tensor {name!r} is stored as {mode} {bits}-bit with group "
-                f"size {group_size}, which has no kernel here (affine "
+                f"tensor {name!r} is stored as {mode!r:.40} {bits!r:.40}-bit with group "
+                f"size {group_size!r:.40}, which has no kernel here (affine "
                 f"{sorted(QUANT_BITS)}-bit, groups {sorted(QUANT_GROUPS)}; mxfp4 4-bit "
                 f"group 32); re-convert with `turbospark convert --quantize q4|q8`"
             )
@@ -126,8 +128,8 @@ def read_header(path: Path, file_size: int) -> tuple[dict[str, Any], int]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        msg = f"{path.name} has an unreadable safetensors header ({e}); re-run `turbospark convert`"
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit integer, a nesting bomb
+        msg = f"{path.name} has an unreadable safetensors header ({str(e)[:200]}); re-run `turbospark convert`"
         raise InstallError(msg) from None
     if not isinstance(header, dict):
         msg = f"{path.name} header is not a JSON object; re-run `turbospark convert`"
@@ -142,18 +144,23 @@ def _is_count(n: Any) -> bool:
 
 def _tensor_info(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        msg = f"tensor {name!r} in {path.name} has a malformed header entry: {entry!r}"
+        msg = f"tensor {name!r:.100} in {path.name} has a malformed header entry: {entry!r:.200}"
         raise InstallError(msg)
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not (
         isinstance(dtype, str)
         and isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
         and all(_is_count(n) for n in shape)
         and isinstance(offsets, list)
         and len(offsets) == 2
         and all(_is_count(n) for n in offsets)
     ):
-        msg = f"tensor {name!r} in {path.name} has a malformed header entry: {entry!r}; re-run `turbospark convert`"
+        msg = (
+            f"tensor {name!r:.100} in {path.name} has a malformed header entry: {entry!r:.200} "
+            f"(dtype a string, shape a list of at most {MAX_NDIM} counts, data_offsets two counts); "
+            f"re-run `turbospark convert`"
+        )
         raise InstallError(msg)
     shape, (start, end) = tuple(shape), offsets
     itemsize = FLOAT_DTYPES.get(dtype) or PACKED_DTYPES.get(dtype)
@@ -208,5 +215,12 @@ def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
             msg = (
                 f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks its "
                 f"'.weight' or '.scales' tensor; re-run `turbospark convert`"
+            )
+            raise TensorStorageError(msg)
+        flat = [f"{base}.{leaf}" for leaf in ("weight", "scales") if len(tensors[f"{base}.{leaf}"].shape) < 2]
+        if flat:
+            msg = (
+                f"quantized matrix {base!r}: {flat[0]!r} has shape {list(tensors[flat[0]].shape)}, "
+                f"but packed matrices have at least two dimensions; re-run `turbospark convert`"
             )
             raise TensorStorageError(msg)

@@ -2,26 +2,74 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 from turbospark_core.errors import TokenizerError
+from turbospark_core.template import render_template
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        value = value.get("content")
+    if not isinstance(value, str):
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON) is no token
+        return None
+    return value
 
 
-def _raise_exception(message: str) -> None:
-    raise TokenizerError(f"chat template refused the messages: {message}")
+@contextlib.contextmanager
+def _backend(what: str) -> Iterator[None]:
+    """What the tokenizers library raises (a Rust panic is a BaseException) as a TokenizerError."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exception, or pyo3's PanicException
+        msg = f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); re-run `turbospark convert`"
+        raise TokenizerError(msg) from None
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` (bounded, typed): an object whose ``chat_template`` is a string or absent."""
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        msg = f"{path} is over the {MAX_CONFIG_BYTES}-byte bound for a tokenizer config; re-run `turbospark convert`"
+        raise TokenizerError(msg)
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge integers, nesting bombs
+        msg = f"{path} is not valid JSON ({str(e)[:200]}); re-run `turbospark convert`"
+        raise TokenizerError(msg) from None
+    if not isinstance(config, dict):
+        msg = f"{path} must hold a JSON object, got {type(config).__name__}; re-run `turbospark convert`"
+        raise TokenizerError(msg)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # Hugging Face's named form: [{"name": ..., "template": ...}]
+        named = {t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        template = config["chat_template"] = named.get("default")
+    if template is not None and not isinstance(template, str):
+        msg = (
+            f"{path}: 'chat_template' must be a string (or named templates with a 'default'), "
+            f"got {type(template).__name__}; re-run `turbospark convert`"
+        )
+        raise TokenizerError(msg)
+    return config
 
 
 class Tokenizer:
@@ -56,15 +104,16 @@ class Tokenizer:
         """
         try:
             backend = _HFTokenizer.from_file(str(root / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exception, or a Rust panic (BaseException)
             msg = f"{root / 'tokenizer.json'} could not be loaded ({e}); re-run `turbospark convert`"
             raise TokenizerError(msg) from None
-        config_path = root / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = _read_config(root / "tokenizer_config.json")
         if not config.get("chat_template") and default_template is not None:
             config["chat_template"] = default_template() if callable(default_template) else default_template
         eos = generation_config.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = [eos] if _is_id(eos) else [i for i in eos if _is_id(i)] if isinstance(eos, list) else []
         return cls(backend, config, eos_ids)
 
     @property
@@ -74,15 +123,23 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string, or ``None``."""
-        return self._tok.token_to_id(token)
+        with _backend("look up a token"):
+            return self._tok.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for ``text`` (with BOS etc. when the tokenizer adds them)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for ``text`` (with BOS etc. when the tokenizer adds them).
+
+        Raises:
+            TokenizerError: The install's tokenizer fails on ``text`` (a malformed
+                ``tokenizer.json`` can make the tokenizers library panic).
+        """
+        with _backend("encode text"):
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text for ``ids``."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with _backend("decode tokens"):
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
@@ -95,19 +152,14 @@ class Tokenizer:
         if not self.chat_template:
             msg = "this install has no chat template; use generate() with a plain prompt"
             raise TokenizerError(msg)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
-            )
-        except jinja2.TemplateError as e:
-            msg = f"the install's chat template failed to render: {e}"
-            raise TokenizerError(msg) from None
+        variables = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            **extra,
+        }
+        return render_template(self.chat_template, variables)
 
     def detokenizer(self) -> StreamingDetokenizer:
         """A fresh streaming detokenizer."""

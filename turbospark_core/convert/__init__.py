@@ -11,11 +11,12 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core import __version__, plugins
+from turbospark_core.arch_check import generic_problems
 from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
 from turbospark_core.convert.experts import split_experts, top_k_from_config
 from turbospark_core.convert.records import SourceTensor, TensorTarget
-from turbospark_core.convert.writer import finish, prepare_destination, write_install
+from turbospark_core.convert.writer import destination_lock, finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
 from turbospark_core.manifest import Manifest, load_manifest
 from turbospark_core.progress import progress
@@ -73,31 +74,58 @@ def convert(
         msg = f"{src} is neither a checkpoint directory nor a .gguf file"
         raise ConversionError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
-    staging = prepare_destination(dst, force=force)
-    try:
-        assembler = Assembler(options)
-        map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
-        tensors, quantization = assembler.finish()
-        _evaluate(tensors, show_progress)
-        pack = None
-        if options.experts_file:
-            tensors, quantization, pack = split_experts(tensors, quantization, top_k=top_k)
-        write_install(
-            staging,
-            arch=arch,
-            tensors=tensors,
-            quantization=quantization,
-            experts=pack,
-            text_files=texts,
-            family=hooks.spec.name,
-            distribution=hooks.spec.distribution,
-            provenance=_provenance(src, options, dequantized),
-        )
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finish(staging, dst)
+    _check_arch(src, arch, hooks)
+    with destination_lock(dst):
+        staging = prepare_destination(dst, force=force)
+        try:
+            _write(staging, src, options, items, total, top_k, arch, texts, hooks, dequantized, show_progress)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finish(staging, dst)
     return load_manifest(dst)
+
+
+def _write(
+    staging: Path,
+    src: Path,
+    options: ConvertOptions,
+    items: Any,
+    total: int,
+    top_k: int | None,
+    arch: dict[str, Any],
+    texts: dict[str, str],
+    hooks: plugins.FamilyHooks,
+    dequantized: dict[str, list[str]],
+    show_progress: bool,
+) -> None:
+    """Map, evaluate and write every file of the install into ``staging``."""
+    assembler = Assembler(options)
+    map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
+    tensors, quantization = assembler.finish()
+    _evaluate(tensors, show_progress)
+    pack = None
+    if options.experts_file:
+        tensors, quantization, pack = split_experts(tensors, quantization, top_k=top_k)
+    write_install(
+        staging,
+        arch=arch,
+        tensors=tensors,
+        quantization=quantization,
+        experts=pack,
+        text_files=texts,
+        family=hooks.spec.name,
+        distribution=hooks.spec.distribution,
+        provenance=_provenance(src, options, dequantized),
+    )
+
+
+def _check_arch(src: Path, arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
+    """The checks an open makes (the core's, then the family's): never write an install that cannot open."""
+    problems = generic_problems(arch) or hooks.arch_problems(arch)
+    if problems:
+        msg = f"{src}: the arch config it gives (model type {arch['model_type']!r}) is invalid: " + "; ".join(problems)
+        raise ConversionError(msg)
 
 
 def _hf_source(src: Path) -> tuple[dict[str, Any], Any, dict[str, str], int]:

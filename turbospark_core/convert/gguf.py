@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from turbospark_core import plugins
+from turbospark_core.arch_check import generic_problems
 from turbospark_core.convert.assemble import ConvertOptions
 from turbospark_core.convert.gguf_reader import GGUFSource, open_gguf, unpermute_rotary_rows
 from turbospark_core.convert.gguf_tokenizer import tokenizer_files_from_gguf
@@ -43,7 +44,14 @@ def gguf_source(
         GGML type name to the tensors that will be stored as float.
     """
     src = open_gguf(path)
-    arch = plugins.arch_from_gguf(src.architecture, src.metadata, src.tensor_names())
+    try:
+        arch = plugins.arch_from_gguf(src.architecture, src.metadata, src.tensor_names())
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
+        msg = (
+            f"{path}: the metadata of GGUF architecture {src.architecture!r} is malformed "
+            f"({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt or was exported by an unknown converter"
+        )
+        raise ConversionError(msg) from None
     if arch is None:
         reg = plugins.registry()
         served = ", ".join(a for s in reg.families() for a in s.gguf_architectures) or "none"
@@ -53,6 +61,10 @@ def gguf_source(
         )
         raise UnknownFamilyError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
+    problems = generic_problems(arch) or hooks.arch_problems(arch)  # before the plugin maps names with it
+    if problems:
+        msg = f"{path}: its metadata gives an invalid arch config (model type {arch['model_type']!r}): " + "; ".join(problems)
+        raise ConversionError(msg)
     targets = {name: hooks.gguf_tensor_target(arch, name) for name in src.tensor_names()}
     dequantized = _inexact(src, targets)
     if dequantized and options.strict:

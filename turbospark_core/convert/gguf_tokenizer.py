@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -112,7 +113,7 @@ def _build_tokenizer(src: GGUFSource, tokens: list[str]) -> Tokenizer:
 def _byte_level_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     """A GPT-2 style byte-level BPE tokenizer."""
     variant = _bpe_variant(src)
-    model = models.BPE(vocab=_vocab(tokens), merges=_merges(src), ignore_merges=variant.ignore_merges)
+    model = _bpe_model(src, vocab=_vocab(tokens), merges=_merges(src), ignore_merges=variant.ignore_merges)
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = variant.pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
@@ -132,7 +133,8 @@ def _sentencepiece_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     types = _token_types(src, len(tokens))
     merges = _merges(src) if _KEY + "merges" in src.metadata else _merges_from_scores(src, tokens, types)
     unk = _special(src, tokens, "unknown")
-    model = models.BPE(
+    model = _bpe_model(
+        src,
         vocab=_vocab(tokens),
         merges=merges,
         unk_token=unk[0] if unk else None,
@@ -153,10 +155,25 @@ def _sentencepiece_bpe(src: GGUFSource, tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
+def _bpe_model(src: GGUFSource, **kwargs: Any) -> models.BPE:
+    """``models.BPE(**kwargs)``; what tokenizers refuses (a merge of an unknown token...) is a ConversionError."""
+    try:
+        return models.BPE(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception ("Error while initializing BPE")
+        msg = (
+            f"GGUF file {src.path}: its BPE vocabulary and merges do not form a tokenizer ({str(exc)[:300]}); "
+            "the file is corrupt, or supply Hugging Face tokenizer files instead"
+        )
+        raise ConversionError(msg) from None
+
+
 def _merges_from_scores(src: GGUFSource, tokens: list[str], types: np.ndarray) -> list[tuple[str, str]]:
     """BPE merges implied by SentencePiece scores: every split of a normal piece into two
     normal pieces, highest-scoring joined piece first (ties: by piece, left and right id)."""
     scores = src.metadata.get(_KEY + "scores")
+    if isinstance(scores, list) and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores):
+        msg = f"GGUF file {src.path}: tokenizer.ggml.scores holds a value that is not a number; the file is corrupt"
+        raise ConversionError(msg)
     if not isinstance(scores, list) or len(scores) != len(tokens):
         got = "absent" if scores is None else f"{len(scores) if isinstance(scores, list) else scores!r}"
         msg = (
@@ -180,7 +197,7 @@ def _merges_from_scores(src: GGUFSource, tokens: list[str], types: np.ndarray) -
 def _bpe_variant(src: GGUFSource) -> _BPEVariant:
     """The variant named by ``tokenizer.ggml.pre`` (``"default"`` when absent)."""
     pre = src.metadata.get(_KEY + "pre", "default")
-    if pre not in _BPE_VARIANTS:
+    if not isinstance(pre, str) or pre not in _BPE_VARIANTS:
         known = ", ".join(sorted(_BPE_VARIANTS))
         msg = (
             f"GGUF file {src.path} has tokenizer.ggml.pre={pre!r}, a pre-tokenizer not supported "
@@ -209,7 +226,11 @@ def _merges(src: GGUFSource) -> list[tuple[str, str]]:
 
 def _token_types(src: GGUFSource, n_tokens: int) -> np.ndarray:
     """``tokenizer.ggml.token_type`` as an int array (all normal when absent)."""
-    types = np.asarray(src.metadata.get(_KEY + "token_type", [1] * n_tokens), dtype=np.int64)
+    raw = src.metadata.get(_KEY + "token_type", [1] * n_tokens)
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) and abs(t) < 1 << 31 for t in raw):
+        msg = f"GGUF file {src.path}: tokenizer.ggml.token_type is not a list of small integers; the file is corrupt"
+        raise ConversionError(msg)
+    types = np.asarray(raw, dtype=np.int64)
     if types.shape != (n_tokens,):
         msg = (
             f"GGUF file {src.path}: tokenizer.ggml.token_type has {types.size} entries for {n_tokens} "
@@ -273,7 +294,7 @@ def _special(src: GGUFSource, tokens: list[str], role: str) -> tuple[str, int] |
     token_id = src.metadata.get(key)
     if token_id is None:
         return None
-    if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < len(tokens):
         msg = (
             f"GGUF file {src.path}: {key}={token_id!r} is outside the {len(tokens)}-token vocabulary;"
             " the file is corrupt"

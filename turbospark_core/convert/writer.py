@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,15 +29,65 @@ if TYPE_CHECKING:
     from turbospark_core.convert.experts import ExpertPack
 
 
+STAGING_INFIX = ".partial-"  # staging directories: .<dst name>.partial-<random>, beside dst
+LOCK_SUFFIX = ".lock"
+
+
+@contextlib.contextmanager
+def destination_lock(dst: Path) -> Iterator[Path]:
+    """Hold ``.<dst name>.lock`` beside ``dst`` for one convert; a second convert to ``dst`` is refused.
+
+    The lock is an ``flock`` on that file: a convert killed at any point releases
+    it with its process, so a re-run is never refused by a stale lock.
+
+    Raises:
+        ConversionError: Another convert holds the lock (naming its pid and the lock file).
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    path = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            msg = (
+                f"another `turbospark convert` (pid {holder}) is writing {dst} (lock {path}); "
+                f"wait for it to finish or choose another destination"
+            )
+            raise ConversionError(msg) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not a lock file its last holder unlinked between our open and flock
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def prepare_destination(dst: Path, *, force: bool) -> Path:
-    """A fresh staging directory beside ``dst`` (renamed into place by :func:`finish`)."""
+    """A fresh staging directory beside ``dst`` (renamed into place by :func:`finish`).
+
+    Call it holding :func:`destination_lock`: it removes what killed converts to
+    ``dst`` left behind (staging directories, a replaced install not yet deleted).
+    """
+    if dst.exists() and not dst.is_dir():
+        msg = f"{dst} exists and is not a directory; choose another destination"
+        raise ConversionError(msg)
     if dst.exists() and any(dst.iterdir()) and not force:
         msg = f"{dst} exists and is not empty; choose another destination or pass --force"
         raise ConversionError(msg)
-    staging = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
+    for stale in dst.parent.glob(f".{glob.escape(dst.name)}{STAGING_INFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dst.name}{STAGING_INFIX}", dir=dst.parent))
 
 
 def write_install(
@@ -74,7 +130,33 @@ def write_install(
 
 
 def finish(staging: Path, dst: Path) -> None:
-    """Move the finished install into place."""
+    """Make the finished install durable, then move it into place with renames.
+
+    Until the last rename ``dst`` is either absent, empty, or the install it held
+    before: a convert killed at any point leaves nothing that opens as a new,
+    partial install.
+    """
+    _sync_tree(staging)
+    old = None
     if dst.exists():
-        shutil.rmtree(dst)
+        old = dst.with_name(f".{dst.name}{STAGING_INFIX}old-{os.getpid()}")
+        dst.rename(old)
     staging.rename(dst)
+    _sync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync_tree(root: Path) -> None:
+    for path in root.iterdir():
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+    _sync_dir(root)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

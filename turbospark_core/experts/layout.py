@@ -61,7 +61,7 @@ class ExpertTensor:
     def from_json(cls, raw: Any, where: str) -> ExpertTensor:
         """Read and bound-check one tensor entry."""
         dtype = raw.get("dtype") if isinstance(raw, dict) else None
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             msg = f"{where} has storage dtype {dtype!r}, which has no kernel here (supported: {sorted(ITEMSIZE)})"
             raise TensorStorageError(msg)
         shape = raw.get("shape")

@@ -10,12 +10,35 @@ import attrs
 import mlx.core as mx
 from mlx import nn
 
-from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
+from turbospark_core.family import (
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    ArchConfigError,
+    CacheSpec,
+    KVCache,
+    RingKVCache,
+    Rope,
+    WeightStore,
+    causal_mask,
+    choice_list_problem,
+    float_problems,
+    int_problems,
+    rope_scaling_problems,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
-_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "query_pre_attn_scalar",
-             "sliding_window", "rope_theta", "rope_local_base_freq")
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "vocab_size": MAX_VOCAB, "sliding_window": MAX_POSITIONS,
+}  # fmt: skip
+_FLOATS = {"rms_norm_eps": 1.0, "query_pre_attn_scalar": MAX_FLOAT}
+_ROPE_BASES = {"rope_theta": MAX_FLOAT, "rope_local_base_freq": MAX_FLOAT}  # above 1
 
 
 @attrs.frozen(kw_only=True)
@@ -65,19 +88,17 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
-        out = [
-            f"{key!r} must be positive (got {arch.get(key)!r})"
-            for key in _POSITIVE
-            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0
-        ]
+        out = int_problems(arch, _INTS) + int_problems(arch, {"max_position_embeddings": MAX_POSITIONS}, optional=True)
+        out += float_problems(arch, _FLOATS) + float_problems(arch, _ROPE_BASES, low=1.0) + float_problems(arch, {"final_logit_softcapping": MAX_FLOAT}, optional=True)
+        out += rope_scaling_problems(arch.get("rope_scaling"))
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(
                 f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
                 f"num_key_value_heads={arch['num_key_value_heads']}"
             )
-        types = arch.get("layer_types") or []
-        if len(types) != arch.get("num_hidden_layers") or set(types) - {SLIDING, FULL}:
-            out.append(f"layer_types must list {SLIDING!r}/{FULL!r} once per layer (got {types!r})")
+        types = arch.get("layer_types")
+        if choice_list_problem(arch, "layer_types", arch.get("num_hidden_layers"), (SLIDING, FULL)):
+            out.append(f"layer_types must list {SLIDING!r}/{FULL!r} once per layer (got {types!r:.80})")
         if arch.get("hidden_activation") not in ACTIVATIONS:
             out.append(f"hidden_activation {arch.get('hidden_activation')!r} is not one of {ACTIVATIONS}")
         if arch.get("attn_logit_softcapping") is not None:

@@ -11,6 +11,15 @@ import mlx.nn as nn
 import numpy as np
 
 from turbospark_core.family import (
+    MAX_EXPERTS,
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
     ArchConfigError,
     AttentionCache,
     CacheSpec,
@@ -18,14 +27,29 @@ from turbospark_core.family import (
     RingKVCache,
     Rope,
     WeightStore,
+    bool_problem,
     causal_mask,
+    float_problem,
+    float_problems,
+    int_problem,
+    int_problems,
+    keys_problem,
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
-_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim", "intermediate_size",
-             "sliding_window", "rms_norm_eps")
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "intermediate_size": MAX_INTERMEDIATE,
+    "vocab_size": MAX_VOCAB, "max_position_embeddings": MAX_POSITIONS, "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "global_head_dim": MAX_HEAD_DIM,
+    "sliding_window": MAX_POSITIONS,
+}
+_COUNTS = {"hidden_size_per_layer_input": MAX_HIDDEN, "vocab_size_per_layer_input": MAX_VOCAB,
+           "num_kv_shared_layers": MAX_LAYERS}  # may be 0
+_BOOLS = ("attention_k_eq_v", "use_double_wide_mlp", "tie_word_embeddings")
+_MOE_INTS = {"num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "moe_intermediate_size": MAX_INTERMEDIATE}
+_ROPE_FLOATS = {"rope_theta": MAX_FLOAT, "partial_rotary_factor": 1.0, "factor": MAX_FLOAT}
 
 
 @attrs.frozen(kw_only=True)
@@ -89,26 +113,27 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
-        """What in ``arch`` the flow cannot serve, each naming its key (empty when valid)."""
-        out = [f"{k!r} must be positive (got {arch.get(k)!r})" for k in _POSITIVE
-               if not isinstance(arch.get(k), (int, float)) or arch[k] <= 0]
+        """What in ``arch`` the flow cannot serve, each naming its key (empty when valid).
+
+        Every key :meth:`from_arch` reads is checked for its type and range first,
+        so ``from_arch`` raises nothing but :class:`ArchConfigError`.
+        """
+        out = _typed_problems(arch)
         types = arch.get("layer_types")
         n = arch.get("num_hidden_layers")
-        if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-            out.append(f"'layer_types' must list {n!r} entries from {LAYER_TYPES} (got {types!r})")
+        if not isinstance(types, list) or len(types) != n or any(not isinstance(t, str) or t not in LAYER_TYPES for t in types):
+            out.append(f"'layer_types' must list {n!r} entries from {LAYER_TYPES} (got {_brief(types)})")
             return out
         if arch.get("hidden_activation") not in ACTIVATIONS:
-            out.append(f"hidden_activation={arch.get('hidden_activation')!r} is not one of {ACTIVATIONS}")
-        rope = arch.get("rope_parameters") or {}
-        for kind in LAYER_TYPES:
-            rope_type = (rope.get(kind) or {}).get("rope_type")
-            if rope_type not in ROPE_TYPES:
-                out.append(f"rope_parameters[{kind!r}] rope_type {rope_type!r} is not one of {ROPE_TYPES}")
+            out.append(f"hidden_activation={_brief(arch.get('hidden_activation'))} is not one of {ACTIVATIONS}")
+        out += _rope_problems(arch.get("rope_parameters"))
+        if out:
+            return out
         out += _sharing_problems(arch, types)
         moe = arch.get("moe")
-        if moe and not 0 < (moe.get("top_k") or 0) <= (moe.get("num_experts") or 0):
-            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
-        if arch.get("num_attention_heads", 0) % (arch.get("num_key_value_heads") or 1):
+        if moe and not moe["top_k"] <= moe["num_experts"]:
+            out.append(f"moe top_k={moe['top_k']!r} must be in [1, num_experts={moe['num_experts']!r}]")
+        if arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append("num_attention_heads is not a multiple of num_key_value_heads")
         return out
 
@@ -145,6 +170,48 @@ class Args:
             else CacheSpec.full(self.layer_kv_heads(i), self.global_head_dim)
             for i in range(self.first_kv_shared)
         ]
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _typed_problems(arch: dict[str, Any]) -> list[str]:
+    """The type and range of every scalar key and of the ``moe`` section :meth:`Args.from_arch` reads."""
+    missing = sorted({a.name for a in attrs.fields(Args)} - {"rope", "moe"} - set(arch))
+    out = [f"{key!r} is missing (null where the model has none)" for key in missing]
+    out += int_problems(arch, _INTS) + int_problems(arch, _COUNTS, low=0)
+    out += [p for p in (int_problem(arch, "num_global_key_value_heads", MAX_HEADS, optional=True),
+                        float_problem(arch, "rms_norm_eps", 1.0),
+                        float_problem(arch, "final_logit_softcapping", optional=True)) if p]  # fmt: skip
+    out += [p for key in _BOOLS if (p := bool_problem(arch, key))]
+    moe = arch.get("moe")
+    if moe is None or moe is False:
+        return out
+    if not isinstance(moe, dict):
+        return [*out, f"'moe' must be an object or null (got {type(moe).__name__})"]
+    problems = [keys_problem(moe, {a.name for a in attrs.fields(MoEArgs)}, "'moe'"), *int_problems(moe, _MOE_INTS, where="moe.")]
+    return out + [p for p in problems if p]
+
+
+def _rope_problems(rope: object) -> list[str]:
+    """``rope_parameters``: one object per layer type, with :class:`RopeArgs`'s keys and finite values."""
+    if not isinstance(rope, dict):
+        return [f"'rope_parameters' must be an object with one entry per layer type (got {_brief(rope)})"]
+    out: list[str | None] = []
+    for kind in LAYER_TYPES:
+        entry = rope.get(kind)
+        where = f"rope_parameters[{kind!r}]"
+        if not isinstance(entry, dict):
+            out.append(f"{where} must be an object (got {_brief(entry)})")
+            continue
+        if entry.get("rope_type") not in ROPE_TYPES:
+            out.append(f"{where} rope_type {_brief(entry.get('rope_type'))} is not one of {ROPE_TYPES}")
+        out.append(keys_problem(entry, {a.name for a in attrs.fields(RopeArgs)}, where))
+        out.append(float_problem(entry, "rope_theta", where=f"{where}."))
+        out += float_problems(entry, {k: v for k, v in _ROPE_FLOATS.items() if k != "rope_theta"}, optional=True, where=f"{where}.")
+    return [p for p in out if p]
 
 
 def _sharing_problems(arch: dict[str, Any], types: list[str]) -> list[str]:

@@ -10,6 +10,15 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core.family import (
+    MAX_EXPERTS,
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
     ROPE_TYPES,
     ArchConfigError,
     CacheSpec,
@@ -18,14 +27,21 @@ from turbospark_core.family import (
     Rope,
     WeightStore,
     causal_mask,
+    choice_list_problem,
+    float_problems,
+    int_problems,
+    rope_scaling_problems,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
-_POSITIVE = (
-    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_local_experts",
-    "num_experts_per_tok", "rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit",
-)
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "intermediate_size": MAX_INTERMEDIATE,
+    "vocab_size": MAX_VOCAB, "num_local_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
+}
+_OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS, "sliding_window": MAX_POSITIONS}
+_FLOATS = {"rms_norm_eps": 1.0, "swiglu_alpha": MAX_FLOAT, "swiglu_limit": MAX_FLOAT}
 
 
 @attrs.frozen(kw_only=True)
@@ -84,12 +100,13 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
-        """What the flow cannot serve in ``arch`` (empty when valid), each naming the key."""
-        out = [
-            f"{key!r} must be positive (got {arch.get(key)!r})"
-            for key in _POSITIVE
-            if not isinstance(arch.get(key), (int, float)) or isinstance(arch.get(key), bool) or arch[key] <= 0
-        ]
+        """What the flow cannot serve in ``arch`` (empty when valid), each naming the key.
+
+        Every key :meth:`from_arch` reads is checked for its type and range first,
+        so ``from_arch`` raises nothing but :class:`ArchConfigError`.
+        """
+        out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
+        out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(
                 f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
@@ -101,6 +118,9 @@ class Args:
                 f"num_local_experts={arch['num_local_experts']}"
             )
         out += _layer_problems(arch)
+        scaling = rope_scaling_problems(arch.get("rope_scaling"))
+        if scaling:
+            return out + scaling
         rope_type = (arch.get("rope_scaling") or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             out.append(f"rope_scaling type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
@@ -120,9 +140,9 @@ def _layer_problems(arch: dict[str, Any]) -> list[str]:
     kinds = arch.get("layer_types")
     if not isinstance(kinds, (list, tuple)) or len(kinds) != arch.get("num_hidden_layers"):
         return [f"layer_types must list one kind per layer (num_hidden_layers={arch.get('num_hidden_layers')!r})"]
-    unknown = sorted({k for k in kinds if k not in LAYER_TYPES}, key=str)
-    if unknown:
-        return [f"layer_types has {unknown[0]!r}, which is not one of {LAYER_TYPES}"]
+    problem = choice_list_problem(arch, "layer_types", len(kinds), LAYER_TYPES)
+    if problem:
+        return [problem]
     window = arch.get("sliding_window")
     if SLIDING in kinds and (not isinstance(window, int) or window <= 0):
         return [f"sliding_window must be a positive int for sliding_attention layers (got {window!r})"]

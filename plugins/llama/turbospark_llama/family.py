@@ -8,7 +8,28 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, Rope, WeightStore
+from turbospark_core.family import (
+    MAX_EXPERTS,
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    ArchConfigError,
+    CacheSpec,
+    KVCache,
+    Rope,
+    WeightStore,
+    bool_problem,
+    float_problems,
+    index_list_problem,
+    int_problems,
+    is_int,
+    keys_problem,
+    rope_scaling_problems,
+)
 
 QK_NORMS = (None, "head", "full")
 SCORINGS = ("softmax", "sigmoid")
@@ -65,27 +86,63 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
-        out = []
-        for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"):
-            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0:
-                out.append(f"{key!r} must be positive (got {arch.get(key)!r})")
-        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+        """What in ``arch`` the flow cannot serve, each naming its key (empty when valid).
+
+        Every key :meth:`from_arch` reads is checked for its type and range first,
+        so ``from_arch`` raises nothing but :class:`ArchConfigError`.
+        """
+        out = _typed_problems(arch)
+        if out:
+            return out
+        if arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(
                 f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
                 f"num_key_value_heads={arch['num_key_value_heads']}"
             )
-        if arch.get("qk_norm") not in QK_NORMS:
-            out.append(f"qk_norm={arch.get('qk_norm')!r} is not one of {QK_NORMS}")
+        rotary = arch.get("rotary_dim") or arch["head_dim"]
+        if rotary > arch["head_dim"] or rotary % 2:
+            out.append(f"rotary_dim={rotary} must be even and at most head_dim={arch['head_dim']}")
         moe = arch.get("moe")
-        if moe and moe.get("scoring") not in SCORINGS:
+        if moe and moe.get("scoring", "softmax") not in SCORINGS:
             out.append(f"moe scoring {moe.get('scoring')!r} is not one of {SCORINGS}")
-        if moe and not 0 < moe.get("top_k", 0) <= moe.get("num_experts", 0):
-            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
+        if moe and not moe["top_k"] <= moe["num_experts"]:
+            out.append(f"moe top_k={moe['top_k']!r} must be in [1, num_experts={moe['num_experts']!r}]")
         return out
 
     def cache_layout(self) -> list[CacheSpec]:
         """One full-attention KV cache per layer."""
         return [CacheSpec.full(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
+
+
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "vocab_size": MAX_VOCAB,
+}  # fmt: skip
+_OPTIONAL_INTS = {"rotary_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_POSITIONS}
+_FLOATS = {"rms_norm_eps": 1.0}
+_MOE_INTS = {"num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS}
+
+
+def _typed_problems(arch: dict[str, Any]) -> list[str]:
+    """The type and range of every key :meth:`Args.from_arch` reads."""
+    out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
+    out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
+    out += rope_scaling_problems(arch.get("rope_scaling"))
+    if arch.get("qk_norm") not in QK_NORMS:
+        out.append(f"qk_norm={arch.get('qk_norm')!r} is not one of {QK_NORMS}")
+    moe = arch.get("moe")
+    if moe is None or moe is False:
+        return out
+    if not isinstance(moe, dict):
+        return [*out, f"'moe' must be an object or null (got {type(moe).__name__})"]
+    problems = [keys_problem(moe, {a.name for a in attrs.fields(MoEArgs)}, "'moe'")]
+    problems += int_problems(moe, _MOE_INTS, where="moe.")
+    problems.append(bool_problem(moe, "norm_topk_prob", optional=True, where="moe."))
+    layers = arch.get("num_hidden_layers")
+    problems.append(index_list_problem(moe, "sparse_layers", layers if is_int(layers) else 0, where="moe."))
+    if not isinstance(moe.get("scoring", "softmax"), str):
+        problems.append(f"moe scoring must be a string (got {type(moe['scoring']).__name__})")
+    return out + [p for p in problems if p]
 
 
 class Attention:

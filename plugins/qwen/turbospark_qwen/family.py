@@ -8,17 +8,46 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RecurrentState, Rope, StateSpec, WeightStore
+from turbospark_core.family import (
+    MAX_EXPERTS,
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    ArchConfigError,
+    CacheSpec,
+    KVCache,
+    RecurrentState,
+    Rope,
+    StateSpec,
+    WeightStore,
+    bool_problem,
+    float_problems,
+    int_problems,
+    keys_problem,
+    rope_scaling_problems,
+)
 
 from turbospark_qwen.gated_delta import gated_delta, l2_normalize
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 ACTIVATIONS = ("silu",)
-_POSITIVE = (
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim", "rms_norm_eps", "rope_theta",
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)  # fmt: skip
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "vocab_size": MAX_VOCAB,
+    "num_attention_heads": MAX_HEADS, "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM,
+    "rotary_dim": MAX_HEAD_DIM, "linear_num_key_heads": MAX_HEADS, "linear_num_value_heads": MAX_HEADS,
+    "linear_key_head_dim": MAX_HEAD_DIM, "linear_value_head_dim": MAX_HEAD_DIM, "linear_conv_kernel_dim": 64,
+}
+_OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS}
+_FLOATS = {"rms_norm_eps": 1.0}
+_MOE_INTS = {
+    "num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "moe_intermediate_size": MAX_INTERMEDIATE,
+    "shared_expert_intermediate_size": MAX_INTERMEDIATE,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -82,29 +111,29 @@ class Args:
 
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
-        out = [
-            f"{key!r} must be positive (got {arch.get(key)!r})"
-            for key in _POSITIVE
-            if not isinstance(arch.get(key), (int, float)) or arch[key] <= 0
-        ]
+        """What in ``arch`` the flow cannot serve, each naming its key (empty when valid).
+
+        Every key :meth:`from_arch` reads is checked for its type and range first,
+        so ``from_arch`` raises nothing but :class:`ArchConfigError`.
+        """
+        out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
+        out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
+        out += rope_scaling_problems(arch.get("rope_scaling"))
         if not out:
             out += _head_problems(arch)
         layer_types = arch.get("layer_types")
         if not isinstance(layer_types, (list, tuple)) or len(layer_types) != arch.get("num_hidden_layers"):
-            out.append(f"layer_types must list one kind per layer (got {layer_types!r})")
+            out.append(f"layer_types must list one kind per layer (got {_brief(layer_types)})")
         else:
             out += [
-                f"layer_types[{i}]={kind!r} is a layer kind this flow does not implement "
+                f"layer_types[{i}]={_brief(kind)} is a layer kind this flow does not implement "
                 f"(implemented: {', '.join(LAYER_KINDS)})"
                 for i, kind in enumerate(layer_types)
-                if kind not in LAYER_KINDS
+                if not isinstance(kind, str) or kind not in LAYER_KINDS
             ]
         if arch.get("hidden_act") not in ACTIVATIONS:
-            out.append(f"hidden_act={arch.get('hidden_act')!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-        moe = arch.get("moe")
-        if moe and not 0 < moe.get("top_k", 0) <= moe.get("num_experts", 0):
-            out.append(f"moe top_k={moe.get('top_k')!r} must be in [1, num_experts={moe.get('num_experts')!r}]")
-        return out
+            out.append(f"hidden_act={_brief(arch.get('hidden_act'))} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        return out + _moe_problems(arch.get("moe"))
 
     def cache_layout(self) -> list[CacheSpec | StateSpec]:
         """Per layer: a KV cache for full attention, conv + recurrent state for DeltaNet."""
@@ -118,6 +147,26 @@ class Args:
         )
         full = CacheSpec.full(self.num_key_value_heads, self.head_dim)
         return [full if kind == "full_attention" else state for kind in self.layer_types]
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _moe_problems(moe: object) -> list[str]:
+    """The ``moe`` section: null, or exactly :class:`MoEArgs`'s keys with bounded values."""
+    if moe is None or moe is False:
+        return []
+    if not isinstance(moe, dict):
+        return [f"'moe' must be an object or null (got {type(moe).__name__})"]
+    out = [keys_problem(moe, {a.name for a in attrs.fields(MoEArgs)}, "'moe'")]
+    out += int_problems(moe, _MOE_INTS, where="moe.")
+    out.append(bool_problem(moe, "norm_topk_prob", optional=True, where="moe."))
+    problems = [p for p in out if p]
+    if not problems and moe["top_k"] > moe["num_experts"]:
+        problems.append(f"moe top_k={moe['top_k']} must be in [1, num_experts={moe['num_experts']}]")
+    return problems
 
 
 def _head_problems(arch: dict[str, Any]) -> list[str]:

@@ -10,6 +10,14 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core.family import (
+    MAX_FLOAT,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
     ROPE_TYPES,
     ArchConfigError,
     AttentionCache,
@@ -17,13 +25,23 @@ from turbospark_core.family import (
     Rope,
     WeightStore,
     causal_mask,
+    float_problems,
+    int_problems,
+    is_int,
+    is_number,
+    rope_scaling_problems,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 ACTIVATIONS = ("gelu",)  # Hugging Face "gelu" is the exact erf form
 GATE_MODES = ("sigmoid",)
-_POSITIVE = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "sliding_window")
+_INTS = {
+    "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "intermediate_size": MAX_INTERMEDIATE,
+    "vocab_size": MAX_VOCAB, "sliding_window": MAX_POSITIONS,
+}  # fmt: skip
+_OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS}
 
 
 @attrs.frozen(kw_only=True)
@@ -89,14 +107,8 @@ class Args:
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
         """What in ``arch`` the flow does not implement, each naming the key and what is supported."""
-        out = [
-            f"{key!r} must be a positive integer (got {arch.get(key)!r})"
-            for key in _POSITIVE
-            if not isinstance(arch.get(key), int) or arch[key] <= 0
-        ]
-        eps = arch.get("rms_norm_eps")
-        if not isinstance(eps, (int, float)) or eps <= 0:
-            out.append(f"'rms_norm_eps' must be positive (got {eps!r})")
+        out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
+        out += float_problems(arch, {"rms_norm_eps": 1.0})
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(
                 f"num_attention_heads={arch['num_attention_heads']} is not a multiple of "
@@ -130,9 +142,9 @@ def _layer_problems(arch: dict[str, Any]) -> list[str]:
     kinds = arch.get("layer_types")
     if not isinstance(kinds, (list, tuple)) or len(kinds) != arch.get("num_hidden_layers"):
         return [f"layer_types must list one type per layer ({arch.get('num_hidden_layers')!r}), got {kinds!r}"]
-    unknown = sorted({k for k in kinds if k not in LAYER_TYPES}, key=str)
+    unknown = sorted({repr(k) for k in kinds if not isinstance(k, str) or k not in LAYER_TYPES})
     if unknown:
-        return [f"layer type(s) {', '.join(map(repr, unknown))} not implemented; supported: {', '.join(LAYER_TYPES)}"]
+        return [f"layer type(s) {', '.join(unknown)[:200]} not implemented; supported: {', '.join(LAYER_TYPES)}"]
     given = arch.get("rope")
     rope: dict[str, Any] = given if isinstance(given, dict) else {}
     return [p for kind in sorted(set(kinds)) for p in _rope_problems(kind, rope.get(kind), arch.get("head_dim"))]
@@ -143,16 +155,19 @@ def _rope_problems(kind: str, rope: Any, head_dim: Any) -> list[str]:
         return [f"no rope parameters for layer type {kind!r} (rope_parameters[{kind!r}] is missing)"]
     out = []
     theta, dims = rope.get("rope_theta"), rope.get("rotary_dim")
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        out.append(f"{kind} rope_theta must be positive (got {theta!r})")
-    limit = head_dim if isinstance(head_dim, int) else 0
-    if not isinstance(dims, int) or dims <= 0 or dims % 2 or dims > limit:
+    if not is_number(theta) or not 1 < theta <= MAX_FLOAT:
+        out.append(f"{kind} rope_theta must be a finite number above 1 (got {theta!r})")
+    limit = head_dim if is_int(head_dim) else 0
+    if not is_int(dims) or dims <= 0 or dims % 2 or dims > limit:
         out.append(
             f"{kind} rotary dims {dims!r} (head_dim x partial_rotary_factor) must be a positive even "
             f"number <= head_dim={head_dim!r}"
         )
+    scaling_problems = rope_scaling_problems(rope.get("rope_scaling"), f"{kind} rope_scaling")
+    if scaling_problems:
+        return out + scaling_problems
     scaling = rope.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", "default") if isinstance(scaling, dict) else scaling
+    rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         out.append(f"{kind} rope_type {rope_type!r} is not implemented; supported: {', '.join(ROPE_TYPES)}")
     return out
