@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from typing_extensions import Never
 
     from turbospark_core.options import ExpertSlots, KVQuant, Residency
+    from turbospark_core.steering import DirectionSet
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ def open(  # noqa: A001 - the API's name
     session_slots: int = 1,
     ring_capacity: int | None = None,
     warmup: bool = False,
+    steering: str | Path | DirectionSet | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -62,6 +64,12 @@ def open(  # noqa: A001 - the API's name
         ring_capacity: Sliding-window layers: ring size in tokens (default
             and minimum: the window).
         warmup: Run one token through the model before returning.
+        steering: A direction set applied to every request that names none
+            (open step 14): a ``.safetensors`` direction file, a llama.cpp /
+            repeng ``.gguf`` control vector, or a
+            :class:`~turbospark_core.steering.DirectionSet`. Checked against
+            the model (hidden size, layer range); a family whose flow cannot
+            apply it refuses by name.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -89,6 +97,7 @@ def open(  # noqa: A001 - the API's name
             "session_slots": session_slots,
             "ring_capacity": ring_capacity,
             "warmup": warmup,
+            "steering": steering,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -26,6 +26,10 @@ Conversion
     ``text_config``, ``tied_embeddings``, ``is_tied_head``,
     ``strip_language_model_prefix``, ``drop_pattern`` (with
     ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``.
+Steering
+    ``steer`` (call it on each decoder layer's output in the layer loop:
+    ``h = steer(block(h, ...), i)``; it applies the active steering edit and
+    residual capture, and returns ``h`` untouched when none is active).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -53,6 +57,7 @@ from turbospark_core.errors import ArchConfigError, ConversionError, InstallErro
 from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
+from turbospark_core.steering import steer
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.weights import WeightStore
 
@@ -88,6 +93,7 @@ __all__ = [
     "is_tied_head",
     "rope_scaling",
     "rope_theta",
+    "steer",
     "strip_language_model_prefix",
     "text_config",
     "tied_embeddings",

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx import nn
 
 from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
+from turbospark_core.family import steer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -204,7 +205,7 @@ class Model:
         h = self.embed_tokens(inputs)
         h = h * self.embed_scale.astype(h.dtype)
         for i, block in enumerate(self.blocks):
-            h = block(h, None if cache is None else cache[i])
+            h = steer(block(h, None if cache is None else cache[i]), i)
         h = self.norm(h)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         out = out.astype(mx.float32)

@@ -11,6 +11,7 @@ import mlx.nn as nn
 import numpy as np
 
 from turbospark_core.family import ArchConfigError, CacheSpec, KVCache, RingKVCache, Rope, WeightStore, causal_mask
+from turbospark_core.family import steer
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
@@ -333,6 +334,7 @@ class Model:
             c = cache[i] if cache and src == i else None
             pl = None if per_layer is None else per_layer[:, :, i, :]
             h, kv = block(h, c, offset, stored.get(src) if src != i else None, pl)
+            h = steer(h, i)
             if i in self.kv_shared_from:
                 stored[i] = kv
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
