@@ -19,8 +19,8 @@ shape ``[hidden_size]`` per layer and string metadata ``mode``, ``scale``,
 ``general.architecture = controlvector``) are imported as ``add`` sets
 exactly where llama.cpp applies them: ``direction.{k}`` is added to the
 output of 0-based block ``k`` (``build_cvec(cur, il)`` after the block's last
-residual add); ``k = 0`` is refused as llama.cpp refuses it, and tensors
-naming one layer twice are summed.
+residual add); ``k = 0`` is refused as llama.cpp refuses it. The strength
+llama.cpp takes with ``--control-vector-scaled FILE:S`` is the set's scale.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def _load_gguf(path: Path) -> DirectionSet:
             f"({CONTROL_VECTOR_ARCH!r}); pass a llama.cpp / repeng control vector"
         )
         raise DirectionFileError(msg)
-    summed: dict[int, np.ndarray] = {}
+    found: dict[int, np.ndarray] = {}
     for name, kind in source.tensor_types().items():
         layer = _layer_of(path, name)
         if layer == 0:
@@ -333,12 +333,11 @@ def _load_gguf(path: Path) -> DirectionSet:
         data = np.asarray(source.read_tensor(name).data, dtype=np.float32)
         if data.ndim != 1:
             raise DirectionFileError(f"steering file {path}: {name!r} has shape {data.shape}; it must be 1-D")
-        summed[layer] = summed[layer] + data if layer in summed else data  # llama.cpp sums repeats
-    if not summed:
+        found[layer] = data
+    if not found:
         raise DirectionFileError(f"steering file {path} holds no direction tensors")
-    hint = source.metadata.get(f"{CONTROL_VECTOR_ARCH}.model_hint")
-    del hint  # llama.cpp reads no metadata: an architecture hint (e.g. 'llama') is not a model type
-    return DirectionSet(mode="add", scale=1.0, directions=summed, source=str(path))
+    # llama.cpp reads no metadata; controlvector.model_hint names an architecture, not a model type
+    return DirectionSet(mode="add", scale=1.0, directions=found, source=str(path))
 
 
 # ------------------------------------------------------------------ the runtime edit
