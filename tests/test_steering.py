@@ -310,3 +310,18 @@ def test_capture_positions(runner, prompt) -> None:
     assert last.shape == (2, 2, HIDDEN) and mean.shape == (2, 1, HIDDEN)
     assert np.array_equal(last[1], every[1][-1])
     np.testing.assert_allclose(mean[0, 0], every[0][:, 1].mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_parked_session_is_not_reused_under_other_steering(runner, prompt) -> None:
+    add = DirectionSet.from_arrays({0: _unit(6)}, mode="add", scale=2.0)
+    session = runner.session("steer")
+    session.reset()
+    steered = session.generate(prompt, max_tokens=4, temperature=0.0, steering=add)
+    assert steered.tokens == runner.generate(prompt, max_tokens=4, temperature=0.0, steering=add).tokens
+    plain = session.generate(prompt, max_tokens=4, temperature=0.0)
+    assert plain.stats.reused_tokens == 0  # the parked caches hold steered residuals
+    assert plain.tokens == runner.generate(prompt, max_tokens=4, temperature=0.0).tokens
+    assert session.generate(prompt, max_tokens=4, temperature=0.0).stats.reused_tokens > 0
+    again = session.generate(prompt, max_tokens=4, temperature=0.0, steering=add.with_scale(2.0))
+    assert again.stats.reused_tokens == 0 and again.tokens == steered.tokens
+    session.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Literal, Sequence, cast
 
 import attrs
@@ -16,7 +17,7 @@ from turbospark_core.manifest import Manifest
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
 from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
-from turbospark_core.steering import DirectionSet, Edit, applying
+from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
 
@@ -80,6 +81,8 @@ class Runner:
         eos = opened.generation_config.get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
+        # id(state) -> (state, fingerprint of the steering its caches were computed under)
+        self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:
@@ -222,7 +225,8 @@ class Runner:
         state: SequenceState | None = None,
         steering: Steering = None,
     ) -> Generator[str, None, None]:
-        edit = self.steering_edit(steering)
+        chosen = self.steering_set(steering)
+        edit = Edit.of_rows([chosen])
         stop = sampling.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in sampling.items() if k != "stop"})
         ids = self._encode_prompt(prompt)
@@ -242,6 +246,7 @@ class Runner:
         detok = self.tokenizer.detokenizer()
         matcher = StopMatcher(stop)
         state = state if state is not None else SequenceState(self._opened.new_cache)
+        self._match_cache_steering(state, fingerprint(chosen))
         for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit):
             if tok in self.eos_token_ids:
                 progress.finish_reason = "stop"
@@ -345,6 +350,18 @@ class Runner:
     def steering_edit(self, steering: Steering = None) -> Edit:
         """The runtime edit of :meth:`steering_set` (empty when unsteered)."""
         return Edit.of_rows([self.steering_set(steering)])
+
+    def _match_cache_steering(self, state: SequenceState, key: str | None) -> None:
+        """A parked state filled under other steering is not reused: its caches hold other residuals.
+
+        A state this runner has not run yet counts as unsteered.
+        """
+        entry = self._cache_steering.get(id(state))
+        held = entry[1] if entry is not None and entry[0]() is state else None
+        if held != key and state.tokens:
+            state.reset()
+        self._cache_steering = {k: v for k, v in self._cache_steering.items() if v[0]() is not None}
+        self._cache_steering[id(state)] = (weakref.ref(state), key)
 
     def _forward(self, inputs: mx.array, cache: list[Cache] | None, edit: Edit) -> mx.array:
         """One forward of the family's model with ``edit`` active (nothing set up when it is empty)."""

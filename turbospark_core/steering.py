@@ -481,3 +481,81 @@ def applying(edit: Edit, *, family: str = "?", capture: dict[int, mx.array] | No
             f"in its layer loop (or answer steering_supported with a refusal)"
         )
         raise SteeringError(msg)
+
+
+# ------------------------------------------------------------------ difference of means
+@attrs.frozen(kw_only=True)
+class LayerSeparation:
+    """How well one layer's direction separates the two prompt sets.
+
+    Attributes:
+        layer: The 0-based decoder layer.
+        gap: ``|mean(positive) - mean(negative)|`` (the unnormalized direction's length).
+        effect: The projections' mean gap in pooled standard deviations (Cohen's d).
+        accuracy: Prompts on the right side of the projections' midpoint.
+    """
+
+    layer: int
+    gap: float
+    effect: float
+    accuracy: float
+
+
+def difference_of_means(
+    positive: np.ndarray,
+    negative: np.ndarray,
+    layers: list[int],
+    *,
+    mode: Mode,
+    model_type: str | None = None,
+) -> tuple[DirectionSet, list[LayerSeparation]]:
+    """Per-layer ``normalize(mean(positive) - mean(negative))`` and a separation report.
+
+    Args:
+        positive: Residuals ``[n_positive, len(layers), hidden]`` (``Runner.capture``).
+        negative: Residuals ``[n_negative, len(layers), hidden]``.
+        layers: The decoder layer of each column.
+        mode: The set's mode; ``add`` sets get the mean gap as their scale
+            (adding pushes the stream from the negative set toward the positive).
+        model_type: Recorded in the set.
+
+    Raises:
+        DirectionValueError: An empty prompt set, or identical means at a layer.
+    """
+    if len(positive) == 0 or len(negative) == 0:
+        raise DirectionValueError("difference of means needs at least one positive and one negative prompt")
+    pos, neg = positive.astype(np.float64), negative.astype(np.float64)
+    diff = pos.mean(axis=0) - neg.mean(axis=0)  # [layers, hidden]
+    gaps = np.linalg.norm(diff, axis=-1)
+    if (gaps == 0).any():
+        layer = layers[int(np.argmin(gaps))]
+        raise DirectionValueError(f"the two prompt sets have identical mean residuals at layer {layer}")
+    unit = diff / gaps[:, None]
+    report = [_separation(layer, pos[:, i] @ unit[i], neg[:, i] @ unit[i], float(gaps[i])) for i, layer in enumerate(layers)]
+    scale = float(gaps.mean()) if mode == "add" else 1.0
+    found = DirectionSet(
+        mode=mode, scale=scale, directions={layer: unit[i].astype(np.float32) for i, layer in enumerate(layers)},
+        model_type=model_type,
+    )  # fmt: skip
+    return found, report
+
+
+def _separation(layer: int, p: np.ndarray, n: np.ndarray, gap: float) -> LayerSeparation:
+    pooled = math.sqrt((float(p.var()) + float(n.var())) / 2)
+    mid = (float(p.mean()) + float(n.mean())) / 2
+    right = int((p > mid).sum() + (n <= mid).sum())
+    effect = (float(p.mean()) - float(n.mean())) / pooled if pooled > 0 else math.inf
+    return LayerSeparation(layer=layer, gap=gap, effect=effect, accuracy=right / (len(p) + len(n)))
+
+
+def fingerprint(found: DirectionSet | None) -> str | None:
+    """What a cache computed under ``found`` depends on (``None``: unsteered, or a set at scale 0)."""
+    import hashlib
+
+    if found is None or found.scale == 0.0:
+        return None
+    h = hashlib.sha256(f"{found.mode}:{found.scale!r}".encode())
+    for layer, vec in found.directions.items():
+        h.update(layer.to_bytes(4, "little"))
+        h.update(np.ascontiguousarray(vec).tobytes())
+    return h.hexdigest()

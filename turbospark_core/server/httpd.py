@@ -197,14 +197,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------- simple routes
     def _models(self, path: str) -> None:
-        self._send_json(200, protocol.models_body(self.app.model_id, self.app.created))
+        self._send_json(200, protocol.models_body(self.app.model_id, self.app.created, self.app.facts))
 
     def _model(self, path: str) -> None:
         name = unquote(path[len(MODEL_PREFIX) :])
         if name != self.app.model_id:
             msg = f"The model {name!r} does not exist; this server serves {self.app.model_id!r}"
             raise APIError(404, msg, param="model", code="model_not_found")
-        self._send_json(200, protocol.model_card(name, self.app.created))
+        self._send_json(200, protocol.model_card(name, self.app.created, self.app.facts))
 
     def _health(self, path: str) -> None:
         self._send_json(200, self.app.health())
@@ -310,6 +310,9 @@ class Server:
         port: TCP port; 0 picks a free one (see :attr:`port`).
         max_body: Largest request body accepted, in bytes (413 beyond).
         max_queue: Most requests waiting for a session slot (503 beyond).
+        steering_sets: Direction sets requests may name in their ``steering``
+            field (name -> :class:`~turbospark_core.steering.DirectionSet`),
+            checked against the model once it is open.
     """
 
     def __init__(
@@ -321,6 +324,7 @@ class Server:
         port: int = 8080,
         max_body: int = DEFAULT_MAX_BODY,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        steering_sets: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.max_body = max_body
@@ -338,9 +342,13 @@ class Server:
             self.httpd.server_close()
             raise
         self.created = int(time.time())
-        self.facts = _facts(self.runner, model_id)
         self._thread: threading.Thread | None = None
         self._serving = False
+        try:
+            self.facts = _facts(self.runner, model_id, steering_sets or {})
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_install(
@@ -352,6 +360,7 @@ class Server:
         max_body: int = DEFAULT_MAX_BODY,
         max_queue: int = DEFAULT_MAX_QUEUE,
         model_id: str | None = None,
+        steering_sets: dict[str, Any] | None = None,
         **open_options: Any,
     ) -> Server:
         """Open ``install`` (with :func:`turbospark_core.open` options such as ``session_slots``) and bind."""
@@ -365,6 +374,7 @@ class Server:
             port=port,
             max_body=max_body,
             max_queue=max_queue,
+            steering_sets=steering_sets,
         )
 
     @property
@@ -415,9 +425,15 @@ class Server:
         self.close()
 
 
-def _facts(runner: Runner, model_id: str) -> ModelFacts:
+def _facts(runner: Runner, model_id: str, steering_sets: dict[str, Any]) -> ModelFacts:
+    for found in steering_sets.values():
+        runner.steering_set(found)  # the family applies steering and each set fits the model (no MLX)
+    default = runner.steering
     tok = runner.tokenizer
     return ModelFacts(
+        steering_sets=dict(steering_sets),
+        steering_refusal=runner.opened.capabilities.steering_refusal,
+        steering_default=next((n for n, s in steering_sets.items() if s is default), None),
         model_id=model_id,
         max_context=runner.max_context,
         vocab_size=int(runner.manifest.arch["vocab_size"]),

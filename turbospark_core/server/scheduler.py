@@ -249,7 +249,9 @@ class Scheduler:
         assert self.runner is not None and job.slot is not None
         req = job.request
         try:
-            job._stream = self.runner.session(job.slot).stream(req.prompt, req.max_tokens, **req.sampling)
+            job._stream = self.runner.session(job.slot).stream(
+                req.prompt, req.max_tokens, steering=req.steering, **req.sampling
+            )
             job._pieces = iter(job._stream)
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
