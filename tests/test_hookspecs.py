@@ -215,8 +215,8 @@ def test_hook_accepts_hadamard(arch: dict[str, Any], llama: plugins.FamilyHooks,
 
 
 def test_hook_steering_supported(arch: dict[str, Any], llama: plugins.FamilyHooks, llama_plugin: Any) -> None:
-    assert llama_plugin.steering_supported(arch=arch) is False  # a bool, not merely falsy
-    assert llama.steering_supported(arch) is False
+    assert llama_plugin.steering_supported(arch=arch) is None  # None: the flow applies the edits
+    assert llama.steering_supported(arch) is None
 
 
 def test_hook_cache_layout(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:

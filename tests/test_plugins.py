@@ -269,7 +269,7 @@ def _after_registry(calls: list[tuple[str, list[str]]]) -> list[tuple[str, list[
     return calls[len(registering) :]
 
 
-OPEN_HOOKS = ["arch_problems", "accepts_hadamard", "cache_layout", "build_family_state"]
+OPEN_HOOKS = ["arch_problems", "accepts_hadamard", "steering_supported", "cache_layout", "build_family_state"]
 
 
 def test_open_fires_hooks_in_order_on_the_serving_plugin_only(install: Path, tamper: Any) -> None:
@@ -297,7 +297,7 @@ def test_kv_quant_probe_fires_before_any_weight_is_read(f32_install: Path) -> No
     finally:
         undo()
     names = [name for name, _ in _after_registry(calls)]
-    assert names == ["arch_problems", "kv_quant_unsupported_reason", "accepts_hadamard", "cache_layout"]
+    assert names == ["arch_problems", "kv_quant_unsupported_reason", "accepts_hadamard", "steering_supported", "cache_layout"]
 
 
 def test_monitoring_sees_register_families_and_routed_conversion_hooks(llama_src: Path) -> None:

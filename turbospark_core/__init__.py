@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from typing_extensions import Never
 
     from turbospark_core.options import ExpertSlots, KVQuant, Residency
+    from turbospark_core.steering import DirectionSet
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ def open(  # noqa: A001 - the API's name
     router_histogram: bool = False,
     ffn_histogram: bool = False,
     verify: bool = False,
+    steering: str | Path | DirectionSet | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -78,6 +80,12 @@ def open(  # noqa: A001 - the API's name
         verify: Check the sha256 of every file in the manifest's file table
             before anything reads it (off by default: it reads every byte);
             a mismatch raises ``FileTableError`` naming the file.
+        steering: A direction set applied to every request that names none
+            (open step 14): a ``.safetensors`` direction file, a llama.cpp /
+            repeng ``.gguf`` control vector, or a
+            :class:`~turbospark_core.steering.DirectionSet`. Checked against
+            the model (hidden size, layer range); a family whose flow cannot
+            apply it refuses by name.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -108,6 +116,7 @@ def open(  # noqa: A001 - the API's name
             "router_histogram": router_histogram,
             "ffn_histogram": ffn_histogram,
             "verify": verify,
+            "steering": steering,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -28,10 +28,11 @@ from turbospark_core.errors import ContextOverflowError, OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
+from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
 
 if TYPE_CHECKING:
-    from turbospark_core.runner import Generation, Runner, _Progress
+    from turbospark_core.runner import Generation, Runner, Steering, _Progress
 
 PREFILL_CHUNK = 512
 
@@ -74,6 +75,7 @@ class _Seq:
     history: mx.array
     caches: list[Cache] | None = None
     state: SequenceState | None = None  # a parked session the row continues, and is saved back into
+    steering: DirectionSet | None = None  # this row's own edit (per-row inside a batched forward)
     sampled: list[int] = attrs.Factory(list)  # every sampled token, EOS included
     fed: int = 0
     pending: mx.array | None = None  # the last sampled token, not yet fed
@@ -111,9 +113,10 @@ class Batch:
         max_tokens: int = 256,
         *,
         state: SequenceState | None = None,
+        steering: Steering = None,
         **sampling: Any,
     ) -> BatchRow:
-        """Queue a sequence; options as :meth:`Runner.generate` (its own sampling, seed, stop).
+        """Queue a sequence; options as :meth:`Runner.generate` (its own sampling, seed, stop, steering).
 
         ``state`` (a parked session, e.g. ``runner.sessions.acquire(key)``): the
         row reuses the prefix its caches hold and, when it leaves, the state
@@ -125,8 +128,11 @@ class Batch:
         options: SamplingOptions = sampling  # type: ignore[assignment]
         stop = options.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in options.items() if k != "stop"})
+        chosen = self.runner.steering_set(steering)
         ids = self.runner._encode_prompt(prompt)
         _check_budget(len(ids), max_tokens, self.runner.max_context)
+        if state is not None:
+            self.runner._match_cache_steering(state, fingerprint(chosen))
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
         self._next_id += 1
         progress = _Progress(prompt_tokens=len(ids))
@@ -140,6 +146,7 @@ class Batch:
             progress=progress,
             history=mx.array(ids[-params.repetition_context :]),
             state=state,
+            steering=chosen,
         )
         if max_tokens == 0:
             self._finish(seq, "length", flush=False)
@@ -214,15 +221,15 @@ class Batch:
     def _prefill_step(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         assert seq.caches is not None
         t0 = time.perf_counter()
-        model, ids = self.runner.model, seq.ids
+        ids, edit = seq.ids, Edit.of_rows([seq.steering])
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
-            model(mx.array([chunk]), seq.caches)
+            self.runner._forward(mx.array([chunk]), seq.caches, edit)
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             return
-        logits = model(mx.array([ids[-1:]]), seq.caches)[:, -1, :]
+        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit)[:, -1, :]
         token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
         mx.eval(token)
         seq.fed = len(ids)
@@ -247,7 +254,8 @@ class Batch:
         assert self._caches is not None
         rows = self._decoding
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
-        logits = self.runner.model(pending[:, None], self._caches.caches)[:, -1, :]
+        edit = Edit.of_rows([s.steering for s in rows])
+        logits = self.runner._forward(pending[:, None], self._caches.caches, edit)[:, -1, :]
         tokens = []
         for b, seq in enumerate(rows):
             assert seq.pending is not None

@@ -1,4 +1,4 @@
-"""The ``turbospark`` command line: convert, generate, chat, inspect, families, serve, plot, bench."""
+"""The ``turbospark`` command line: convert, generate, chat, inspect, families, serve, plot, bench, steer."""
 
 from __future__ import annotations
 
@@ -60,7 +60,58 @@ def _open(args: argparse.Namespace) -> Any:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
+    steering = _steering_set(args)
+    if steering is not None:
+        options["steering"] = steering
     return turbospark_core.open(args.install, **options)
+
+
+# ------------------------------------------------------------------ steering options (issue 17)
+def _steering_set(args: argparse.Namespace) -> Any:
+    """``--steering FILE`` with ``--steering-scale`` / ``--steering-layers`` applied (``None`` without a file)."""
+    from turbospark_core.steering import DirectionSet, parse_layers
+
+    path = getattr(args, "steering", None)
+    if path is None:
+        if getattr(args, "steering_scale", None) is not None or getattr(args, "steering_layers", None) is not None:
+            raise TurbosparkError("--steering-scale and --steering-layers need --steering FILE")
+        return None
+    found = DirectionSet.load(path)
+    if args.steering_scale is not None:
+        found = found.with_scale(args.steering_scale)
+    if args.steering_layers is not None:
+        found = found.with_layers(*parse_layers(args.steering_layers))
+    return found
+
+
+def _add_steering_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--steering",
+        default=None,
+        metavar="FILE",
+        help="direction set (.safetensors) or llama.cpp/repeng control vector (.gguf) applied at decoder-layer outputs",
+    )
+    p.add_argument("--steering-scale", type=float, default=None, metavar="X", help="override the set's scale")
+    p.add_argument(
+        "--steering-layers", default=None, metavar="A:B", help="keep only the set's layers A..B-1 (0-based)"
+    )
+
+
+def _named_sets(args: argparse.Namespace, default: Any) -> dict[str, Any]:
+    """``serve``: the sets requests may name: ``--steering`` (by its file stem) and each ``--steering-set NAME=FILE``."""
+    from turbospark_core.steering import DirectionSet
+
+    sets: dict[str, Any] = {}
+    if default is not None:
+        sets[Path(args.steering).stem] = default
+    for entry in args.steering_set or []:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise TurbosparkError(f"--steering-set {entry!r} is invalid; write NAME=FILE")
+        if name in sets:
+            raise TurbosparkError(f"steering set name {name!r} is given twice; pick distinct names")
+        sets[name] = DirectionSet.load(path)
+    return sets
 
 
 def _print_stats(stats: Any, file: Any = None) -> None:
@@ -180,6 +231,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"install      {m.root}")
     caps = opened.capabilities
     print(f"model type   {m.model_type} (family {caps.family}, {caps.distribution})")
+    steer = "applied at decoder-layer outputs" if caps.steering else f"refused: {caps.steering_refusal}"
+    print(f"steering     {steer}")
     folded = "folded" if m.hadamard is not None else "not folded"
     print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
@@ -242,6 +295,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         options["max_context"] = args.max_context
     if args.memory_budget is not None:
         options["memory_budget"] = args.memory_budget
+    default = _steering_set(args)
+    if default is not None:
+        options["steering"] = default
     serve(
         args.install,
         host=args.host,
@@ -249,8 +305,45 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_body=args.max_body,
         max_batch=args.max_batch,
         verbose=args.verbose,
+        steering_sets=_named_sets(args, default),
         **options,
     )
+
+
+def cmd_steer_compute(args: argparse.Namespace) -> None:
+    """``steer compute``: capture both prompt sets, difference of means per layer, write the set, report."""
+    from turbospark_core.steering import difference_of_means, parse_layers
+
+    runner = _open(args)
+    n = int(runner.manifest.arch["num_hidden_layers"])
+    start, stop = parse_layers(args.layers) if args.layers else (0, n)
+    layers = list(range(start, min(stop, n)))
+    if not layers:
+        raise TurbosparkError(f"--layers {args.layers} selects none of the model's layers 0..{n - 1}")
+    prompts = [_prompt_lines(args.positive), _prompt_lines(args.negative)]
+    if args.chat:
+        prompts = [[runner.chat_prompt([{"role": "user", "content": t}]) for t in group] for group in prompts]
+    pos, neg = (runner.capture(group, layers, args.position, steering=False) for group in prompts)
+    found, report = difference_of_means(pos, neg, layers, mode=args.mode, model_type=runner.manifest.model_type)
+    found.save(args.output)
+    print(f"wrote {args.output}: mode {found.mode}, scale {found.scale:.4g}, layers {layers[0]}..{layers[-1]}")
+    print(f"{'layer':>5} {'|mean gap|':>11} {'effect (d)':>11} {'accuracy':>9}")
+    for row in report:
+        print(f"{row.layer:>5} {row.gap:>11.4g} {row.effect:>11.3f} {row.accuracy:>9.1%}")
+    best = max(report, key=lambda r: r.effect)
+    print(f"best separated: layer {best.layer} (effect {best.effect:.3f}); pick layers around it with --steering-layers")
+
+
+def _prompt_lines(path: str) -> list[str]:
+    """One prompt per non-empty line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TurbosparkError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise TurbosparkError(f"prompt file {path} has no prompts; write one per line")
+    return lines
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -294,12 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     _add_sampling(p)
     _add_diagnostic_flags(p)
+    _add_steering_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
     p.add_argument("message", nargs="?")
     p.add_argument("--system")
     _add_sampling(p)
+    _add_steering_options(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -324,9 +419,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    _add_steering_options(p)
+    p.add_argument(
+        "--steering-set",
+        action="append",
+        default=None,
+        metavar="NAME=FILE",
+        help="register a direction set requests may name in their 'steering' field (repeatable)",
+    )
     p.set_defaults(func=cmd_serve)
     _add_plot_parser(sub)
     _add_bench_parser(sub)
+    p = sub.add_parser("steer", help="steering tools: compute a direction set from two prompt sets")
+    steer = p.add_subparsers(dest="steer_command", required=True)
+    p = steer.add_parser("compute", help="difference-of-means directions per layer, with a separation report")
+    p.add_argument("install")
+    p.add_argument("--positive", required=True, metavar="A.txt", help="prompts with the behaviour (one per line)")
+    p.add_argument("--negative", required=True, metavar="B.txt", help="prompts without it (one per line)")
+    p.add_argument("-o", "--output", required=True, metavar="SET.safetensors")
+    p.add_argument("--layers", default=None, metavar="A:B", help="decoder layers A..B-1 (default: all)")
+    p.add_argument("--mode", choices=("add", "ablate"), default="ablate")
+    p.add_argument("--position", choices=("last", "mean"), default="last", help="which prompt position to average")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    p.set_defaults(func=cmd_steer_compute)
     return parser
 
 

@@ -50,8 +50,18 @@ class Capabilities:
         distribution: The plugin distribution that provides it (shown by ``inspect``).
         accepts_hadamard: The family's ``accepts_hadamard`` answer: open step 6
             refuses a hadamard-folded install without it; ``inspect`` shows it.
+        steering_refusal: The family's ``steering_supported`` answer: ``None``
+            when its flow applies steering edits, else why not (open step 14,
+            steered requests and residual capture are refused with it);
+            ``inspect`` and the server's ``/v1/models`` show it.
     """
 
     family: str
     distribution: str
     accepts_hadamard: bool
+    steering_refusal: str | None = None
+
+    @property
+    def steering(self) -> bool:
+        """Whether the family's flow applies steering edits."""
+        return self.steering_refusal is None

@@ -37,6 +37,10 @@ Arch checks
     ``MAX_HEAD_DIM``, ``MAX_HIDDEN``, ``MAX_VOCAB``,
     ``MAX_INTERMEDIATE``, ``MAX_POSITIONS``, ``MAX_EXPERTS``, ``MAX_FLOAT``
     (the core checks the generic keys before asking the family).
+Steering
+    ``steer`` (call it on each decoder layer's output in the layer loop:
+    ``h = steer(block(h, ...), i)``; it applies the active steering edit and
+    residual capture, and returns ``h`` untouched when none is active).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -88,6 +92,7 @@ from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentSt
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
+from turbospark_core.steering import steer
 from turbospark_core.weights import WeightStore
 
 __all__ = [
@@ -144,6 +149,7 @@ __all__ = [
     "rope_scaling_problems",
     "rope_theta",
     "section_problem",
+    "steer",
     "strip_language_model_prefix",
     "text_config",
     "tied_embeddings",

@@ -178,12 +178,17 @@ def accepts_hadamard(arch: Arch) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def steering_supported(arch: Arch) -> bool | None:
-    """Whether the family's flow can apply steering directions.
+def steering_supported(arch: Arch) -> str | None:
+    """Why the family's flow cannot apply steering directions, or ``None`` when it can.
 
-    Not asked at open yet: steering (open step 14) is not implemented; the
-    core will ask it once there. ``None`` counts as no. Stops at first
-    non-None result.
+    Asked once at open (the answer is kept in the capability record, shown by
+    ``inspect`` and the server's ``/v1/models``); open step 14 and every
+    steered request or residual capture are refused with the reason. Return
+    ``None`` only when the flow passes each decoder layer's output through
+    ``turbospark_core.family.steer(h, layer)`` (the core also refuses a
+    steered forward that never reached a steered layer). A plugin that does
+    not implement the hook is refused steering. Stops at first non-None
+    result.
 
     Args:
         arch: The install's arch config.

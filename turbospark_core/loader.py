@@ -54,6 +54,7 @@ from turbospark_core.memory import MemoryEstimate
 from turbospark_core.options import OpenOptions
 from turbospark_core.sessions import SessionPool
 from turbospark_core.stats import PhaseTimer, StartupStats
+from turbospark_core.steering import DirectionSet
 from turbospark_core.tensor_index import TensorIndex, build_index
 from turbospark_core.weights import WeightStore
 
@@ -67,6 +68,8 @@ class OpenedModel:
     Attributes:
         new_cache: Makes fresh per-layer caches for one sequence.
         sessions: The session pool (open step 13).
+        steering: The direction set of open step 14 (``None``: unsteered),
+            applied to every request that names none.
     """
 
     manifest: Manifest
@@ -85,6 +88,7 @@ class OpenedModel:
     generation_config: dict[str, Any]
     experts: ExpertStore | None = attrs.field(default=None, eq=False)
     diagnostics: Diagnostics | None = attrs.field(default=None, eq=False, repr=False)
+    steering: DirectionSet | None = attrs.field(default=None, eq=False)
 
 
 def refuse_non_install(path: Path) -> None:
@@ -250,13 +254,16 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         observes nothing is refused here (:mod:`turbospark_core.diagnostics`);
     12. drafters: not implemented yet;
     13. build the session pool (``session_slots`` parked sequences);
-    14. steering: not implemented yet (``steering_supported`` is not asked);
+    14. steering (``options.steering``): read the direction set (bounded
+        reads, or the in-memory :class:`DirectionSet`), check it against the
+        arch (hidden size, layer range, values); a family whose
+        ``steering_supported`` gave a reason refuses it by name;
     15. warm-up (one token), when ``options.warmup`` (diagnostics forget it).
 
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
     estimate), expert_setup (the experts section, 10), weights_mapping (8, and
-    materializing after 11), family_state (11), session_state (13), warmup
-    (15), and total_open (all of this function).
+    materializing after 11), family_state (11), session_state (13), steering
+    (14, when asked), warmup (15), and total_open (all of this function).
     """
     root = Path(path)
     timer = PhaseTimer()
@@ -298,6 +305,10 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
             _forward_one(model, new_cache, manifest, hooks, evaluate=False)  # 11: shapes checked, nothing computed
     with timer.phase("session_state"):
         sessions = SessionPool(options.session_slots, new_cache)  # 13
+    steering = None
+    if options.steering is not None:
+        with timer.phase("steering"):
+            steering = open_steering(options.steering, manifest.arch, capabilities)  # 14
     if options.warmup:
         with timer.phase("warmup"):
             _forward_one(model, new_cache, manifest, hooks, evaluate=True)  # 15
@@ -320,6 +331,7 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         generation_config=_generation_config(root, manifest),
         experts=experts,
         diagnostics=diagnostics,
+        steering=steering,
     )
 
 
@@ -349,8 +361,38 @@ def _forward_one(
 def _probe(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> Capabilities:
     """The family's answers, asked once at open and read by the open sequence and ``inspect``."""
     return Capabilities(
-        family=hooks.spec.name, distribution=hooks.spec.distribution, accepts_hadamard=hooks.accepts_hadamard(arch)
+        family=hooks.spec.name,
+        distribution=hooks.spec.distribution,
+        accepts_hadamard=hooks.accepts_hadamard(arch),
+        steering_refusal=hooks.steering_supported(arch),
     )
+
+
+def open_steering(
+    requested: Path | DirectionSet | None, arch: dict[str, Any], capabilities: Capabilities
+) -> DirectionSet | None:
+    """Step 14 (and every per-request set): the family must apply edits; the set must fit the arch.
+
+    Raises:
+        FamilyRefusalError: The family's ``steering_supported`` gave a reason.
+        SteeringError: The file is bad or the set does not fit (a subclass naming why).
+    """
+    if requested is None:
+        return None
+    refuse_steering(arch, capabilities)
+    found = requested if isinstance(requested, DirectionSet) else DirectionSet.load(requested)
+    found.check(arch)
+    return found
+
+
+def refuse_steering(arch: dict[str, Any], capabilities: Capabilities) -> None:
+    """Raise the family's steering refusal, if it gave one."""
+    if capabilities.steering_refusal is not None:
+        msg = (
+            f"steering refused by family {capabilities.family!r} ({capabilities.distribution}, model type "
+            f"{arch.get('model_type')!r}): {capabilities.steering_refusal}"
+        )
+        raise FamilyRefusalError(msg)
 
 
 def _cache_maker(

@@ -70,6 +70,20 @@ def _choice(name: str, value: object, choices: tuple[_C, ...]) -> _C:
     raise OptionError(msg)
 
 
+def _steering(value: object) -> Any:
+    """A path (str or Path), a :class:`~turbospark_core.steering.DirectionSet`, or ``None``; read at open step 14."""
+    from pathlib import Path
+
+    from turbospark_core.steering import DirectionSet
+
+    if value is None or isinstance(value, (DirectionSet, Path)):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"steering={value!r} is invalid; pass a direction file path, a DirectionSet, or None"
+    raise OptionError(msg)
+
+
 def _residency(value: object) -> Residency:
     return _choice("residency", value, RESIDENCY)
 
@@ -112,6 +126,7 @@ class OpenOptions:
     router_histogram: bool = attrs.field(default=False, converter=_router_histogram)
     ffn_histogram: bool = attrs.field(default=False, converter=_ffn_histogram)
     verify: bool = attrs.field(default=False, converter=_verify)
+    steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

@@ -178,9 +178,13 @@ class FamilyHooks:
         """Whether a hadamard-folded install can be served (default: no)."""
         return bool(self._mine(pm.hook.accepts_hadamard)(arch=arch))
 
-    def steering_supported(self, arch: Arch) -> bool:
-        """Whether steering can be applied (default: no)."""
-        return bool(self._mine(pm.hook.steering_supported)(arch=arch))
+    def steering_supported(self, arch: Arch) -> str | None:
+        """Why steering is refused, or ``None`` when the flow applies it (a plugin without the hook is refused)."""
+        caller = self._mine(pm.hook.steering_supported)
+        if not caller.get_hookimpls():
+            return f"plugin {self.spec.distribution!r} does not implement the steering_supported hook"
+        reason: str | None = caller(arch=arch)
+        return reason
 
     def cache_layout(self, arch: Arch) -> tuple[CacheSpec | StateSpec, ...] | None:
         """The per-layer cache specs (``None`` when the plugin gives none)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import attrs
 import mlx.core as mx
@@ -18,6 +19,7 @@ from turbospark_core.manifest import Manifest
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
 from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
+from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from turbospark_core.batch import Batch
 
 PREFILL_CHUNK = 512
+# Per-request steering: a DirectionSet, None (the open's set, if any) or False (unsteered)
+Steering = DirectionSet | Literal[False] | None
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +85,8 @@ class Runner:
         eos = opened.generation_config.get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
+        # id(state) -> (state, fingerprint of the steering its caches were computed under)
+        self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:
@@ -147,11 +153,14 @@ class Runner:
         return self._opened.max_context
 
     # ------------------------------------------------------------- logits
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context."""
+    def logits(self, token_ids: Sequence[int], *, steering: Steering = None) -> np.ndarray:
+        """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context.
+
+        ``steering``: as in :meth:`generate`.
+        """
         ids = self._check_ids(token_ids)
         cache = self._opened.new_cache()
-        out = self.model(mx.array([ids]), cache)[0].astype(mx.float32)
+        out = self._forward(mx.array([ids]), cache, self.steering_edit(steering))[0].astype(mx.float32)
         return np.array(out)
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
@@ -169,16 +178,22 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[Cache]) -> mx.array:
+    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:
         """Run the prompt through the model; returns last-position logits ``[1, V]``."""
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
-            self.model(mx.array([chunk]), cache)
+            self._forward(mx.array([chunk]), cache, edit)
             mx.eval([c.state for c in cache])
-        return self.model(mx.array([ids[-1:]]), cache)[:, -1, :]
+        return self._forward(mx.array([ids[-1:]]), cache, edit)[:, -1, :]
 
     def _token_stream(
-        self, ids: list[int], sampler: Sampler, max_tokens: int, progress: _Progress, state: SequenceState
+        self,
+        ids: list[int],
+        sampler: Sampler,
+        max_tokens: int,
+        progress: _Progress,
+        state: SequenceState,
+        edit: Edit = Edit({}),
     ) -> Iterator[int]:
         reused = common_prefix(state.tokens, ids)
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
@@ -193,7 +208,7 @@ class Runner:
             return sampler(logits)
 
         try:
-            token = step(self._prefill(ids[reused:], state.caches))
+            token = step(self._prefill(ids[reused:], state.caches, edit))
             fed = len(ids)
             mx.eval(token)
             state.tokens = list(ids)
@@ -204,7 +219,7 @@ class Runner:
                 current = token
                 if n + 1 < max_tokens:
                     history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
-                    token = step(self.model(current[:, None], state.caches)[:, -1, :])
+                    token = step(self._forward(current[:, None], state.caches, edit)[:, -1, :])
                     fed += 1
                     mx.async_eval(token)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
                 tok = int(cast(int, current.item()))
@@ -228,7 +243,12 @@ class Runner:
         return self._check_ids(prompt)
 
     def stream(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Text pieces as they decode (stop strings and EOS honoured); arguments as :meth:`generate`.
 
@@ -236,7 +256,7 @@ class Runner:
             An iterable of ``str``; once exhausted its ``.result`` is the
             :class:`Generation` (text, tokens, stats).
         """
-        return TextStream(self, prompt, max_tokens, sampling)
+        return TextStream(self, prompt, max_tokens, sampling, steering=steering)
 
     def _run(
         self,
@@ -245,7 +265,10 @@ class Runner:
         sampling: SamplingOptions,
         progress: _Progress,
         state: SequenceState | None = None,
+        steering: Steering = None,
     ) -> Generator[str, None, None]:
+        chosen = self.steering_set(steering)
+        edit = Edit.of_rows([chosen])
         stop = sampling.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in sampling.items() if k != "stop"})
         ids = self._encode_prompt(prompt)
@@ -265,7 +288,8 @@ class Runner:
         detok = self.tokenizer.detokenizer()
         matcher = StopMatcher(stop)
         state = state if state is not None else SequenceState(self._opened.new_cache)
-        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state):
+        self._match_cache_steering(state, fingerprint(chosen))
+        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit):
             if tok in self.eos_token_ids:
                 progress.finish_reason = "stop"
                 break
@@ -281,13 +305,22 @@ class Runner:
             yield tail
 
     def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> Generation:
         """Generate a completion.
 
         Args:
             prompt: Text (tokenized with the install's tokenizer) or token ids.
             max_tokens: Most tokens to generate.
+            steering: This request's steering: a
+                :class:`~turbospark_core.steering.DirectionSet`, ``None`` (the
+                set given to :func:`~turbospark_core.open`, if any) or
+                ``False`` (unsteered). Checked like the open's set.
             **sampling: Keyword-only sampling options, typed and documented in
                 :class:`~turbospark_core.sampling.SamplingOptions`
                 (``temperature``, ``top_p``, ``top_k``, ``min_p``,
@@ -296,22 +329,32 @@ class Runner:
         Returns:
             The text, the generated ids (EOS excluded) and mlx-lm-style stats.
         """
-        stream = self.stream(prompt, max_tokens, **sampling)
+        stream = self.stream(prompt, max_tokens, steering=steering, **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def chat(
-        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> Generation:
         """Generate the assistant's reply to ``messages`` through the install's chat template."""
-        return self.generate(self.chat_prompt(messages), max_tokens, **sampling)
+        return self.generate(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
-        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
-        return self.stream(self.chat_prompt(messages), max_tokens, **sampling)
+        return self.stream(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
 
     def generate_many(
         self,
@@ -353,6 +396,108 @@ class Runner:
         """
         return Session(self, str(session_id))
 
+    # ------------------------------------------------------------- steering and capture (issue 17)
+    @property
+    def steering(self) -> DirectionSet | None:
+        """The direction set given to :func:`~turbospark_core.open` (``None``: unsteered)."""
+        return self._opened.steering
+
+    def steering_set(self, steering: Steering = None) -> DirectionSet | None:
+        """The set a request asking for ``steering`` gets, checked against this model.
+
+        Raises:
+            FamilyRefusalError: The family cannot apply steering.
+            SteeringError: The set does not fit the model (a subclass naming why).
+        """
+        from turbospark_core.loader import open_steering
+
+        if steering is None:
+            return self._opened.steering
+        if steering is False:
+            return None
+        if not isinstance(steering, DirectionSet):
+            msg = f"steering={steering!r} is invalid; pass a DirectionSet, None (the open's set) or False (none)"
+            raise OptionError(msg)
+        return open_steering(steering, self.manifest.arch, self._opened.capabilities)
+
+    def steering_edit(self, steering: Steering = None) -> Edit:
+        """The runtime edit of :meth:`steering_set` (empty when unsteered)."""
+        return Edit.of_rows([self.steering_set(steering)])
+
+    def _match_cache_steering(self, state: SequenceState, key: str | None) -> None:
+        """A parked state filled under other steering is not reused: its caches hold other residuals.
+
+        A state this runner has not run yet counts as unsteered.
+        """
+        entry = self._cache_steering.get(id(state))
+        held = entry[1] if entry is not None and entry[0]() is state else None
+        if held != key and state.tokens:
+            state.reset()
+        self._cache_steering = {k: v for k, v in self._cache_steering.items() if v[0]() is not None}
+        self._cache_steering[id(state)] = (weakref.ref(state), key)
+
+    def _forward(self, inputs: mx.array, cache: list[Cache] | None, edit: Edit) -> mx.array:
+        """One forward of the family's model with ``edit`` active (nothing set up when it is empty)."""
+        with applying(edit, family=self._opened.capabilities.family):
+            return self.model(inputs, cache)
+
+    def capture(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        layers: Sequence[int] | None = None,
+        position: Literal["last", "mean", "all"] = "last",
+        *,
+        steering: Steering = None,
+    ) -> np.ndarray | list[np.ndarray]:
+        """Decoder-layer output residuals (the points steering edits, after the edit) as float32 numpy.
+
+        Args:
+            prompts: Texts (tokenized as :meth:`generate` does) or token id lists.
+            layers: 0-based decoder layers (default: every layer).
+            position: ``"last"`` (the last prompt token) or ``"mean"`` (over the
+                prompt's tokens): one ``[len(prompts), len(layers), hidden]``
+                array; ``"all"``: a list of ``[tokens, len(layers), hidden]``
+                arrays, one per prompt.
+            steering: As in :meth:`generate` (the captured residuals are edited).
+
+        Raises:
+            FamilyRefusalError: The family's flow does not expose its layer outputs.
+            OptionError: A bad layer or position.
+        """
+        from turbospark_core.loader import refuse_steering
+
+        refuse_steering(self.manifest.arch, self._opened.capabilities)
+        chosen = self._capture_layers(layers)
+        if position not in ("last", "mean", "all"):
+            raise OptionError(f"position={position!r} is invalid; use 'last', 'mean' or 'all'")
+        edit = self.steering_edit(steering)
+        out = [self._capture_one(self._encode_prompt(p), chosen, position, edit) for p in prompts]
+        if position == "all":
+            return out
+        hidden = int(self.manifest.arch["hidden_size"])
+        return np.stack(out) if out else np.zeros((0, len(chosen), hidden), np.float32)
+
+    def _capture_layers(self, layers: Sequence[int] | None) -> list[int]:
+        n = int(self.manifest.arch["num_hidden_layers"])
+        chosen = list(range(n)) if layers is None else [int(i) for i in layers]
+        bad = [i for i in chosen if not 0 <= i < n]
+        if bad or not chosen:
+            msg = f"capture layer {bad[0] if bad else '(none)'} is invalid; the model has decoder layers 0..{n - 1}"
+            raise OptionError(msg)
+        return chosen
+
+    def _capture_one(self, ids: list[int], layers: list[int], position: str, edit: Edit) -> np.ndarray:
+        got: dict[int, mx.array] = {}
+        family = self._opened.capabilities.family
+        with applying(edit, family=family, capture=got, capture_layers=frozenset(layers)):
+            self.model(mx.array([ids]), self._opened.new_cache())
+        stacked = mx.stack([got[i][0].astype(mx.float32) for i in layers], axis=1)  # [T, layers, H]
+        if position == "last":
+            stacked = stacked[-1]
+        elif position == "mean":
+            stacked = stacked.mean(axis=0)
+        return np.array(stacked)
+
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The token ids of ``messages`` rendered with the chat template."""
         if not messages:
@@ -371,10 +516,12 @@ class TextStream:
         max_tokens: int,
         sampling: SamplingOptions,
         state: SequenceState | None = None,
+        *,
+        steering: Steering = None,
     ) -> None:
         self._progress = _Progress()
         self._pieces: list[str] = []
-        self._iter = runner._run(prompt, max_tokens, sampling, self._progress, state)
+        self._iter = runner._run(prompt, max_tokens, sampling, self._progress, state, steering)
         self._result: Generation | None = None
 
     def __iter__(self) -> Generator[str, None, None]:
@@ -412,31 +559,55 @@ class Session:
         return list(self._state().tokens)
 
     def stream(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
-        """Like :meth:`Runner.stream`, reusing the session's cached prefix."""
-        return TextStream(self.runner, prompt, max_tokens, sampling, self._state())
+        """Like :meth:`Runner.stream`, reusing the session's cached prefix.
+
+        The cached prefix was computed under the steering of the requests
+        that filled it: change a session's steering and ``reset`` it first.
+        """
+        return TextStream(self.runner, prompt, max_tokens, sampling, self._state(), steering=steering)
 
     def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> Generation:
         """Like :meth:`Runner.generate`, reusing the session's cached prefix."""
-        stream = self.stream(prompt, max_tokens, **sampling)
+        stream = self.stream(prompt, max_tokens, steering=steering, **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def chat(
-        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> Generation:
         """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix is reused."""
-        return self.generate(self.runner.chat_prompt(messages), max_tokens, **sampling)
+        return self.generate(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
-        self, messages: list[dict[str, Any]], max_tokens: int = 256, **sampling: Unpack[SamplingOptions]
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int = 256,
+        *,
+        steering: Steering = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`Runner.chat_stream`, reusing the session's cached prefix."""
-        return self.stream(self.runner.chat_prompt(messages), max_tokens, **sampling)
+        return self.stream(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
 
     def reset(self) -> None:
         """Forget this session's cached tokens."""

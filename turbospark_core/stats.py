@@ -14,6 +14,7 @@ PHASES = (
     "expert_setup",
     "family_state",
     "session_state",
+    "steering",
     "warmup",
 )
 
@@ -31,6 +32,7 @@ class StartupStats:
     expert_setup: float = 0.0
     family_state: float = 0.0
     session_state: float = 0.0
+    steering: float = 0.0
     warmup: float = 0.0
     total_open: float = 0.0
 

@@ -23,7 +23,9 @@ Hugging Face checkpoint, a ``bf16/`` copy and ``references.npz`` (see
 Hugging Face checkpoint with random weights from each config dict in
 ``tiny_configs``, converts it with :func:`turbospark_core.convert.convert`, and
 runs the structural checks (the install opens, logits have the right shape,
-incremental decoding equals the full forward, sessions, the hook contract)::
+incremental decoding equals the full forward, sessions, the hook contract,
+steering: scale 0 is bit-identical to none, an ablated residual has no
+component along the direction, each request gets its own edit)::
 
     class TestMyFamilySmoke(TinyRandomConformance):
         tiny_configs = {"tiny": {"model_type": "my_llama", "hidden_size": 64, ...}}
@@ -47,6 +49,8 @@ import pytest
 FLOAT32_REL_TOL = 1e-4
 BF16_ARGMAX_AGREEMENT = 0.95
 INCREMENTAL_ABS_TOL = 1e-4
+STEERING_ABS_TOL = 1e-4  # max |logit - steering.npz reference| (the fixtures README's suggestion)
+ABLATION_REL_TOL = 1e-5  # |h . d^| / |h| left in a captured residual after ablation
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -223,7 +227,110 @@ def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
 
 
 # ------------------------------------------------------------------ the checks
-class StructuralChecks:
+class SteeringChecks:
+    """Steering and residual capture through the public API (part of every harness class).
+
+    A family whose ``steering_supported`` gives a reason must refuse a steered
+    open by name; one that answers ``None`` must apply the edits exactly.
+    """
+
+    @staticmethod
+    def _direction(runner: Any, seed: int = 7) -> np.ndarray:
+        d = np.random.default_rng(seed).standard_normal(int(runner.manifest.arch["hidden_size"]))
+        return (d / np.linalg.norm(d)).astype(np.float32)
+
+    @staticmethod
+    def _supported(runner: Any) -> bool:
+        return runner.opened.capabilities.steering_refusal is None
+
+    def _refused_per_request(self, runner: Any, prompt_ids: list[int]) -> None:
+        """A family that refuses steering refuses steered requests and capture by name too."""
+        from turbospark_core.errors import FamilyRefusalError
+        from turbospark_core.steering import DirectionSet
+
+        steering = DirectionSet.from_arrays({0: self._direction(runner)}, mode="add")
+        with pytest.raises(FamilyRefusalError, match="steering refused by family"):
+            runner.logits(prompt_ids, steering=steering)
+        with pytest.raises(FamilyRefusalError, match="steering refused by family"):
+            runner.capture([prompt_ids])
+
+    def test_steering_answer_is_recorded_and_refusal_is_by_name(
+        self, runner: Any, install: Callable[..., Path]
+    ) -> None:
+        import turbospark_core
+        from turbospark_core.errors import FamilyRefusalError
+        from turbospark_core.steering import DirectionSet
+
+        reason = runner.opened.capabilities.steering_refusal
+        assert reason is None or (isinstance(reason, str) and reason)
+        steering = DirectionSet.from_arrays({0: self._direction(runner)}, mode="add", scale=1.0)
+        if reason is None:
+            opened = turbospark_core.open(install("float32"), steering=steering)
+            assert opened.steering is steering and opened.startup_stats.steering > 0.0
+        else:
+            with pytest.raises(FamilyRefusalError, match="steering refused by family"):
+                turbospark_core.open(install("float32"), steering=steering)
+
+    def test_steering_scale_zero_is_bit_identical(self, runner: Any, prompt_ids: list[int]) -> None:
+        from turbospark_core.steering import DirectionSet
+
+        if not self._supported(runner):
+            return self._refused_per_request(runner, prompt_ids)
+        n = int(runner.manifest.arch["num_hidden_layers"])
+        d = self._direction(runner)
+        base = runner.logits(prompt_ids)
+        for mode in ("add", "ablate"):
+            off = DirectionSet.from_arrays({i: d for i in range(n)}, mode=mode, scale=0.0)
+            assert np.array_equal(runner.logits(prompt_ids, steering=off), base), mode
+
+    def test_ablated_residuals_have_no_component_along_the_direction(
+        self, runner: Any, prompt_ids: list[int]
+    ) -> None:
+        from turbospark_core.steering import DirectionSet
+
+        if not self._supported(runner):
+            return self._refused_per_request(runner, prompt_ids)
+        n = int(runner.manifest.arch["num_hidden_layers"])
+        d = self._direction(runner)
+        plain = runner.capture([prompt_ids], position="all", steering=False)[0]
+        assert plain.shape == (len(prompt_ids), n, d.size)
+        along = np.abs(plain @ d) / np.linalg.norm(plain, axis=-1)
+        assert along.max() > 1e-3  # the unsteered stream has a component to remove
+        ablated = runner.capture(
+            [prompt_ids], position="all", steering=DirectionSet.from_arrays({i: d for i in range(n)}, mode="ablate")
+        )[0]
+        left = np.abs(ablated.astype(np.float64) @ d) / np.linalg.norm(ablated, axis=-1)
+        assert left.max() <= ABLATION_REL_TOL, f"component left: {left.max():.2e}"
+        last = runner.capture([prompt_ids], layers=[n - 1], steering=False)
+        assert np.array_equal(last[0, 0], plain[-1, n - 1])
+
+    def test_each_request_gets_its_own_steering(self, runner: Any, prompt_ids: list[int]) -> None:
+        from turbospark_core.steering import DirectionSet
+
+        if not self._supported(runner):
+            return self._refused_per_request(runner, prompt_ids)
+        n = int(runner.manifest.arch["num_hidden_layers"])
+        d = self._direction(runner)
+        rms = float(np.sqrt((runner.capture([prompt_ids], layers=[n // 2], steering=False) ** 2).mean()))
+        add = DirectionSet.from_arrays({n // 2: d}, mode="add", scale=8 * rms)
+        base = runner.logits(prompt_ids)
+        steered = runner.logits(prompt_ids, steering=add)
+        assert not np.array_equal(steered, base)
+        # interleaved streams: each keeps its own edit
+        one = runner.stream(prompt_ids, max_tokens=4, temperature=0.0, steering=add)
+        two = runner.stream(prompt_ids, max_tokens=4, temperature=0.0)
+        for _ in zip(one, two):
+            pass
+        for _ in one:
+            pass
+        for _ in two:
+            pass
+        assert one.result.tokens == runner.generate(prompt_ids, max_tokens=4, temperature=0.0, steering=add).tokens
+        assert two.result.tokens == runner.generate(prompt_ids, max_tokens=4, temperature=0.0).tokens
+        assert np.array_equal(runner.logits(prompt_ids), base)
+
+
+class StructuralChecks(SteeringChecks):
     """Checks that need no reference logits: caching, independence, sessions, the hook contract.
 
     Subclasses provide the ``fixture_name`` values (:meth:`fixture_names`) and
@@ -390,6 +497,36 @@ class FamilyConformance(StructuralChecks):
         assert gen.tokens == expected
         steps = runner.logits(prompt + want[:-1])[len(prompt) - 1 :]
         assert relative_error(steps, refs["greedy_step_logits"]) <= self.float32_rel_tol
+
+    @pytest.fixture
+    def steering_refs(self, turbospark_fixtures: Path, fixture_name: str) -> Any:
+        path = turbospark_fixtures / fixture_name / "steering.npz"
+        if not path.is_file():
+            pytest.skip(f"fixture {fixture_name!r} has no steering.npz (no steering references to compare)")
+        return np.load(path)
+
+    @pytest.mark.parametrize("edit", ["add", "add2", "ablate"])
+    def test_steering_matches_reference(self, runner: Any, steering_refs: Any, edit: str) -> None:
+        """steering.npz: addition at add_layers / add2_layers, ablation at every layer; logits and greedy."""
+        from turbospark_core.steering import DirectionSet
+
+        refs, d = steering_refs, steering_refs["direction"]
+        if edit == "ablate":
+            n = int(runner.manifest.arch["num_hidden_layers"])
+            steering = DirectionSet.from_arrays({i: d for i in range(n)}, mode="ablate")
+        else:
+            layers = refs[f"{edit}_layers"].tolist()
+            steering = DirectionSet.from_arrays({i: d for i in layers}, mode="add", scale=float(refs[f"{edit}_scale"]))
+        prompt = refs["prompt_ids"].tolist()
+        got = runner.logits(prompt, steering=steering)
+        err = float(np.abs(got - refs[f"{edit}_logits"]).max())
+        assert err <= STEERING_ABS_TOL, f"{edit}: max abs logit error {err:.2e}"
+        want = refs[f"{edit}_greedy_tokens"].tolist()
+        gen = runner.generate(prompt, max_tokens=len(want), temperature=0.0, steering=steering)
+        eos = runner.eos_token_ids
+        assert gen.tokens == want[: next((i for i, t in enumerate(want) if t in eos), len(want))]
+        steps = runner.logits(prompt + want[:-1], steering=steering)[len(prompt) - 1 :]
+        assert float(np.abs(steps - refs[f"{edit}_greedy_step_logits"]).max()) <= STEERING_ABS_TOL
 
     def test_bf16_weights_agree_with_reference(self, bf16_runner: Any, refs: Any) -> None:
         got = bf16_runner.logits(refs["prompt_ids"].tolist())

@@ -216,14 +216,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------- simple routes
     def _models(self, path: str) -> None:
-        self._send_json(200, protocol.models_body(self.app.model_id, self.app.created))
+        self._send_json(200, protocol.models_body(self.app.model_id, self.app.created, self.app.facts))
 
     def _model(self, path: str) -> None:
         name = unquote(path[len(MODEL_PREFIX) :])
         if name != self.app.model_id:
             msg = f"The model {name!r} does not exist; this server serves {self.app.model_id!r}"
             raise APIError(404, msg, param="model", code="model_not_found")
-        self._send_json(200, protocol.model_card(name, self.app.created))
+        self._send_json(200, protocol.model_card(name, self.app.created, self.app.facts))
 
     def _health(self, path: str) -> None:
         self._send_json(200, self.app.health())
@@ -333,6 +333,9 @@ class Server:
         max_body: Largest request body accepted, in bytes (413 beyond).
         max_queue: Most requests waiting for a session slot (503 beyond).
         max_batch: Most requests decoding in one forward (default: every session slot).
+        steering_sets: Direction sets requests may name in their ``steering``
+            field (name -> :class:`~turbospark_core.steering.DirectionSet`),
+            checked against the model once it is open.
     """
 
     def __init__(
@@ -345,6 +348,7 @@ class Server:
         max_body: int = DEFAULT_MAX_BODY,
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_batch: int | None = None,
+        steering_sets: dict[str, Any] | None = None,
     ) -> None:
         self.model_id = model_id
         self.max_body = max_body
@@ -364,9 +368,13 @@ class Server:
             raise
         self.metrics.bind(self.scheduler)
         self.created = int(time.time())
-        self.facts = _facts(self.runner, model_id)
         self._thread: threading.Thread | None = None
         self._serving = False
+        try:
+            self.facts = _facts(self.runner, model_id, steering_sets or {})
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_install(
@@ -379,6 +387,7 @@ class Server:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_batch: int | None = None,
         model_id: str | None = None,
+        steering_sets: dict[str, Any] | None = None,
         **open_options: Any,
     ) -> Server:
         """Open ``install`` (with :func:`turbospark_core.open` options such as ``session_slots``) and bind."""
@@ -393,6 +402,7 @@ class Server:
             max_body=max_body,
             max_queue=max_queue,
             max_batch=max_batch,
+            steering_sets=steering_sets,
         )
 
     @property
@@ -443,9 +453,15 @@ class Server:
         self.close()
 
 
-def _facts(runner: Runner, model_id: str) -> ModelFacts:
+def _facts(runner: Runner, model_id: str, steering_sets: dict[str, Any]) -> ModelFacts:
+    for found in steering_sets.values():
+        runner.steering_set(found)  # the family applies steering and each set fits the model (no MLX)
+    default = runner.steering
     tok = runner.tokenizer
     return ModelFacts(
+        steering_sets=dict(steering_sets),
+        steering_refusal=runner.opened.capabilities.steering_refusal,
+        steering_default=next((n for n, s in steering_sets.items() if s is default), None),
         model_id=model_id,
         max_context=runner.max_context,
         vocab_size=int(runner.manifest.arch["vocab_size"]),

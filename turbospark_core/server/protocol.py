@@ -14,8 +14,12 @@ Decisions:
   ``parallel_tool_calls`` are accepted and ignored.
 * Sampling defaults are OpenAI's (``temperature`` 1, ``top_p`` 1); pass
   ``temperature=0`` for greedy decoding. ``seed`` is taken modulo 2**64.
-  Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, and
-  ``session_id`` (pin the request to a named parked conversation).
+  Extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
+  ``session_id`` (pin the request to a named parked conversation), and
+  ``steering``: the name of a direction set registered at serve time, or
+  ``{"name": ..., "scale": x}`` to override its scale, or ``false`` for no
+  steering; absent or ``null``, the server's default set (if any) applies.
+  ``GET /v1/models`` says whether the family applies steering and names the sets.
 * ``max_tokens`` (or ``max_completion_tokens``) defaults to the rest of the
   context for chat and to 16 for completions; asking past ``max_context`` is a
   400 with code ``context_length_exceeded``.
@@ -45,7 +49,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
     "stop", "n", "stream", "stream_options", "logprobs", "user", "session_id",
-    "frequency_penalty", "presence_penalty", "logit_bias",
+    "frequency_penalty", "presence_penalty", "logit_bias", "steering",
 }  # fmt: skip
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
@@ -88,6 +92,9 @@ class ModelFacts:
     encode: Callable[[str], list[int]] = attrs.field(eq=False)
     decode: Callable[[list[int]], str] = attrs.field(eq=False)
     chat_prompt: Callable[[list[dict[str, Any]]], list[int]] = attrs.field(eq=False)
+    steering_sets: dict[str, Any] = attrs.field(factory=dict, eq=False)  # name -> DirectionSet
+    steering_refusal: str | None = None  # the family's steering_supported answer
+    steering_default: str | None = None  # the name of the set applied when a request names none
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +108,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    steering: Any = attrs.field(default=None, eq=False)  # DirectionSet, None (the default) or False (none)
     echo: str | None = None  # completions: the prompt text to put before the completion
     request_id: str = attrs.Factory(lambda self: _new_id(self.kind), takes_self=True)
     created: int = attrs.Factory(lambda: int(time.time()))
@@ -242,6 +250,30 @@ def _session_id(body: dict[str, Any]) -> str | None:
     return sid
 
 
+def _steering(body: dict[str, Any], facts: ModelFacts) -> Any:
+    """The request's ``steering``: a registered set (scale optionally overridden), ``False``, or ``None``."""
+    value = body.get("steering")
+    if value is None or value is False:
+        return value
+    if facts.steering_refusal is not None:
+        raise _unsupported("steering", facts.steering_refusal)
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"name", "scale"})
+        if unknown or not isinstance(value.get("name"), str):
+            raise _bad_type("steering", "a set name or {'name': str, 'scale': number}", value)
+        name, scale = value["name"], _number(value, "scale")
+    elif isinstance(value, str):
+        name, scale = value, None
+    else:
+        raise _bad_type("steering", "a set name, {'name', 'scale'}, false or null", value)
+    found = facts.steering_sets.get(name)
+    if found is None:
+        names = ", ".join(sorted(facts.steering_sets)) or "none (start the server with --steering-set NAME=FILE)"
+        msg = f"'steering' names no registered direction set {name!r}; registered: {names}"
+        raise APIError(400, msg, param="steering", code="invalid_value")
+    return found if scale is None else found.with_scale(scale)
+
+
 def _max_tokens(body: dict[str, Any], names: tuple[str, ...], prompt_len: int, facts: ModelFacts, *, chat: bool) -> int:
     low = 1 if chat else 0
     asked = [(n, v) for n in names if (v := _integer(body, n, low=low)) is not None]
@@ -324,6 +356,7 @@ def parse_chat(body: dict[str, Any], facts: ModelFacts) -> GenerationRequest:
         stream=stream,
         include_usage=include_usage,
         session_id=_session_id(body),
+        steering=_steering(body, facts),
     )
 
 
@@ -364,6 +397,7 @@ def parse_completion(body: dict[str, Any], facts: ModelFacts) -> GenerationReque
         stream=stream,
         include_usage=include_usage,
         session_id=_session_id(body),
+        steering=_steering(body, facts),
         echo=text if _boolean(body, "echo") else None,
     )
 
@@ -427,11 +461,19 @@ def usage_chunk(req: GenerationRequest, model_id: str, gen: Any) -> dict[str, An
     return body
 
 
-def models_body(model_id: str, created: int) -> dict[str, Any]:
+def models_body(model_id: str, created: int, facts: ModelFacts | None = None) -> dict[str, Any]:
     """``GET /v1/models``."""
-    return {"object": "list", "data": [model_card(model_id, created)]}
+    return {"object": "list", "data": [model_card(model_id, created, facts)]}
 
 
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    """One model object."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "turbospark"}
+def model_card(model_id: str, created: int, facts: ModelFacts | None = None) -> dict[str, Any]:
+    """One model object; with ``facts``, its ``steering`` capability (extension)."""
+    card: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "turbospark"}
+    if facts is not None:
+        card["steering"] = {
+            "supported": facts.steering_refusal is None,
+            "refusal": facts.steering_refusal,
+            "sets": sorted(facts.steering_sets),
+            "default": facts.steering_default,
+        }
+    return card

@@ -273,7 +273,7 @@ class Scheduler:
         req = job.request
         try:
             state = self.runner.sessions.acquire(job.slot)
-            job._row = self._batch.add(req.prompt, req.max_tokens, state=state, **req.sampling)
+            job._row = self._batch.add(req.prompt, req.max_tokens, state=state, steering=req.steering, **req.sampling)
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
         else:

@@ -146,8 +146,87 @@ def _bf16(weights: dict[str, np.ndarray]) -> dict[str, Any]:
     return {k: mx.array(w).astype(mx.bfloat16) for k, w in weights.items()}
 
 
+class _Edited:
+    """An mlx-lm decoder layer whose output gets a steering edit (float32): ``h + add``, then ``h - (h.u)u``."""
+
+    def __init__(self, layer: Any, add: np.ndarray | None, unit: np.ndarray | None) -> None:
+        self.layer, self.add, self.unit = layer, add, unit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import mlx.core as mx
+
+        h = self.layer(*args, **kwargs)
+        if self.add is not None:
+            h = h + mx.array(self.add)
+        if self.unit is not None:
+            u = mx.array(self.unit)
+            h = h - (h * u).sum(axis=-1, keepdims=True) * u
+        return h
+
+
+def _steering_references(cfg: dict[str, Any], weights: dict[str, np.ndarray], prompt: list[int],
+                         seed: int) -> dict[str, np.ndarray]:
+    """steering.npz in the shared fixtures' format, from mlx-lm with each decoder layer wrapped."""
+    import mlx.core as mx
+
+    n = cfg["num_hidden_layers"]
+    model = _mlx_lm_model(cfg, weights)
+    outputs: list[np.ndarray] = []
+    layers = model.model.layers
+    model.model.layers = [_Recorder(layer, outputs) for layer in layers]
+    model(mx.array([prompt]))
+    rms = np.array([np.median(np.sqrt((o[0] ** 2).mean(-1))) for o in outputs], np.float32)
+    for retry in range(40):
+        d = np.random.default_rng(seed + 900 + retry).standard_normal(cfg["hidden_size"])
+        d = (d / np.linalg.norm(d)).astype(np.float32)
+        out: dict[str, np.ndarray] = {"prompt_ids": np.array(prompt, np.int32), "direction": d, "layer_output_rms": rms}
+        edits = {
+            "add": ([(n - 1) // 2], None),
+            "add2": ([0, n - 1], None),
+            "ablate": (list(range(n)), d),
+        }
+        for key, (chosen, unit) in edits.items():
+            scale = np.float32(4 * rms[chosen].mean())
+            if key != "ablate":
+                out[f"{key}_layers"], out[f"{key}_scale"] = np.array(chosen, np.int32), scale
+            model.model.layers = [
+                _Edited(layer, scale * d if unit is None and i in chosen else None, unit) for i, layer in enumerate(layers)
+            ]
+            refs = _references_of(model, prompt)
+            out |= {f"{key}_{k}": v for k, v in refs.items()}
+        if min(_margin(out[f"{k}_greedy_step_logits"]) for k in edits) >= MIN_MARGIN:
+            break
+    model.model.layers = layers
+    return out
+
+
+class _Recorder:
+    def __init__(self, layer: Any, outputs: list[np.ndarray]) -> None:
+        self.layer, self.outputs = layer, outputs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        h = self.layer(*args, **kwargs)
+        self.outputs.append(np.array(h))
+        return h
+
+
+def _references_of(model: Any, prompt: list[int]) -> dict[str, np.ndarray]:
+    import mlx.core as mx
+
+    def logits(ids: list[int]) -> np.ndarray:
+        return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+    ids, steps = list(prompt), []
+    for _ in range(GREEDY_STEPS):
+        row = logits(ids)[-1]
+        steps.append(row)
+        ids.append(int(row.argmax()))
+    return {"logits": logits(prompt), "greedy_tokens": np.array(ids[len(prompt):], np.int32),
+            "greedy_step_logits": np.stack(steps)}
+
+
 def build_tiny_fixture(root: Path, cfg: dict[str, Any] = TINY_CONFIG) -> Path:
-    """Write ``root/gemma3_tiny`` (checkpoint, bf16/ copy, tokenizer, references.npz); return it."""
+    """Write ``root/gemma3_tiny`` (checkpoint, bf16/ copy, tokenizer, references.npz, steering.npz); return it."""
     import mlx.core as mx
     from safetensors.numpy import save_file
 
@@ -165,6 +244,7 @@ def build_tiny_fixture(root: Path, cfg: dict[str, Any] = TINY_CONFIG) -> Path:
     bf16_refs = _references(cfg, widened, prompt)
     np.savez(out / "references.npz", prompt_ids=np.array(prompt, np.int32), **refs,
              logits_bf16_weights=bf16_refs["logits"], greedy_tokens_bf16_weights=bf16_refs["greedy_tokens"])
+    np.savez(out / "steering.npz", **_steering_references(cfg, weights, prompt, seed))
     texts = {
         "config.json": json.dumps(cfg, indent=1),
         "tokenizer.json": tokenizer_json(cfg["vocab_size"]),

@@ -29,6 +29,7 @@ from turbospark_core.family import (
     float_problems,
     int_problems,
     rope_scaling_problems,
+    steer,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -227,7 +228,7 @@ class Model:
         h = self.embed_tokens(inputs)
         h = h * self.embed_scale.astype(h.dtype)
         for i, block in enumerate(self.blocks):
-            h = block(h, None if cache is None else cache[i])
+            h = steer(block(h, None if cache is None else cache[i]), i)
         h = self.norm(h)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         out = out.astype(mx.float32)

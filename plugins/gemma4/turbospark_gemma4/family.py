@@ -34,6 +34,7 @@ from turbospark_core.family import (
     int_problem,
     int_problems,
     keys_problem,
+    steer,
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -422,6 +423,7 @@ class Model:
             c = cache[i] if cache and src == i else None
             pl = None if per_layer is None else per_layer[:, :, i, :]
             h, kv = block(h, c, offset, stored.get(src) if src != i else None, pl)
+            h = steer(h, i)
             if i in self.kv_shared_from:
                 stored[i] = kv
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)

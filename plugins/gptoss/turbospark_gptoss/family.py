@@ -31,6 +31,7 @@ from turbospark_core.family import (
     float_problems,
     int_problems,
     rope_scaling_problems,
+    steer,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -242,7 +243,7 @@ class Model:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)
         for i, block in enumerate(self.blocks):
-            h = block(h, None if cache is None else cache[i])
+            h = steer(block(h, None if cache is None else cache[i]), i)
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)

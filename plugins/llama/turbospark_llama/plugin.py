@@ -59,8 +59,8 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool:
-    return False  # the flow has no steering points yet
+def steering_supported(arch: dict[str, Any]) -> str | None:
+    return None  # the layer loop passes every decoder layer's output through steer()
 
 
 @hookimpl

@@ -30,6 +30,7 @@ from turbospark_core.family import (
     int_problems,
     keys_problem,
     rope_scaling_problems,
+    steer,
 )
 
 from turbospark_qwen.gated_delta import gated_delta, l2_normalize
@@ -372,7 +373,7 @@ class Model:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)
         for i, block in enumerate(self.blocks):
-            h = block(h, None if cache is None else cache[i])
+            h = steer(block(h, None if cache is None else cache[i]), i)
         h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)

@@ -30,6 +30,7 @@ from turbospark_core.family import (
     is_int,
     is_number,
     rope_scaling_problems,
+    steer,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -257,7 +258,7 @@ class Model:
         window_mask = causal_mask(L, self.args.sliding_window) if cache is None else None
         for i, block in enumerate(self.blocks):
             mask = window_mask if block.is_sliding else full_mask
-            h = block(h, mask, None if cache is None else cache[i])
+            h = steer(block(h, mask, None if cache is None else cache[i]), i)
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embedding.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)

@@ -58,8 +58,8 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 
 
 @hookimpl
-def steering_supported(arch: dict[str, Any]) -> bool:
-    return False
+def steering_supported(arch: dict[str, Any]) -> str:
+    return "the bigram flow has no decoder layers to steer"
 
 
 @hookimpl
