@@ -36,6 +36,7 @@ def open(  # noqa: A001 - the API's name
     session_slots: int = 1,
     ring_capacity: int | None = None,
     warmup: bool = False,
+    kv_rotate: bool = True,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -62,6 +63,10 @@ def open(  # noqa: A001 - the API's name
         ring_capacity: Sliding-window layers: ring size in tokens (default
             and minimum: the window).
         warmup: Run one token through the model before returning.
+        kv_rotate: With ``kv_quant``, store keys and values rotated per head by
+            a normalized Hadamard transform (rotated back when read, so the
+            attention is unchanged in exact math; 4-bit KV loses far less).
+            Applies to head dims that are powers of two; ``False`` turns it off.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -89,6 +94,7 @@ def open(  # noqa: A001 - the API's name
             "session_slots": session_slots,
             "ring_capacity": ring_capacity,
             "warmup": warmup,
+            "kv_rotate": kv_rotate,
         }
     )
     opened = open_install(path, options)  # steps 3-15

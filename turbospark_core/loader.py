@@ -290,7 +290,9 @@ def _cache_maker(
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
     kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
-    return functools.partial(make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits)
+    return functools.partial(
+        make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits, opts.kv_rotate
+    )
 
 
 def _plan_memory(

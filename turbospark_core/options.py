@@ -80,6 +80,7 @@ class OpenOptions:
     session_slots: int = attrs.field(default=1, converter=_session_slots)
     ring_capacity: int | None = attrs.field(default=None, converter=_ring_capacity)
     warmup: bool = False
+    kv_rotate: bool = True
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:
