@@ -25,7 +25,9 @@ Conversion
     the Hugging Face conventions of :mod:`turbospark_core.convert.conventions`:
     ``text_config``, ``tied_embeddings``, ``is_tied_head``,
     ``strip_language_model_prefix``, ``drop_pattern`` (with
-    ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``.
+    ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``;
+    ``ResidualMap`` and ``NormReaders`` (the ``hadamard_residual_map``
+    answer: which tensors read and write the residual stream).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -50,6 +52,7 @@ from turbospark_core.convert.conventions import (
 )
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
+from turbospark_core.hadamard import NormReaders, ResidualMap
 from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, causal_mask
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
@@ -74,7 +77,9 @@ __all__ = [
     "InstallError",
     "KVCache",
     "Linear",
+    "NormReaders",
     "RecurrentState",
+    "ResidualMap",
     "RingKVCache",
     "Rope",
     "SourceTensor",

@@ -15,6 +15,7 @@ from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
 from turbospark_core.convert.experts import split_experts, top_k_from_config
 from turbospark_core.convert.records import SourceTensor, TensorTarget
+from turbospark_core.convert.rotate import RotationStep, refuse_unrotatable
 from turbospark_core.convert.writer import finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
 from turbospark_core.manifest import Manifest, load_manifest
@@ -34,6 +35,8 @@ def convert(
     force: bool = False,
     show_progress: bool = False,
     experts_file: bool = True,
+    rotate: bool = False,
+    rotate_seed: int = 0,
 ) -> Manifest:
     """Make an install at ``dst`` from ``src``.
 
@@ -51,13 +54,23 @@ def convert(
         experts_file: MoE only: pack the routed experts into ``experts.bin``
             (one aligned record per layer and expert, for streaming) instead of
             ``model_weights.safetensors``.
+        rotate: Fold a randomized Hadamard rotation of the residual stream
+            into the weights before any ``quantize`` (families whose
+            ``accepts_hadamard`` says yes; others are refused by name).
+        rotate_seed: Seed of the rotation's random signs.
 
     Raises:
         ConversionError: The source is unreadable or has something unsupported.
         UnknownFamilyError: No installed plugin serves the source's model type.
     """
     options = ConvertOptions(
-        dtype=dtype, quantize=quantize, group_size=group_size, strict=strict, experts_file=experts_file
+        dtype=dtype,
+        quantize=quantize,
+        group_size=group_size,
+        strict=strict,
+        experts_file=experts_file,
+        rotate=rotate,
+        rotate_seed=rotate_seed,
     )
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":
@@ -73,9 +86,13 @@ def convert(
         msg = f"{src} is neither a checkpoint directory nor a .gguf file"
         raise ConversionError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
+    rotation = None  # --- hadamard rotation (issue 18)
+    if options.rotate:
+        refuse_unrotatable(hooks, arch)
+        rotation = RotationStep(hooks, arch, options.rotate_seed)
     staging = prepare_destination(dst, force=force)
     try:
-        assembler = Assembler(options)
+        assembler = Assembler(options, before_cast=rotation)
         map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
         tensors, quantization = assembler.finish()
         _evaluate(tensors, show_progress)
@@ -92,6 +109,7 @@ def convert(
             family=hooks.spec.name,
             distribution=hooks.spec.distribution,
             provenance=_provenance(src, options, dequantized),
+            hadamard=None if rotation is None else rotation.result,
         )
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
