@@ -38,7 +38,7 @@ def test_inspect_prints_the_tensor_table_and_startup_stats(
     assert main(["inspect", str(f32_install)]) == 0
     out = capsys.readouterr().out
     assert "model type   llama (family llama, turbospark-llama)" in out
-    assert "hadamard     not folded; the family refuses folded installs" in out
+    assert "hadamard     not folded; the family accepts folded installs" in out
     assert "max context  256" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("model.", "lm_head"))}
     assert len(rows) == len(turbospark_core.open(f32_install).opened.index.tensors)
