@@ -183,3 +183,12 @@ def test_signs_that_are_not_signs_refused(rotated_copy: Path, tamper, names) -> 
     with pytest.raises(InstallError) as e:
         turbospark_core.open(rotated_copy)
     names(e, HADAMARD, "not all +-1")
+
+
+def test_q3_weights_convert_and_open(tmp_path: Path, f32_install: Path) -> None:
+    manifest = convert(_src("llama"), tmp_path / "q3", quantize="q3", rotate=True)
+    assert {q["bits"] for q in manifest.quantization.values()} == {3}
+    ids = np.load(_src("llama") / "references.npz")["prompt_ids"].tolist()
+    ref = turbospark_core.open(f32_install).logits(ids)
+    got = turbospark_core.open(tmp_path / "q3").logits(ids)
+    assert np.isfinite(got).all() and np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.7  # random tiny weights at 3 bits: 0.85

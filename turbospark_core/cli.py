@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--quantize", choices=("q4", "q8"))
+    p.add_argument("--quantize", choices=("q3", "q4", "q8"))
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
         "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"

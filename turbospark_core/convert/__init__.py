@@ -44,7 +44,7 @@ def convert(
         src: A Hugging Face / mlx-lm checkpoint directory, or a ``.gguf`` file.
         dst: The install directory to create.
         dtype: Cast float tensors to ``bfloat16``/``float16``/``float32``.
-        quantize: ``q4`` or ``q8``: quantize float matrices (MLX affine).
+        quantize: ``q3``, ``q4`` or ``q8``: quantize float matrices (MLX affine).
         group_size: Quantization group size (32, 64, 128).
         strict: GGUF only: refuse block types with no exact MLX mapping (e.g.
             Q6_K) instead of dequantizing them to float; dequantized tensors

@@ -13,7 +13,7 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ConversionError
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-QUANTIZE = {"q4": 4, "q8": 8}
+QUANTIZE = {"q3": 3, "q4": 4, "q8": 8}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
