@@ -37,7 +37,9 @@ class _Dequantizing(Assembler):
 def build(src: Path, dst: Path, quantize: str | None, group: int, rotate: bool, seed: int) -> Path:
     if not (dst / "manifest.json").is_file():
         with mock.patch.object(convert_mod, "Assembler", _Dequantizing):
-            convert_mod.convert(src, dst, quantize=quantize, group_size=group, rotate=rotate, rotate_seed=seed, force=True)
+            convert_mod.convert(
+                src, dst, quantize=quantize, group_size=group, rotate=rotate, rotate_seed=seed, force=True
+            )
     return dst
 
 

@@ -152,7 +152,9 @@ def test_truncated_or_oversized_hadamard_bin_refused_naming_the_sizes(
 
 
 @pytest.mark.parametrize("size", [63, 65])
-def test_hadamard_bin_size_not_the_sections_refused_naming_the_sizes(rotated_copy: Path, size: int, tamper, names) -> None:
+def test_hadamard_bin_size_not_the_sections_refused_naming_the_sizes(
+    rotated_copy: Path, size: int, tamper, names
+) -> None:
     tamper.put_file(rotated_copy, HADAMARD, b"\x01" * size)  # file table agrees with the file, the section does not
     with pytest.raises(InstallError) as e:
         turbospark_core.open(rotated_copy)
@@ -191,4 +193,5 @@ def test_q3_weights_convert_and_open(tmp_path: Path, f32_install: Path) -> None:
     ids = np.load(_src("llama") / "references.npz")["prompt_ids"].tolist()
     ref = turbospark_core.open(f32_install).logits(ids)
     got = turbospark_core.open(tmp_path / "q3").logits(ids)
-    assert np.isfinite(got).all() and np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.7  # random tiny weights at 3 bits: 0.85
+    # random tiny weights at 3 bits correlate about 0.85 with float32
+    assert np.isfinite(got).all() and np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.7

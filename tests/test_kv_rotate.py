@@ -36,7 +36,8 @@ def _attend(cache: KVCache | RingKVCache, q: mx.array, k: mx.array, v: mx.array,
     outs, start = [], 0
     for n in chunks:
         kk, vv = cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, start : start + n], kk, vv, scale=0.125, mask=cache.mask(n)))
+        qq = q[:, :, start : start + n]
+        outs.append(mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=0.125, mask=cache.mask(n)))
         start += n
     return mx.concatenate(outs, axis=2)
 
@@ -82,7 +83,7 @@ def test_rotation_shrinks_quantization_error_of_outlier_keys(bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rotated_attention_matches_unquantized_within_quantization_tolerance(bits: int) -> None:
-    """Full cache and ring, prefill then decode: rotated-KV outputs track the unquantized ones, closer than unrotated."""
+    """Full cache and ring, prefill then decode: rotated-KV outputs track unquantized ones, closer than unrotated."""
     q, k, v = _outlier_rows(30, seed=2, outlier=1.0), _outlier_rows(30), _outlier_rows(30, seed=1)
     chunks = [11, 1, 1, 5, 1, 1, 10]
     for spec, plain, rotated in ((SPEC, KVCache, RotatedKVCache), (RING, RingKVCache, RotatedRingKVCache)):

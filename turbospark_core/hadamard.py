@@ -195,7 +195,7 @@ def parse_section(section: dict[str, Any], arch: dict[str, Any], where: str) -> 
         raise InstallError(msg)
     block = _int(section, "block", where, 1, hidden)
     if block != block_size(hidden):
-        msg = f"{where}: hadamard block {block} is not {block_size(hidden)} (the largest power of two dividing {hidden})"
+        msg = f"{where}: hadamard block {block} is not {block_size(hidden)}, the largest power of two dividing {hidden}"
         raise InstallError(msg)
     size = _int(section, "size", where, hidden, 2 * MAX_HIDDEN)
     signs = section.get("signs")

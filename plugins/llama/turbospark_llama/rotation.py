@@ -22,8 +22,9 @@ def residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
     norms, writers = [], []
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        norms.append(NormReaders(norm=f"{p}input_layernorm.weight", readers=_under(names, p + "self_attn.", _ATTN_READERS)))
-        norms.append(NormReaders(norm=f"{p}post_attention_layernorm.weight", readers=_under(names, p + "mlp.", _MLP_READERS)))
+        attn, mlp = _under(names, p + "self_attn.", _ATTN_READERS), _under(names, p + "mlp.", _MLP_READERS)
+        norms.append(NormReaders(norm=f"{p}input_layernorm.weight", readers=attn))
+        norms.append(NormReaders(norm=f"{p}post_attention_layernorm.weight", readers=mlp))
         writers.extend(_under(names, p, _WRITERS))
     return ResidualMap(
         hidden_size=arch["hidden_size"],

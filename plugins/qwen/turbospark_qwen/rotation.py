@@ -27,7 +27,8 @@ def residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
         p = f"model.layers.{i}."
         mixer = tuple(n for n in _under(names, p, _MIXER_READERS) if not n.startswith(p + "mlp."))
         norms.append(NormReaders(norm=f"{p}input_layernorm.weight", readers=mixer))
-        norms.append(NormReaders(norm=f"{p}post_attention_layernorm.weight", readers=_under(names, p + "mlp.", _MLP_READERS)))
+        mlp = _under(names, p + "mlp.", _MLP_READERS)
+        norms.append(NormReaders(norm=f"{p}post_attention_layernorm.weight", readers=mlp))
         writers.extend(_under(names, p, _WRITERS))
     return ResidualMap(
         hidden_size=arch["hidden_size"],
