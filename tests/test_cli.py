@@ -38,7 +38,7 @@ def test_inspect_prints_the_tensor_table_and_startup_stats(
     assert main(["inspect", str(f32_install)]) == 0
     out = capsys.readouterr().out
     assert "model type   llama (family llama, turbospark-llama)" in out
-    assert "hadamard     not folded; the family refuses folded installs" in out
+    assert "hadamard     not folded; the family accepts folded installs" in out
     assert "max context  256" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("model.", "lm_head"))}
     assert len(rows) == len(turbospark_core.open(f32_install).opened.index.tensors)
@@ -140,6 +140,6 @@ def test_convert_bad_choice_is_an_argparse_error(
     llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["convert", str(llama_src), str(tmp_path / "d"), "--quantize", "q3"])
+        main(["convert", str(llama_src), str(tmp_path / "d"), "--quantize", "q5"])
     assert e.value.code == 2
-    assert "invalid choice: 'q3'" in capsys.readouterr().err
+    assert "invalid choice: 'q5'" in capsys.readouterr().err

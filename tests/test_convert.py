@@ -223,7 +223,7 @@ def test_source_that_does_not_exist(tmp_path: Path, names) -> None:
 @pytest.mark.parametrize(
     ("option", "flag"),
     [
-        ({"quantize": "q3"}, "--quantize 'q3'"),
+        ({"quantize": "q5"}, "--quantize 'q5'"),
         ({"dtype": "float64"}, "--dtype 'float64'"),
         ({"group_size": 48}, "--group-size 48"),
     ],

@@ -210,8 +210,22 @@ def test_hook_kv_quant_unsupported_reason(arch: dict[str, Any], llama: plugins.F
 
 
 def test_hook_accepts_hadamard(arch: dict[str, Any], llama: plugins.FamilyHooks, llama_plugin: Any) -> None:
-    assert llama_plugin.accepts_hadamard(arch=arch) is False  # a bool, not merely falsy
-    assert llama.accepts_hadamard(arch) is False
+    assert llama_plugin.accepts_hadamard(arch=arch) is True  # a bool, not merely truthy
+    assert llama.accepts_hadamard(arch) is True
+
+
+def test_hook_hadamard_residual_map(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:
+    from turbospark_core.hadamard import ResidualMap
+
+    layer = "model.layers.0."
+    names = [f"{layer}{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm")]
+    rmap = llama.hadamard_residual_map(arch, names)
+    assert isinstance(rmap, ResidualMap) and rmap.hidden_size == arch["hidden_size"] and rmap.norm_offset == 0.0
+    assert rmap.norms[0].readers == tuple(f"{layer}self_attn.{p}_proj.weight" for p in "qkv")
+    assert rmap.norms[1].readers == (f"{layer}mlp.gate_proj.weight", f"{layer}mlp.up_proj.weight")
+    assert rmap.writers == (f"{layer}self_attn.o_proj.weight", f"{layer}mlp.down_proj.weight")
+    assert (rmap.embedding, rmap.head, rmap.final_norm) == ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
 
 
 def test_hook_steering_supported(arch: dict[str, Any], llama: plugins.FamilyHooks, llama_plugin: Any) -> None:

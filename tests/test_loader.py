@@ -47,7 +47,7 @@ def test_open_records_startup_stats_and_capabilities(f32_install: Path) -> None:
     assert all(stats[phase] > 0 for phase in PHASES if phase not in ("session_state", "steering"))  # each timed real work
     assert stats["total_open"] >= sum(stats[phase] for phase in PHASES)
     caps = runner.opened.capabilities
-    assert (caps.family, caps.distribution, caps.accepts_hadamard) == ("llama", "turbospark-llama", False)
+    assert (caps.family, caps.distribution, caps.accepts_hadamard) == ("llama", "turbospark-llama", True)
     assert runner.max_context == 256  # min(max_position_embeddings, default)
     assert turbospark_core.open(f32_install, max_context=600).max_context == 600
 
@@ -184,12 +184,19 @@ def test_family_arch_check(install: Path, tamper, names) -> None:
 
 
 def _add_hadamard(root: Path, tamper, *, size: int = 64, declared: int | None = 64) -> None:
-    tamper.put_file(root, HADAMARD, np.ones(size // 4, np.float32).tobytes())
-    section = {"block": 4} if declared is None else {"block": 4, "size": declared}
+    """A well-formed hadamard section (the llama fixture's hidden size is 64) over ``size`` bytes of signs."""
+    tamper.put_file(root, HADAMARD, np.ones(size, np.int8).tobytes())
+    section = {
+        "scheme": "randomized-hadamard", "seed": 0, "hidden_size": 64, "block": 64, "size": declared,
+        "signs": {"offset": 0, "length": 64, "dtype": "int8"}, "folded": [], "online": [],
+    }
     tamper.edit(root, lambda raw: raw.__setitem__("hadamard", section))
 
 
-def test_hadamard_on_a_family_that_does_not_accept_it(install: Path, tamper, names) -> None:
+def test_hadamard_on_a_family_that_does_not_accept_it(install: Path, tamper, names, monkeypatch) -> None:
+    from turbospark_core import plugins
+
+    monkeypatch.setattr(plugins.FamilyHooks, "accepts_hadamard", lambda self, arch: False)
     _add_hadamard(install, tamper)
     with pytest.raises(FamilyRefusalError) as e:
         turbospark_core.open(install)
@@ -197,7 +204,7 @@ def test_hadamard_on_a_family_that_does_not_accept_it(install: Path, tamper, nam
 
 
 def test_hadamard_section_size_disagrees_with_the_table(install: Path, tamper, names) -> None:
-    _add_hadamard(install, tamper, declared=128)
+    _add_hadamard(install, tamper, size=64, declared=128)
     with pytest.raises(InstallError) as e:
         turbospark_core.open(install)
     names(e, HADAMARD, "128 bytes", "64")

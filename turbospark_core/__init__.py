@@ -42,6 +42,7 @@ def open(  # noqa: A001 - the API's name
     ffn_histogram: bool = False,
     verify: bool = False,
     steering: str | Path | DirectionSet | None = None,
+    kv_rotate: bool = True,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -86,6 +87,10 @@ def open(  # noqa: A001 - the API's name
             :class:`~turbospark_core.steering.DirectionSet`. Checked against
             the model (hidden size, layer range); a family whose flow cannot
             apply it refuses by name.
+        kv_rotate: With ``kv_quant``, store keys and values rotated per head by
+            a normalized Hadamard transform (rotated back when read, so the
+            attention is unchanged in exact math; 4-bit KV loses far less).
+            Applies to head dims that are powers of two; ``False`` turns it off.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -117,6 +122,7 @@ def open(  # noqa: A001 - the API's name
             "ffn_histogram": ffn_histogram,
             "verify": verify,
             "steering": steering,
+            "kv_rotate": kv_rotate,
         }
     )
     opened = open_install(path, options)  # steps 3-15

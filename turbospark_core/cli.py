@@ -168,6 +168,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         force=args.force,
         show_progress=not args.quiet,
         experts_file=args.experts_file,
+        rotate=args.rotate,
+        rotate_seed=args.rotate_seed,
     )
     size = sum(e.size for e in manifest.files.values())
     print(
@@ -368,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--quantize", choices=("q4", "q8"))
+    p.add_argument("--quantize", choices=("q3", "q4", "q8"))
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
         "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"
@@ -380,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="MoE: pack routed experts into experts.bin, one aligned record per (layer, expert), for streaming",
     )
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="fold a randomized Hadamard rotation of the residual stream into the weights (before --quantize)",
+    )
+    p.add_argument("--rotate-seed", type=int, default=0, help="seed of --rotate's random signs")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("generate", help="complete a prompt")

@@ -26,7 +26,9 @@ Conversion
     the Hugging Face conventions of :mod:`turbospark_core.convert.conventions`:
     ``text_config``, ``tied_embeddings``, ``is_tied_head``,
     ``strip_language_model_prefix``, ``drop_pattern`` (with
-    ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``.
+    ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``;
+    ``ResidualMap`` and ``NormReaders`` (the ``hadamard_residual_map``
+    answer: which tensors read and write the residual stream).
 Arch checks
     Typed, bounded checks for ``Args.problems``: ``int_problem``,
     ``float_problem`` (and ``int_problems``/``float_problems`` over a
@@ -88,6 +90,7 @@ from turbospark_core.convert.conventions import (
 )
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
+from turbospark_core.hadamard import NormReaders, ResidualMap
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
@@ -123,7 +126,9 @@ __all__ = [
     "InstallError",
     "KVCache",
     "Linear",
+    "NormReaders",
     "RecurrentState",
+    "ResidualMap",
     "RingKVCache",
     "Rope",
     "SourceTensor",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
     from turbospark_core.context import FamilyContext, FamilyModel
     from turbospark_core.convert.records import TensorTarget
+    from turbospark_core.hadamard import ResidualMap
     from turbospark_core.registry import FamilySpec
 
 hookspec = pluggy.HookspecMarker(NAME)
@@ -174,6 +175,25 @@ def accepts_hadamard(arch: Arch) -> bool | None:
 
     Args:
         arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def hadamard_residual_map(arch: Arch, names: list[str]) -> ResidualMap | None:
+    """Say which install tensors read and write the residual stream, for ``convert --rotate``.
+
+    Fires at conversion, after the tensors are mapped (pre-quantized ones
+    dequantized), in families whose ``accepts_hadamard`` says yes. The core
+    folds a randomized Hadamard rotation with the answer (see
+    :mod:`turbospark_core.hadamard`): each norm's scale into its readers, the
+    embedding and head, the readers' input side, the writers' output side.
+    The family's flow must then compute exactly what it did (rotation is
+    invisible to it: norms become ones, a tied head comes untied). ``None``
+    refuses the rotation. Stops at first non-None result.
+
+    Args:
+        arch: The install's arch config.
+        names: Every install tensor name (float, before cast and quantize).
     """
 
 

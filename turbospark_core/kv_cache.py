@@ -400,6 +400,85 @@ class RecurrentState:
         return list(self.arrays.values())
 
 
+# --- rotated quantized KV (issue 18) -------------------------------------------------
+# Keys (and values) are rotated by a normalized Walsh-Hadamard transform of the head
+# dimension before they are quantized, and rotated back after they are dequantized. The
+# transform is orthonormal and its own inverse, so in exact math the attention scores and
+# outputs are unchanged (the same as rotating Q and K, and the inverse on the output for V);
+# the rotation spreads outlier channels over the whole quantization group, which is what
+# keeps 4-bit KV close to unquantized.
+
+
+def kv_rotatable(dim: int) -> bool:
+    """Whether rows of ``dim`` can be rotated: a power of two (its normalized transform is its own inverse)."""
+    return dim >= 2 and dim & (dim - 1) == 0
+
+
+def _wht(x: mx.array) -> mx.array:
+    return mx.hadamard_transform(x)
+
+
+class RotatedKVCache(KVCache):
+    """A quantized :class:`KVCache` that stores keys and values Hadamard-rotated per head.
+
+    ``rotate_values`` rotates values too (both are rotated back when fetched).
+    """
+
+    rotate_values: bool = True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """As :meth:`KVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
+        rv = self.rotate_values
+        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
+        return _wht(k), _wht(v) if rv else v
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The whole key buffer, dequantized and rotated back."""
+        k = super().keys
+        return None if k is None else _wht(k)
+
+    @property
+    def values(self) -> mx.array | None:
+        """The whole value buffer, dequantized (and rotated back)."""
+        v = super().values
+        return None if v is None or not self.rotate_values else _wht(v)
+
+
+class RotatedRingKVCache(RingKVCache):
+    """A quantized :class:`RingKVCache` that stores keys and values Hadamard-rotated per head."""
+
+    rotate_values: bool = True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """As :meth:`RingKVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
+        rv = self.rotate_values
+        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
+        return _wht(k), _wht(v) if rv else v
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The whole key ring, dequantized and rotated back."""
+        k = super().keys
+        return None if k is None else _wht(k)
+
+    @property
+    def values(self) -> mx.array | None:
+        """The whole value ring, dequantized (and rotated back)."""
+        v = super().values
+        return None if v is None or not self.rotate_values else _wht(v)
+
+
+def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | None:
+    """The rotated class for ``spec``, or ``None`` when its head dims cannot be rotated."""
+    if not (kv_rotatable(spec.head_dim) and kv_rotatable(spec.v_head_dim or spec.head_dim)):
+        return None
+    return RotatedKVCache if spec.window is None else RotatedRingKVCache
+
+
+# --- end rotated quantized KV ----------------------------------------------------------
+
+
 Cache = KVCache | RingKVCache | RecurrentState
 
 
@@ -423,13 +502,17 @@ def make_cache(
     dtype: mx.Dtype,
     ring_capacity: int | None = None,
     kv_bits: int | None = None,
+    kv_rotate: bool = False,
 ) -> Cache:
-    """The cache object a layer's spec asks for."""
+    """The cache object a layer's spec asks for (``kv_rotate``: quantized KV stored Hadamard-rotated)."""
     if isinstance(spec, StateSpec):
         return RecurrentState(spec, max_context)
+    rotated = _rotated_kv_class(spec) if kv_rotate and kv_bits is not None else None
     if spec.window is None:
-        return KVCache(spec, max_context, dtype, kv_bits=kv_bits)
-    return RingKVCache(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits)
+        full = KVCache if rotated is None else RotatedKVCache
+        return full(spec, max_context, dtype, kv_bits=kv_bits)
+    ring = RingKVCache if rotated is None else RotatedRingKVCache
+    return ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits)
 
 
 def make_caches(
@@ -438,9 +521,10 @@ def make_caches(
     dtype: mx.Dtype,
     ring_capacity: int | None = None,
     kv_bits: int | None = None,
+    kv_rotate: bool = False,
 ) -> list[Cache]:
     """One cache per layer, as the family's layout asks."""
-    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits) for spec in specs]
+    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate) for spec in specs]
 
 
 def snapshot_caches(caches: list[Cache]) -> list[dict[str, Any]]:

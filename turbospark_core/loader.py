@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import native, plugins
+from turbospark_core import hadamard, native, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import ComputePolicy
@@ -201,15 +201,10 @@ def _check_kv_groups(layout: tuple[CacheSpec | StateSpec, ...], kv_quant: str | 
 
 
 def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks, capabilities: Capabilities) -> None:
-    """Step 6: the section's file is bounded and sized; the family must accept it."""
+    """Step 6: a family that does not accept the section refuses; else the section and file are checked."""
     section = manifest.hadamard
     if section is None:
         return
-    path = manifest.path(HADAMARD)
-    expected = section.get("size") if isinstance(section, dict) else None
-    if expected is not None and expected != manifest.files[HADAMARD].size:
-        msg = f"{path}: hadamard section says {expected} bytes, file table says {manifest.files[HADAMARD].size}"
-        raise InstallError(msg)
     if not capabilities.accepts_hadamard:
         msg = (
             f"{manifest.root} is hadamard-folded, and family {hooks.spec.name!r} "
@@ -217,6 +212,12 @@ def _check_hadamard(manifest: Manifest, hooks: plugins.FamilyHooks, capabilities
             f"re-convert without hadamard folding"
         )
         raise FamilyRefusalError(msg)
+    path = manifest.path(HADAMARD)
+    parsed = hadamard.parse_section(section, manifest.arch, str(manifest.root / MANIFEST))
+    if parsed.size != manifest.files[HADAMARD].size:
+        msg = f"{path}: hadamard section says {parsed.size} bytes, file table says {manifest.files[HADAMARD].size}"
+        raise InstallError(msg)
+    hadamard.read_signs(path, parsed)
 
 
 def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
@@ -400,7 +401,9 @@ def _cache_maker(
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
     kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
-    return functools.partial(make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits)
+    return functools.partial(
+        make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits, opts.kv_rotate
+    )
 
 
 def _plan_memory(

@@ -127,6 +127,7 @@ class OpenOptions:
     ffn_histogram: bool = attrs.field(default=False, converter=_ffn_histogram)
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
+    kv_rotate: bool = True
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

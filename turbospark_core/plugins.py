@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
     from turbospark_core.context import FamilyContext, FamilyModel
     from turbospark_core.convert.records import TensorTarget
+    from turbospark_core.hadamard import ResidualMap
 
 ALLOW_LIST_ENV = "TURBOSPARK_PLUGINS"
 
@@ -177,6 +178,11 @@ class FamilyHooks:
     def accepts_hadamard(self, arch: Arch) -> bool:
         """Whether a hadamard-folded install can be served (default: no)."""
         return bool(self._mine(pm.hook.accepts_hadamard)(arch=arch))
+
+    def hadamard_residual_map(self, arch: Arch, names: list[str]) -> ResidualMap | None:
+        """Which tensors read and write the residual stream (``convert --rotate``), or ``None``."""
+        rmap: ResidualMap | None = self._mine(pm.hook.hadamard_residual_map)(arch=arch, names=names)
+        return rmap
 
     def steering_supported(self, arch: Arch) -> str | None:
         """Why steering is refused, or ``None`` when the flow applies it (a plugin without the hook is refused)."""

@@ -16,6 +16,7 @@ from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
 from turbospark_core.convert.experts import split_experts, top_k_from_config
 from turbospark_core.convert.records import SourceTensor, TensorTarget
+from turbospark_core.convert.rotate import RotationStep, refuse_unrotatable
 from turbospark_core.convert.writer import destination_lock, finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
 from turbospark_core.manifest import Manifest, load_manifest
@@ -35,6 +36,8 @@ def convert(
     force: bool = False,
     show_progress: bool = False,
     experts_file: bool = True,
+    rotate: bool = False,
+    rotate_seed: int = 0,
 ) -> Manifest:
     """Make an install at ``dst`` from ``src``.
 
@@ -42,7 +45,7 @@ def convert(
         src: A Hugging Face / mlx-lm checkpoint directory, or a ``.gguf`` file.
         dst: The install directory to create.
         dtype: Cast float tensors to ``bfloat16``/``float16``/``float32``.
-        quantize: ``q4`` or ``q8``: quantize float matrices (MLX affine).
+        quantize: ``q3``, ``q4`` or ``q8``: quantize float matrices (MLX affine).
         group_size: Quantization group size (32, 64, 128).
         strict: GGUF only: refuse block types with no exact MLX mapping (e.g.
             Q6_K) instead of dequantizing them to float; dequantized tensors
@@ -52,13 +55,23 @@ def convert(
         experts_file: MoE only: pack the routed experts into ``experts.bin``
             (one aligned record per layer and expert, for streaming) instead of
             ``model_weights.safetensors``.
+        rotate: Fold a randomized Hadamard rotation of the residual stream
+            into the weights before any ``quantize`` (families whose
+            ``accepts_hadamard`` says yes; others are refused by name).
+        rotate_seed: Seed of the rotation's random signs.
 
     Raises:
         ConversionError: The source is unreadable or has something unsupported.
         UnknownFamilyError: No installed plugin serves the source's model type.
     """
     options = ConvertOptions(
-        dtype=dtype, quantize=quantize, group_size=group_size, strict=strict, experts_file=experts_file
+        dtype=dtype,
+        quantize=quantize,
+        group_size=group_size,
+        strict=strict,
+        experts_file=experts_file,
+        rotate=rotate,
+        rotate_seed=rotate_seed,
     )
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":
@@ -75,10 +88,16 @@ def convert(
         raise ConversionError(msg)
     hooks = plugins.family_hooks(arch["model_type"])
     _check_arch(src, arch, hooks)
+    rotation = None  # --- hadamard rotation (issue 18)
+    if options.rotate:
+        refuse_unrotatable(hooks, arch)
+        rotation = RotationStep(hooks, arch, options.rotate_seed)
     with destination_lock(dst):
         staging = prepare_destination(dst, force=force)
         try:
-            _write(staging, src, options, items, total, top_k, arch, texts, hooks, dequantized, show_progress)
+            _write(
+                staging, src, options, items, total, top_k, arch, texts, hooks, dequantized, show_progress, rotation
+            )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -98,9 +117,10 @@ def _write(
     hooks: plugins.FamilyHooks,
     dequantized: dict[str, list[str]],
     show_progress: bool,
+    rotation: RotationStep | None = None,
 ) -> None:
-    """Map, evaluate and write every file of the install into ``staging``."""
-    assembler = Assembler(options)
+    """Map, evaluate and write every file of the install into ``staging`` (rotated when ``rotation``)."""
+    assembler = Assembler(options, before_cast=rotation)
     map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
     tensors, quantization = assembler.finish()
     _evaluate(tensors, show_progress)
@@ -117,6 +137,7 @@ def _write(
         family=hooks.spec.name,
         distribution=hooks.spec.distribution,
         provenance=_provenance(src, options, dequantized),
+        hadamard=None if rotation is None else rotation.result,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -13,7 +13,7 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ConversionError
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-QUANTIZE = {"q4": 4, "q8": 8}
+QUANTIZE = {"q3": 3, "q4": 4, "q8": 8}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -26,6 +26,8 @@ class ConvertOptions:
     group_size: int = 64
     strict: bool = False  # GGUF: refuse block types with no exact MLX form
     experts_file: bool = True  # MoE: routed experts go to experts.bin
+    rotate: bool = False  # fold a randomized Hadamard rotation of the residual stream (before quantizing)
+    rotate_seed: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -52,6 +54,8 @@ class Assembler:
     quantization: dict[str, Any] = attrs.Factory(dict)
     keep_dtype: set[str] = attrs.Factory(set)
     _experts: dict[str, dict[int, mx.array]] = attrs.Factory(dict)
+    # runs on the float tensors and the quantization table after experts are stacked, before cast/quantize
+    before_cast: Callable[[dict[str, mx.array], dict[str, Any]], None] | None = None
 
     def add(self, target: TensorTarget, tensor: SourceTensor, quant: dict[str, Any] | None = None) -> None:
         """Place one source tensor; ``quant`` is given for pre-quantized (mlx-lm) parts."""
@@ -94,6 +98,8 @@ class Assembler:
                 raise ConversionError(msg)
             self._put(name, mx.stack([parts[i] for i in range(len(parts))]))
         self._experts.clear()
+        if self.before_cast is not None:
+            self.before_cast(self.tensors, self.quantization)
         self._cast()
         if self.options.quantize:
             self._quantize(QUANTIZE[self.options.quantize])

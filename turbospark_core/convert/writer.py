@@ -18,6 +18,7 @@ import mlx.core as mx
 from turbospark_core.errors import ConversionError
 from turbospark_core.manifest import (
     EXPERTS,
+    HADAMARD,
     MANIFEST,
     WEIGHTS,
     FileEntry,
@@ -101,18 +102,22 @@ def write_install(
     distribution: str,
     provenance: dict[str, Any],
     experts: ExpertPack | None = None,
+    hadamard: tuple[dict[str, Any], bytes] | None = None,
 ) -> Manifest:
     """Write every file into ``staging`` and the manifest naming each with size and sha256.
 
     ``experts`` (MoE installs) is written to ``experts.bin`` with its layout as the
-    manifest's ``experts`` section.
+    manifest's ``experts`` section. ``hadamard`` (rotated installs) is the
+    ``hadamard`` section and the bytes of ``hadamard.bin``.
     """
     mx.save_safetensors(str(staging / WEIGHTS), tensors, metadata={"format": "mlx"})
     section = None if experts is None else experts.write(staging / EXPERTS)
     for name, text in text_files.items():
         (staging / name).write_text(text)
     files = {}
-    for name in [WEIGHTS, *([EXPERTS] if section else []), *sorted(text_files)]:
+    if hadamard is not None:
+        (staging / HADAMARD).write_bytes(hadamard[1])
+    for name in [WEIGHTS, *([EXPERTS] if section else []), *([HADAMARD] if hadamard else []), *sorted(text_files)]:
         size = (staging / name).stat().st_size
         files[name] = FileEntry(size=size, sha256=sha256_file(staging / name, size))
     manifest = Manifest(
@@ -123,6 +128,7 @@ def write_install(
         family=family,
         distribution=distribution,
         experts=section,
+        hadamard=None if hadamard is None else hadamard[0],
         provenance=provenance,
     )
     (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))

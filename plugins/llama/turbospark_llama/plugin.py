@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, ResidualMap, TensorTarget, hookimpl
 
-from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert
+from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert, rotation
 from turbospark_llama.family import Args, Model
 
 
@@ -55,7 +55,12 @@ def kv_quant_unsupported_reason(arch: dict[str, Any], kv_quant: str) -> str | No
 
 @hookimpl
 def accepts_hadamard(arch: dict[str, Any]) -> bool:
-    return False
+    return True  # rotation is folded into the weights: the flow computes the same thing
+
+
+@hookimpl
+def hadamard_residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
+    return rotation.residual_map(arch, names)
 
 
 @hookimpl

@@ -54,6 +54,6 @@ def test_unknown_rope_type_refused_when_building(arch: dict) -> None:
 
 
 def test_probes(arch: dict) -> None:
-    assert plugin.accepts_hadamard(arch) is False  # hadamard folding is not implemented
+    assert plugin.accepts_hadamard(arch) is True  # convert --rotate folds the rotation into the weights
     assert plugin.steering_supported(arch) is None
     assert plugin.kv_quant_unsupported_reason(arch, "q8") is None

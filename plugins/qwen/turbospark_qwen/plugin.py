@@ -5,9 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, StateSpec, TensorTarget, hookimpl
+from turbospark_core.family import (
+    CacheSpec,
+    FamilyContext,
+    FamilySpec,
+    ResidualMap,
+    StateSpec,
+    TensorTarget,
+    hookimpl,
+)
 
-from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert
+from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, rotation
 from turbospark_qwen.family import Args, Model
 
 
@@ -43,7 +51,12 @@ def kv_quant_unsupported_reason(arch: dict[str, Any], kv_quant: str) -> str | No
 
 @hookimpl
 def accepts_hadamard(arch: dict[str, Any]) -> bool:
-    return False  # hadamard folding is not implemented in this flow
+    return True  # rotation is folded into the weights: the flow computes the same thing
+
+
+@hookimpl
+def hadamard_residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
+    return rotation.residual_map(arch, names)
 
 
 @hookimpl
