@@ -37,7 +37,7 @@ import numpy as np
 
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import OptionError
-from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, _Rows
+from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, _Rows, _wht, stored_rotation
 
 
 class BatchRows:
@@ -86,8 +86,17 @@ class BatchKVCache:
     the window plus one growth step); a full layer keeps all.
     """
 
-    def __init__(self, rows: BatchRows, spec: CacheSpec, dtype: mx.Dtype, kv_bits: int | None, step: int = 256) -> None:
+    def __init__(
+        self,
+        rows: BatchRows,
+        spec: CacheSpec,
+        dtype: mx.Dtype,
+        kv_bits: int | None,
+        step: int = 256,
+        rotation: tuple[bool, bool] = (False, False),
+    ) -> None:
         self.rows = rows
+        self.rotation = rotation  # keys, values stored Hadamard-rotated (as the rows' own caches store them)
         self.spec = spec
         self.window = spec.window
         self.dtype = dtype
@@ -111,14 +120,15 @@ class BatchKVCache:
         end = self.length + n
         self._grow(keys.shape[0], end, keys.shape[1])
         assert self._k is not None and self._v is not None and self.positions is not None
+        rot_k, rot_v = self.rotation
+        keys, values = (_wht(keys) if rot_k else keys), (_wht(values) if rot_v else values)
         self._k.assign(self.length, end, _Rows.encode(keys, self.kv_bits, self.dtype))
         self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.positions[:, self.length : end] = self.rows.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
         self.length = end
-        return (
-            self._k.map(lambda a: a[..., :end, :]).decode(),
-            self._v.map(lambda a: a[..., :end, :]).decode(),
-        )
+        k = self._k.map(lambda a: a[..., :end, :]).decode()
+        v = self._v.map(lambda a: a[..., :end, :]).decode()
+        return (_wht(k) if rot_k else k), (_wht(v) if rot_v else v)
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
@@ -372,7 +382,7 @@ class BatchCaches:
     def _make(self, cache: Cache) -> BatchCache:
         if isinstance(cache, RecurrentState):
             return BatchRecurrentState(self.rows, cache.spec)
-        return BatchKVCache(self.rows, cache.spec, cache.dtype, cache.kv_bits)
+        return BatchKVCache(self.rows, cache.spec, cache.dtype, cache.kv_bits, rotation=stored_rotation(cache))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -418,6 +418,13 @@ def _wht(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x)
 
 
+def stored_rotation(cache: object) -> tuple[bool, bool]:
+    """Whether ``cache`` stores its keys and its values Hadamard-rotated (a batch joining its rows must too)."""
+    if isinstance(cache, (RotatedKVCache, RotatedRingKVCache)):
+        return True, cache.rotate_values
+    return False, False
+
+
 class RotatedKVCache(KVCache):
     """A quantized :class:`KVCache` that stores keys and values Hadamard-rotated per head.
 
@@ -442,7 +449,7 @@ class RotatedKVCache(KVCache):
     def values(self) -> mx.array | None:
         """The whole value buffer, dequantized (and rotated back)."""
         v = super().values
-        return None if v is None or not self.rotate_values else _wht(v)
+        return v if v is None or not self.rotate_values else _wht(v)
 
 
 class RotatedRingKVCache(RingKVCache):
@@ -466,7 +473,7 @@ class RotatedRingKVCache(RingKVCache):
     def values(self) -> mx.array | None:
         """The whole value ring, dequantized (and rotated back)."""
         v = super().values
-        return None if v is None or not self.rotate_values else _wht(v)
+        return v if v is None or not self.rotate_values else _wht(v)
 
 
 def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -62,7 +63,27 @@ def test_stream_matches_generate(runner: turbospark_core.Runner) -> None:
 
 
 def test_q8_kv_cache_keeps_greedy_output(smollm2_install: Path, runner: turbospark_core.Runner) -> None:
-    quantized = turbospark_core.open(smollm2_install, max_context=2048, kv_quant="q8")
+    quantized = turbospark_core.open(smollm2_install, max_context=2048, kv_quant="q8", kv_rotate=False)
     prompt = "The three primary colors are"
     assert quantized.generate(prompt, max_tokens=24).tokens == runner.generate(prompt, max_tokens=24).tokens
     assert quantized.opened.estimate.kv < runner.opened.estimate.kv / 3
+
+
+def _decoded_logits(runner: turbospark_core.Runner, ids: list[int], tail: int) -> np.ndarray:
+    """Logits of the last ``tail`` tokens, each fed one at a time through the KV cache."""
+    cache = runner.opened.new_cache()
+    runner.model(mx.array([ids[:-tail]]), cache)
+    return np.stack([np.array(runner.model(mx.array([[t]]), cache)[0, -1]) for t in ids[-tail:]])
+
+
+@pytest.mark.parametrize("kv_quant", ["q8", "q4"])
+def test_rotated_kv_is_closer_to_float_than_unrotated(
+    smollm2_install: Path, runner: turbospark_core.Runner, kv_quant: str
+) -> None:
+    ids = runner.tokenizer.encode("The three primary colors are red, green and blue. The sky is blue and the grass is")
+    ref = _decoded_logits(runner, ids, 8)
+    err = {}
+    for rotate in (False, True):
+        quantized = turbospark_core.open(smollm2_install, max_context=512, kv_quant=kv_quant, kv_rotate=rotate)
+        err[rotate] = float(np.abs(_decoded_logits(quantized, ids, 8) - ref).max() / np.abs(ref).max())
+    assert err[True] < err[False], err
