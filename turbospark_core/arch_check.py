@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 # Upper bounds: far above any released model, far below what would hang a loop or overflow a size.
 MAX_LAYERS = 1024
@@ -58,14 +58,14 @@ _SCALING_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}  # fmt: skip
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A JSON integer (``bool`` is not one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """A finite JSON number (``bool``, ``NaN`` and ``Infinity`` are not)."""
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def int_problem(
@@ -218,6 +218,6 @@ _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 
 
 def _show(value: object) -> str:
     """A bounded ``repr`` (a hostile value may be megabytes, or an integer of thousands of digits)."""
-    if is_int(value) and value.bit_length() > 64:  # type: ignore[union-attr]
-        return f"an integer of {value.bit_length()} bits"  # type: ignore[union-attr]
+    if is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
     return _REPR.repr(value)

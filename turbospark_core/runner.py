@@ -415,10 +415,11 @@ class Runner:
             return self._opened.steering
         if steering is False:
             return None
-        if not isinstance(steering, DirectionSet):
-            msg = f"steering={steering!r} is invalid; pass a DirectionSet, None (the open's set) or False (none)"
+        given: object = steering  # callers may pass anything at runtime
+        if not isinstance(given, DirectionSet):
+            msg = f"steering={given!r} is invalid; pass a DirectionSet, None (the open's set) or False (none)"
             raise OptionError(msg)
-        return open_steering(steering, self.manifest.arch, self._opened.capabilities)
+        return open_steering(given, self.manifest.arch, self._opened.capabilities)
 
     def steering_edit(self, steering: Steering = None) -> Edit:
         """The runtime edit of :meth:`steering_set` (empty when unsteered)."""

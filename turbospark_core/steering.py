@@ -104,6 +104,10 @@ def _directions(value: Mapping[int, Any]) -> dict[int, np.ndarray]:
     return out
 
 
+def _scale(value: object) -> float:
+    return _finite("scale", value)
+
+
 @attrs.frozen(kw_only=True)
 class DirectionSet:
     """Per-layer residual-stream directions and how to apply them.
@@ -119,7 +123,7 @@ class DirectionSet:
     """
 
     mode: Mode = attrs.field(converter=_mode)
-    scale: float = attrs.field(default=1.0, converter=lambda v: _finite("scale", v))
+    scale: float = attrs.field(default=1.0, converter=_scale)
     directions: Mapping[int, np.ndarray] = attrs.field(converter=_directions, eq=False, repr=False)
     model_type: str | None = None
     source: str = "memory"
@@ -409,7 +413,10 @@ def _layer_edit(rows: list[DirectionSet | None], layer: int, *, stacked: bool) -
     has_add = bool(add.any())
     has_ablate = bool(unit.any())
     shape = (len(rows), 1, hidden) if stacked else (hidden,)
-    as_mx = lambda a: mx.array(a.reshape(shape))  # noqa: E731
+
+    def as_mx(a: np.ndarray) -> mx.array:
+        return mx.array(a.reshape(shape))
+
     return LayerEdit(
         add=as_mx(add) if has_add else None,
         unit=as_mx(unit) if has_ablate else None,

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 import jinja2
+import jinja2.exceptions
 import jinja2.sandbox
 
 from turbospark_core.errors import TokenizerError
@@ -53,11 +54,11 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator_name: str, left: Any, right: Any) -> Any:
         if operator_name == "**":
             if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(right) > 1024 and abs(left) > 1:
-                raise jinja2.sandbox.SecurityError(f"{left!r:.20} ** {right!r:.20} is too large for a chat template")
+                raise jinja2.exceptions.SecurityError(f"{left!r:.20} ** {right!r:.20} is too large for a chat template")
             return operator.pow(left, right)
         sized = [(x, n) for x, n in ((left, right), (right, left)) if isinstance(x, (str, list, tuple)) and isinstance(n, int)]
         if sized and len(sized[0][0]) * max(sized[0][1], 0) > self.max_chars:
-            raise jinja2.sandbox.SecurityError(f"repeating a sequence {sized[0][1]} times passes the {self.max_chars}-character bound")
+            raise jinja2.exceptions.SecurityError(f"repeating a sequence {sized[0][1]} times passes the {self.max_chars}-character bound")
         return operator.mul(left, right)
 
 

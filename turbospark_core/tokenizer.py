@@ -6,7 +6,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -40,7 +40,7 @@ def _backend(what: str) -> Iterator[None]:
         raise TokenizerError(msg) from None
 
 
-def _is_id(value: object) -> bool:
+def _is_id(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 
