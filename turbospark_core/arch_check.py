@@ -87,11 +87,21 @@ def int_problems(
     arch: dict[str, Any], bounds: Mapping[str, int], *, low: int = 1, optional: bool = False, where: str = ""
 ) -> list[str]:
     """:func:`int_problem` for each ``key: high`` of ``bounds``."""
-    return [p for key, high in bounds.items() if (p := int_problem(arch, key, high, low=low, optional=optional, where=where))]
+    return [
+        p
+        for key, high in bounds.items()
+        if (p := int_problem(arch, key, high, low=low, optional=optional, where=where))
+    ]
 
 
 def float_problem(
-    arch: dict[str, Any], key: str, high: float = MAX_FLOAT, *, low: float = 0.0, optional: bool = False, where: str = ""
+    arch: dict[str, Any],
+    key: str,
+    high: float = MAX_FLOAT,
+    *,
+    low: float = 0.0,
+    optional: bool = False,
+    where: str = "",
 ) -> str | None:
     """The problem with number ``arch[key]`` (None when finite, ``low < value <= high``, or absent and optional)."""
     value = arch.get(key)
@@ -107,7 +117,9 @@ def float_problems(
 ) -> list[str]:
     """:func:`float_problem` for each ``key: high`` of ``bounds``."""
     return [
-        p for key, high in bounds.items() if (p := float_problem(arch, key, high, low=low, optional=optional, where=where))
+        p
+        for key, high in bounds.items()
+        if (p := float_problem(arch, key, high, low=low, optional=optional, where=where))
     ]
 
 
@@ -191,7 +203,9 @@ def generic_problems(arch: dict[str, Any]) -> list[str]:
     out += rope_scaling_problems(arch.get("rope_scaling"))
     out += [p for key in ("moe", "rope_parameters", "rope") if (p := section_problem(arch, key))]
     layer_types = arch.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)):
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
         out.append(f"'layer_types' must be a list of strings (got {_show(layer_types)})")
     if not out:
         out += _consistency_problems(arch)

@@ -24,8 +24,8 @@ transforms the flow must apply (none: every rotation here is folded).
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import attrs

@@ -331,7 +331,9 @@ def _load_gguf(path: Path) -> DirectionSet:
     for name, kind in source.tensor_types().items():
         layer = _layer_of(path, name)
         if layer == 0:
-            msg = f"steering file {path} holds direction.0; llama.cpp control vectors start at layer 1 (it refuses 0 too)"
+            msg = (
+                f"steering file {path} holds direction.0; llama.cpp control vectors start at layer 1 (it refuses 0 too)"
+            )
             raise DirectionFileError(msg)
         if kind != "F32":
             raise DirectionFileError(f"steering file {path}: {name!r} is {kind}; control vector tensors are F32")
@@ -539,7 +541,9 @@ def difference_of_means(
         layer = layers[int(np.argmin(gaps))]
         raise DirectionValueError(f"the two prompt sets have identical mean residuals at layer {layer}")
     unit = diff / gaps[:, None]
-    report = [_separation(layer, pos[:, i] @ unit[i], neg[:, i] @ unit[i], float(gaps[i])) for i, layer in enumerate(layers)]
+    report = [
+        _separation(layer, pos[:, i] @ unit[i], neg[:, i] @ unit[i], float(gaps[i])) for i, layer in enumerate(layers)
+    ]
     scale = float(gaps.mean()) if mode == "add" else 1.0
     found = DirectionSet(
         mode=mode, scale=scale, directions={layer: unit[i].astype(np.float32) for i, layer in enumerate(layers)},
