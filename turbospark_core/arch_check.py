@@ -54,8 +54,11 @@ ROPE_BASES = {"rope_theta": MAX_FLOAT, "rope_local_base_freq": MAX_FLOAT}
 _SCALING_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                      "original_max_position_embeddings")  # fmt: skip
 _SCALING_NON_NEGATIVE = ("mscale", "mscale_all_dim", "attention_factor")
-_SCALING_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}  # fmt: skip
+_SCALING_NEEDS = {
+    "linear": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def is_int(value: object) -> TypeGuard[int]:

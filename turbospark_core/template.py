@@ -130,7 +130,10 @@ def _render(env: _BoundedSandbox, template: str, variables: dict[str, Any], max_
     for piece in env.from_string(template).generate(**variables):
         size += len(piece)
         if size > max_chars:
-            msg = f"the install's chat template rendered more than {max_chars} characters; fix or replace the chat template"
+            msg = (
+                f"the install's chat template rendered more than {max_chars} characters; "
+                "fix or replace the chat template"
+            )
             raise TokenizerError(msg)
         pieces.append(piece)
     return "".join(pieces)

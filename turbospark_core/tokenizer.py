@@ -36,7 +36,10 @@ def _backend(what: str) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError):
         raise
     except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exception, or pyo3's PanicException
-        msg = f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); re-run `turbospark convert`"
+        msg = (
+            f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); "
+            "re-run `turbospark convert`"
+        )
         raise TokenizerError(msg) from None
 
 
@@ -61,7 +64,9 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise TokenizerError(msg)
     template = config.get("chat_template")
     if isinstance(template, list):  # Hugging Face's named form: [{"name": ..., "template": ...}]
-        named = {t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        named = {
+            t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         template = config["chat_template"] = named.get("default")
     if template is not None and not isinstance(template, str):
         msg = (

@@ -42,8 +42,10 @@ def hostile_value(rnd: random.Random, near: Any = None) -> Any:
 
 def _tweak_number(rnd: random.Random, n: int | float) -> Any:
     ops = [
-        lambda: n + 1, lambda: n - 1, lambda: -n, lambda: n * 2, lambda: n * 1000003, lambda: n // 2 if isinstance(n, int) else n / 2,
-        lambda: float(n), lambda: str(n), lambda: [n], lambda: n ** 3 if abs(n) < 10**6 else n, lambda: 0, lambda: n + 0.5,
+        lambda: n + 1, lambda: n - 1, lambda: -n, lambda: n * 2, lambda: n * 1000003,
+        lambda: n // 2 if isinstance(n, int) else n / 2,
+        lambda: float(n), lambda: str(n), lambda: [n], lambda: n ** 3 if abs(n) < 10**6 else n, lambda: 0,
+        lambda: n + 0.5,
     ]  # fmt: skip
     return rnd.choice(ops)()
 
@@ -54,7 +56,8 @@ def _tweak_string(rnd: random.Random, s: str) -> Any:
     i = rnd.randrange(len(s))
     ops = [
         lambda: s[:i] + s[i + 1 :], lambda: s[:i] + chr(rnd.randrange(32, 0x2FFF)) + s[i:], lambda: s + s,
-        lambda: s.upper(), lambda: s[::-1], lambda: s[:i], lambda: s + ".", lambda: "../" + s, lambda: [s], lambda: {s: s},
+        lambda: s.upper(), lambda: s[::-1], lambda: s[:i], lambda: s + ".", lambda: "../" + s, lambda: [s],
+        lambda: {s: s},
     ]  # fmt: skip
     return rnd.choice(ops)()
 

@@ -303,12 +303,15 @@ def tokenizer_target(seeds: Seeds) -> Target:
 _TEMPLATE_PIECES = [
     "{{ messages[0]['content'] }}", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
     "{% if add_generation_prompt %}assistant:{% endif %}", "{{ bos_token }}", "{{ raise_exception('no') }}",
-    "{{ 'a' * 100000000 }}", "{{ 9 ** 99999 }}", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ 'a' * 100000000 }}", "{{ 9 ** 99999 }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{{ messages.__class__ }}", "{{ ''.__class__.__mro__ }}", "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
-    "{{ 1 / 0 }}", "{{ messages | tojson }}", "{% set x = namespace(a=1) %}{{ x.a }}", "{{ (messages * 1000000) | length }}",
+    "{{ 1 / 0 }}", "{{ messages | tojson }}", "{% set x = namespace(a=1) %}{{ x.a }}",
+    "{{ (messages * 1000000) | length }}",
     "{{ range(10) | list }}", "{% for m in messages %}{% for m2 in messages %}{{ m2 }}{% endfor %}{% endfor %}",
     "{{ messages[99] }}", "{{ undefined_var.attr }}", "{{ 'x' | center(2**40) }}", "{{ '%s' | format(messages) }}",
-    "{{ lipsum(10000) }}", "{% raw %}{{{% endraw %}", "{{", "{% if %}", "{% endfor %}", "{{ messages|map(attribute='content')|join('') }}",
+    "{{ lipsum(10000) }}", "{% raw %}{{{% endraw %}", "{{", "{% if %}", "{% endfor %}",
+    "{{ messages|map(attribute='content')|join('') }}",
 ]  # fmt: skip
 
 
