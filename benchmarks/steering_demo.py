@@ -72,7 +72,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def refuses(text: str) -> bool:
-    low = text.lower().replace("’", "'")
+    low = text.lower().replace("\u2019", "'")
     return any(marker in low for marker in REFUSAL_MARKERS)
 
 

@@ -137,9 +137,13 @@ def bool_problem(arch: dict[str, Any], key: str, *, optional: bool = False, wher
 def index_list_problem(arch: dict[str, Any], key: str, length: int, *, where: str = "") -> str | None:
     """The problem with ``arch[key]``: a list of distinct integers in ``[0, length)``."""
     value = arch.get(key)
-    if isinstance(value, list) and len(value) <= length and all(is_int(i) and 0 <= i < length for i in value):
-        if len(set(value)) == len(value):
-            return None
+    if (
+        isinstance(value, list)
+        and len(value) <= length
+        and all(is_int(i) and 0 <= i < length for i in value)
+        and len(set(value)) == len(value)
+    ):
+        return None
     return f"'{where}{key}' must list distinct integers in [0, {length}) (got {_show(value)})"
 
 

@@ -178,7 +178,7 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:
+    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:  # noqa: B008 - frozen, never mutated
         """Run the prompt through the model; returns last-position logits ``[1, V]``."""
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
@@ -193,7 +193,7 @@ class Runner:
         max_tokens: int,
         progress: _Progress,
         state: SequenceState,
-        edit: Edit = Edit({}),
+        edit: Edit = Edit({}),  # noqa: B008 - a frozen Edit, never mutated
     ) -> Iterator[int]:
         reused = common_prefix(state.tokens, ids)
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run

@@ -319,7 +319,7 @@ class SteeringChecks:
         # interleaved streams: each keeps its own edit
         one = runner.stream(prompt_ids, max_tokens=4, temperature=0.0, steering=add)
         two = runner.stream(prompt_ids, max_tokens=4, temperature=0.0)
-        for _ in zip(one, two):
+        for _ in zip(one, two, strict=False):
             pass
         for _ in one:
             pass
