@@ -21,7 +21,10 @@ HOSTILE: list[Any] = [
 
 
 def hostile_value(rnd: random.Random, near: Any = None) -> Any:
-    """A value chosen to break a reader: wrong types, bounds, non-finite floats, deep nesting, or a tweak of ``near``."""
+    """A value chosen to break a reader.
+
+    Wrong types, bounds, non-finite floats, deep nesting, or a tweak of ``near``.
+    """
     roll = rnd.random()
     if roll < 0.45:
         return copy.deepcopy(rnd.choice(HOSTILE))
