@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
 import numpy as np
-
 from kv_quant_quality import english_text
+
+import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads
 from turbospark_core import convert as convert_mod
 from turbospark_core.cli import resolve_source
 from turbospark_core.convert.assemble import Assembler

@@ -225,7 +225,11 @@ def test_hook_hadamard_residual_map(arch: dict[str, Any], llama: plugins.FamilyH
     assert rmap.norms[0].readers == tuple(f"{layer}self_attn.{p}_proj.weight" for p in "qkv")
     assert rmap.norms[1].readers == (f"{layer}mlp.gate_proj.weight", f"{layer}mlp.up_proj.weight")
     assert rmap.writers == (f"{layer}self_attn.o_proj.weight", f"{layer}mlp.down_proj.weight")
-    assert (rmap.embedding, rmap.head, rmap.final_norm) == ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+    assert (rmap.embedding, rmap.head, rmap.final_norm) == (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    )
 
 
 def test_hook_steering_supported(arch: dict[str, Any], llama: plugins.FamilyHooks, llama_plugin: Any) -> None:

@@ -25,14 +25,18 @@ def test_a_manifest_nesting_bomb_or_huge_integer_is_a_manifest_error(install: Pa
 
 
 @pytest.mark.parametrize("body", [BOMB, b'{"a": ' + HUGE_INT + b"}"])
-def test_a_safetensors_header_nesting_bomb_or_huge_integer_is_refused(install: Path, tamper, names, body: bytes) -> None:
+def test_a_safetensors_header_nesting_bomb_or_huge_integer_is_refused(
+    install: Path, tamper, names, body: bytes
+) -> None:
     tamper.put_weights_raw(install, None, b"", header_bytes=body)
     with pytest.raises(InstallError) as err:
         turbospark_core.open(install)
     names(err, WEIGHTS, "unreadable safetensors header")
 
 
-@pytest.mark.parametrize(("name", "error"), [("tokenizer_config.json", TokenizerError), ("generation_config.json", InstallError)])
+@pytest.mark.parametrize(
+    ("name", "error"), [("tokenizer_config.json", TokenizerError), ("generation_config.json", InstallError)]
+)
 @pytest.mark.parametrize("text", [BOMB, b"{" + b'"a": ' + HUGE_INT + b"}"])
 def test_tokenizer_and_generation_configs_refuse_bombs(
     install: Path, tamper, names, name: str, error: type[Exception], text: bytes
@@ -43,7 +47,10 @@ def test_tokenizer_and_generation_configs_refuse_bombs(
     names(err, name, "not valid JSON")
 
 
-@pytest.mark.parametrize("config", [b"[1, 2]", b'"text"', b'{"chat_template": 7}', b'{"chat_template": [{"name": "default", "template": 7}]}'])
+@pytest.mark.parametrize(
+    "config",
+    [b"[1, 2]", b'"text"', b'{"chat_template": 7}', b'{"chat_template": [{"name": "default", "template": 7}]}'],
+)
 def test_a_malformed_tokenizer_config_is_a_tokenizer_error(install: Path, tamper, names, config: bytes) -> None:
     tamper.put_file(install, "tokenizer_config.json", config)
     with pytest.raises(TokenizerError) as err:  # was AttributeError, or a TypeError at the first chat
@@ -66,7 +73,9 @@ def test_a_token_text_that_is_not_a_string_is_ignored(install: Path, tamper) -> 
     assert turbospark_core.open(install).tokenizer.eos_token is None
 
 
-@pytest.mark.parametrize("entry", [{"bits": [4], "group_size": 64}, {"bits": 4, "group_size": {}}, {"mode": ["affine"]}])
+@pytest.mark.parametrize(
+    "entry", [{"bits": [4], "group_size": 64}, {"bits": 4, "group_size": {}}, {"mode": ["affine"]}]
+)
 def test_a_quantization_entry_of_unhashable_values_is_refused(q4_copy: Path, tamper, names, entry: dict) -> None:
     def edit(raw: dict) -> None:
         name = sorted(raw["quantization"])[0]

@@ -297,7 +297,13 @@ def test_kv_quant_probe_fires_before_any_weight_is_read(f32_install: Path) -> No
     finally:
         undo()
     names = [name for name, _ in _after_registry(calls)]
-    assert names == ["arch_problems", "kv_quant_unsupported_reason", "accepts_hadamard", "steering_supported", "cache_layout"]
+    assert names == [
+        "arch_problems",
+        "kv_quant_unsupported_reason",
+        "accepts_hadamard",
+        "steering_supported",
+        "cache_layout",
+    ]
 
 
 def test_monitoring_sees_register_families_and_routed_conversion_hooks(llama_src: Path) -> None:

@@ -1,4 +1,7 @@
-"""Steering: direction files (safetensors, GGUF control vectors), open step 14, per-request and per-row edits, refusals."""
+"""Steering: direction files (safetensors, GGUF control vectors), open step 14.
+
+Also per-request and per-row edits, and refusals.
+"""
 
 from __future__ import annotations
 
@@ -121,7 +124,7 @@ def test_bad_files_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(DirectionFileError, match="must be float32 of shape"):
         DirectionSet.load(f16)
     other = _write_safetensors(tmp_path / "other.safetensors", {"lm_head.weight": _unit()}, meta)
-    with pytest.raises(DirectionFileError, match="holds tensor 'lm_head.weight'"):
+    with pytest.raises(DirectionFileError, match=r"holds tensor 'lm_head\.weight'"):
         DirectionSet.load(other)
     no_mode = _write_safetensors(tmp_path / "nomode.safetensors", {"direction.0": _unit()}, {"scale": "1"})
     with pytest.raises(DirectionFileError, match="no 'mode' metadata"):
@@ -140,7 +143,7 @@ def test_bad_files_are_refused_by_name(tmp_path: Path) -> None:
 def test_truncated_file_is_refused(tmp_path: Path) -> None:
     path = DirectionSet.from_arrays({0: _unit()}, mode="add").save(tmp_path / "set.safetensors")
     path.write_bytes(path.read_bytes()[:-16])
-    with pytest.raises(DirectionFileError, match="offsets .* outside the data"):
+    with pytest.raises(DirectionFileError, match=r"offsets .* outside the data"):
         DirectionSet.load(path)
 
 
@@ -170,26 +173,27 @@ def test_gguf_control_vector_maps_direction_k_to_the_output_of_layer_k(tmp_path:
 
 def test_gguf_control_vector_refusals(tmp_path: Path) -> None:
     zero = _write_control_vector(tmp_path / "zero.gguf", {"direction.0": _unit()})
-    with pytest.raises(DirectionFileError, match="direction.0"):
+    with pytest.raises(DirectionFileError, match=r"direction\.0"):
         DirectionSet.load(zero)
     model = _write_control_vector(tmp_path / "model.gguf", {"direction.1": _unit()}, arch="llama")
     with pytest.raises(DirectionFileError, match="architecture 'llama', not a control vector"):
         DirectionSet.load(model)
     odd = _write_control_vector(tmp_path / "odd.gguf", {"token_embd.weight": _unit()})
-    with pytest.raises(DirectionFileError, match="holds tensor 'token_embd.weight'"):
+    with pytest.raises(DirectionFileError, match=r"holds tensor 'token_embd\.weight'"):
         DirectionSet.load(odd)
     f16 = _write_control_vector(tmp_path / "f16.gguf", {"direction.2": _unit().astype(np.float16)})
     with pytest.raises(DirectionFileError, match="F16; control vector tensors are F32"):
         DirectionSet.load(f16)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 7)
-    with pytest.raises(DirectionFileError, match="broken.gguf"):
+    with pytest.raises(DirectionFileError, match=r"broken\.gguf"):
         DirectionSet.load(broken)
 
 
 # ------------------------------------------------------------------ open step 14
 def test_open_reads_checks_and_times_the_set(f32_install: Path, tmp_path: Path, prompt) -> None:
-    path = DirectionSet.from_arrays({1: _unit()}, mode="add", scale=4.0, model_type="llama").save(tmp_path / "s.safetensors")
+    dset = DirectionSet.from_arrays({1: _unit()}, mode="add", scale=4.0, model_type="llama")
+    path = dset.save(tmp_path / "s.safetensors")
     steered = turbospark_core.open(f32_install, steering=str(path))
     assert steered.steering is not None and steered.steering.layers == (1,) and steered.startup_stats.steering > 0
     plain = turbospark_core.open(f32_install)
@@ -240,7 +244,8 @@ def dummy_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("dummy") / "hf"
     src.mkdir()
     rng = np.random.default_rng(0)
-    tensors = {name: rng.standard_normal((32, 16)).astype(np.float32) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    tensors = {name: rng.standard_normal((32, 16)).astype(np.float32) for name in names}
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     (src / "config.json").write_text(json.dumps({"model_type": "dummy_lm", "hidden_size": 16, "vocab_size": 32}))
     write_word_tokenizer(src, 32)
@@ -251,7 +256,7 @@ def dummy_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_family_that_cannot_steer_refuses_by_name(dummy_install: Path) -> None:
     steering = DirectionSet.from_arrays({0: _unit(size=16)}, mode="add")
-    with pytest.raises(FamilyRefusalError, match="steering refused by family 'dummy'.*no decoder layers to steer"):
+    with pytest.raises(FamilyRefusalError, match=r"steering refused by family 'dummy'.*no decoder layers to steer"):
         turbospark_core.open(dummy_install, steering=steering)
     runner = turbospark_core.open(dummy_install)
     assert runner.opened.capabilities.steering_refusal == "the bigram flow has no decoder layers to steer"
@@ -273,9 +278,11 @@ def test_steer_is_the_identity_with_nothing_active() -> None:
 
 def test_a_flow_that_skips_steer_is_caught() -> None:
     edit = DirectionSet.from_arrays({1: np.ones(4, np.float32)}, mode="add").edit()
-    with pytest.raises(SteeringError, match="family 'toy' never passed decoder layer 1's output"):
-        with applying(edit, family="toy"):
-            steer(mx.ones((1, 1, 4)), 0)
+    with (
+        pytest.raises(SteeringError, match="family 'toy' never passed decoder layer 1's output"),
+        applying(edit, family="toy"),
+    ):
+        steer(mx.ones((1, 1, 4)), 0)
 
 
 def test_rows_of_one_batch_get_their_own_edits(runner, prompt) -> None:

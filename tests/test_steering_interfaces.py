@@ -110,7 +110,8 @@ def test_cli_steer_compute(install, tmp_path, reference, capsys) -> None:
     assert [r.layer for r in rows] == [0, 1] and all(0.0 <= r.accuracy <= 1.0 for r in rows)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert main(["steer", "compute", str(install), "--positive", str(empty), "--negative", str(neg), "-o", str(out)]) == 2
+    argv = ["steer", "compute", str(install), "--positive", str(empty), "--negative", str(neg), "-o", str(out)]
+    assert main(argv) == 2
     assert "has no prompts" in capsys.readouterr().err
 
 
@@ -125,7 +126,8 @@ def server(install: Path, set_file: Path, strong: DirectionSet) -> Iterator[Serv
 
 def _post(server: Server, body: dict[str, Any]) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers=headers)
     resp = conn.getresponse()
     out = resp.status, json.loads(resp.read())
     conn.close()
@@ -185,7 +187,8 @@ def test_server_refuses_sets_that_do_not_fit(install: Path) -> None:
     from turbospark_core.steering import DirectionMismatchError
 
     with pytest.raises(DirectionMismatchError, match="steers layer 9"):
-        Server.from_install(install, port=0, steering_sets={"deep": DirectionSet.from_arrays({9: _unit(1)}, mode="add")})
+        deep = DirectionSet.from_arrays({9: _unit(1)}, mode="add")
+        Server.from_install(install, port=0, steering_sets={"deep": deep})
 
 
 def test_server_default_set_and_opting_out(install: Path, set_file: Path, strong, reference) -> None:

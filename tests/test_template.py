@@ -40,7 +40,11 @@ def test_hostile_templates_are_refused_by_name(template: str, word: str, names) 
 def test_a_template_that_loops_without_output_is_stopped_at_the_time_bound(names) -> None:
     start = time.perf_counter()
     with pytest.raises(TokenizerError) as err:
-        render_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", MESSAGES, max_seconds=0.5)
+        render_template(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            MESSAGES,
+            max_seconds=0.5,
+        )
     assert time.perf_counter() - start < 5
     names(err, "0.5-second bound")
 
@@ -50,7 +54,11 @@ def test_a_timed_out_render_thread_is_stopped_and_nothing_else_sees_it() -> None
     before = threading.active_count()
     for seconds in (0.001, 0.01, 0.05):
         with pytest.raises(TokenizerError):
-            render_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", MESSAGES, max_seconds=seconds)
+            render_template(
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                MESSAGES,
+                max_seconds=seconds,
+            )
     end = time.perf_counter() + 0.5
     while time.perf_counter() < end:  # Python code in the caller afterwards: nothing may land here
         pass

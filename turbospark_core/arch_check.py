@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 # Upper bounds: far above any released model, far below what would hang a loop or overflow a size.
 MAX_LAYERS = 1024
@@ -54,18 +54,21 @@ ROPE_BASES = {"rope_theta": MAX_FLOAT, "rope_local_base_freq": MAX_FLOAT}
 _SCALING_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                      "original_max_position_embeddings")  # fmt: skip
 _SCALING_NON_NEGATIVE = ("mscale", "mscale_all_dim", "attention_factor")
-_SCALING_NEEDS = {"linear": ("factor",), "yarn": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}  # fmt: skip
+_SCALING_NEEDS = {
+    "linear": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A JSON integer (``bool`` is not one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """A finite JSON number (``bool``, ``NaN`` and ``Infinity`` are not)."""
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def int_problem(
@@ -87,11 +90,21 @@ def int_problems(
     arch: dict[str, Any], bounds: Mapping[str, int], *, low: int = 1, optional: bool = False, where: str = ""
 ) -> list[str]:
     """:func:`int_problem` for each ``key: high`` of ``bounds``."""
-    return [p for key, high in bounds.items() if (p := int_problem(arch, key, high, low=low, optional=optional, where=where))]
+    return [
+        p
+        for key, high in bounds.items()
+        if (p := int_problem(arch, key, high, low=low, optional=optional, where=where))
+    ]
 
 
 def float_problem(
-    arch: dict[str, Any], key: str, high: float = MAX_FLOAT, *, low: float = 0.0, optional: bool = False, where: str = ""
+    arch: dict[str, Any],
+    key: str,
+    high: float = MAX_FLOAT,
+    *,
+    low: float = 0.0,
+    optional: bool = False,
+    where: str = "",
 ) -> str | None:
     """The problem with number ``arch[key]`` (None when finite, ``low < value <= high``, or absent and optional)."""
     value = arch.get(key)
@@ -107,7 +120,9 @@ def float_problems(
 ) -> list[str]:
     """:func:`float_problem` for each ``key: high`` of ``bounds``."""
     return [
-        p for key, high in bounds.items() if (p := float_problem(arch, key, high, low=low, optional=optional, where=where))
+        p
+        for key, high in bounds.items()
+        if (p := float_problem(arch, key, high, low=low, optional=optional, where=where))
     ]
 
 
@@ -122,9 +137,13 @@ def bool_problem(arch: dict[str, Any], key: str, *, optional: bool = False, wher
 def index_list_problem(arch: dict[str, Any], key: str, length: int, *, where: str = "") -> str | None:
     """The problem with ``arch[key]``: a list of distinct integers in ``[0, length)``."""
     value = arch.get(key)
-    if isinstance(value, list) and len(value) <= length and all(is_int(i) and 0 <= i < length for i in value):
-        if len(set(value)) == len(value):
-            return None
+    if (
+        isinstance(value, list)
+        and len(value) <= length
+        and all(is_int(i) and 0 <= i < length for i in value)
+        and len(set(value)) == len(value)
+    ):
+        return None
     return f"'{where}{key}' must list distinct integers in [0, {length}) (got {_show(value)})"
 
 
@@ -191,7 +210,9 @@ def generic_problems(arch: dict[str, Any]) -> list[str]:
     out += rope_scaling_problems(arch.get("rope_scaling"))
     out += [p for key in ("moe", "rope_parameters", "rope") if (p := section_problem(arch, key))]
     layer_types = arch.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)):
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
         out.append(f"'layer_types' must be a list of strings (got {_show(layer_types)})")
     if not out:
         out += _consistency_problems(arch)
@@ -218,6 +239,6 @@ _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 
 
 def _show(value: object) -> str:
     """A bounded ``repr`` (a hostile value may be megabytes, or an integer of thousands of digits)."""
-    if is_int(value) and value.bit_length() > 64:  # type: ignore[union-attr]
-        return f"an integer of {value.bit_length()} bits"  # type: ignore[union-attr]
+    if is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
     return _REPR.repr(value)

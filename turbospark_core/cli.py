@@ -98,7 +98,10 @@ def _add_steering_options(p: argparse.ArgumentParser) -> None:
 
 
 def _named_sets(args: argparse.Namespace, default: Any) -> dict[str, Any]:
-    """``serve``: the sets requests may name: ``--steering`` (by its file stem) and each ``--steering-set NAME=FILE``."""
+    """``serve``: the sets requests may name.
+
+    ``--steering`` (by its file stem) and each ``--steering-set NAME=FILE``.
+    """
     from turbospark_core.steering import DirectionSet
 
     sets: dict[str, Any] = {}
@@ -333,7 +336,9 @@ def cmd_steer_compute(args: argparse.Namespace) -> None:
     for row in report:
         print(f"{row.layer:>5} {row.gap:>11.4g} {row.effect:>11.3f} {row.accuracy:>9.1%}")
     best = max(report, key=lambda r: r.effect)
-    print(f"best separated: layer {best.layer} (effect {best.effect:.3f}); pick layers around it with --steering-layers")
+    print(
+        f"best separated: layer {best.layer} (effect {best.effect:.3f}); pick layers around it with --steering-layers"
+    )
 
 
 def _prompt_lines(path: str) -> list[str]:

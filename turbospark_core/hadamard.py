@@ -24,6 +24,7 @@ transforms the flow must apply (none: every rotation here is folded).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,20 @@ ONLINE_TRANSFORMS: tuple[str, ...] = ()  # runtime transforms a flow may be aske
 MAX_HIDDEN = 1 << 20
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _norm_readers(value: Iterable[NormReaders]) -> tuple[NormReaders, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class NormReaders:
     """One RMSNorm and the linears (weight names, ``[..., out, hidden]``) that read its output."""
 
     norm: str
-    readers: tuple[str, ...] = attrs.field(converter=tuple)
+    readers: tuple[str, ...] = attrs.field(converter=_names)
 
 
 @attrs.frozen(kw_only=True)
@@ -69,8 +78,8 @@ class ResidualMap:
     embedding: str
     head: str
     final_norm: str
-    norms: tuple[NormReaders, ...] = attrs.field(converter=tuple)
-    writers: tuple[str, ...] = attrs.field(converter=tuple)
+    norms: tuple[NormReaders, ...] = attrs.field(converter=_norm_readers)
+    writers: tuple[str, ...] = attrs.field(converter=_names)
     norm_offset: float = 0.0
 
 

@@ -337,7 +337,12 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
 
 
 def _forward_one(
-    model: FamilyModel, new_cache: Callable[[], list[Cache]], manifest: Manifest, hooks: plugins.FamilyHooks, *, evaluate: bool
+    model: FamilyModel,
+    new_cache: Callable[[], list[Cache]],
+    manifest: Manifest,
+    hooks: plugins.FamilyHooks,
+    *,
+    evaluate: bool,
 ) -> None:
     """One token through the model: the warm-up (``evaluate``), or only its graph, which MLX shape-checks
     as it is built (so an arch config that passes every check but does not fit the tensors is refused here,

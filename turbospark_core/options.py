@@ -52,16 +52,6 @@ def _session_slots(value: object) -> int:
     return _count("session_slots", value, "slots")
 
 
-def _flag(name: str) -> Any:
-    def check(value: object) -> bool:
-        if not isinstance(value, bool):
-            msg = f"{name}={value!r} is invalid; use True or False"
-            raise OptionError(msg)
-        return value
-
-    return check
-
-
 def _choice(name: str, value: object, choices: tuple[_C, ...]) -> _C:
     for choice in choices:
         if value == choice:

@@ -178,7 +178,7 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:
+    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:  # noqa: B008 - frozen, never mutated
         """Run the prompt through the model; returns last-position logits ``[1, V]``."""
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
@@ -193,7 +193,7 @@ class Runner:
         max_tokens: int,
         progress: _Progress,
         state: SequenceState,
-        edit: Edit = Edit({}),
+        edit: Edit = Edit({}),  # noqa: B008 - a frozen Edit, never mutated
     ) -> Iterator[int]:
         reused = common_prefix(state.tokens, ids)
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
@@ -415,10 +415,11 @@ class Runner:
             return self._opened.steering
         if steering is False:
             return None
-        if not isinstance(steering, DirectionSet):
-            msg = f"steering={steering!r} is invalid; pass a DirectionSet, None (the open's set) or False (none)"
+        given: object = steering  # callers may pass anything at runtime
+        if not isinstance(given, DirectionSet):
+            msg = f"steering={given!r} is invalid; pass a DirectionSet, None (the open's set) or False (none)"
             raise OptionError(msg)
-        return open_steering(steering, self.manifest.arch, self._opened.capabilities)
+        return open_steering(given, self.manifest.arch, self._opened.capabilities)
 
     def steering_edit(self, steering: Steering = None) -> Edit:
         """The runtime edit of :meth:`steering_set` (empty when unsteered)."""

@@ -104,6 +104,10 @@ def _directions(value: Mapping[int, Any]) -> dict[int, np.ndarray]:
     return out
 
 
+def _scale(value: object) -> float:
+    return _finite("scale", value)
+
+
 @attrs.frozen(kw_only=True)
 class DirectionSet:
     """Per-layer residual-stream directions and how to apply them.
@@ -119,7 +123,7 @@ class DirectionSet:
     """
 
     mode: Mode = attrs.field(converter=_mode)
-    scale: float = attrs.field(default=1.0, converter=lambda v: _finite("scale", v))
+    scale: float = attrs.field(default=1.0, converter=_scale)
     directions: Mapping[int, np.ndarray] = attrs.field(converter=_directions, eq=False, repr=False)
     model_type: str | None = None
     source: str = "memory"
@@ -327,7 +331,9 @@ def _load_gguf(path: Path) -> DirectionSet:
     for name, kind in source.tensor_types().items():
         layer = _layer_of(path, name)
         if layer == 0:
-            msg = f"steering file {path} holds direction.0; llama.cpp control vectors start at layer 1 (it refuses 0 too)"
+            msg = (
+                f"steering file {path} holds direction.0; llama.cpp control vectors start at layer 1 (it refuses 0 too)"
+            )
             raise DirectionFileError(msg)
         if kind != "F32":
             raise DirectionFileError(f"steering file {path}: {name!r} is {kind}; control vector tensors are F32")
@@ -409,7 +415,10 @@ def _layer_edit(rows: list[DirectionSet | None], layer: int, *, stacked: bool) -
     has_add = bool(add.any())
     has_ablate = bool(unit.any())
     shape = (len(rows), 1, hidden) if stacked else (hidden,)
-    as_mx = lambda a: mx.array(a.reshape(shape))  # noqa: E731
+
+    def as_mx(a: np.ndarray) -> mx.array:
+        return mx.array(a.reshape(shape))
+
     return LayerEdit(
         add=as_mx(add) if has_add else None,
         unit=as_mx(unit) if has_ablate else None,
@@ -532,7 +541,9 @@ def difference_of_means(
         layer = layers[int(np.argmin(gaps))]
         raise DirectionValueError(f"the two prompt sets have identical mean residuals at layer {layer}")
     unit = diff / gaps[:, None]
-    report = [_separation(layer, pos[:, i] @ unit[i], neg[:, i] @ unit[i], float(gaps[i])) for i, layer in enumerate(layers)]
+    report = [
+        _separation(layer, pos[:, i] @ unit[i], neg[:, i] @ unit[i], float(gaps[i])) for i, layer in enumerate(layers)
+    ]
     scale = float(gaps.mean()) if mode == "add" else 1.0
     found = DirectionSet(
         mode=mode, scale=scale, directions={layer: unit[i].astype(np.float32) for i, layer in enumerate(layers)},

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 import jinja2
+import jinja2.exceptions
 import jinja2.sandbox
 
 from turbospark_core.errors import TokenizerError
@@ -32,7 +33,7 @@ _REFIRE_SECONDS = 0.05
 _STOP_ATTEMPTS = 200  # 10 s of resending before a render stuck in C code is left to finish alone
 
 
-class _RenderTimeout(Exception):
+class _RenderTimeoutError(Exception):
     """Raised inside the rendering thread by the watchdog."""
 
 
@@ -52,12 +53,23 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator_name: str, left: Any, right: Any) -> Any:
         if operator_name == "**":
-            if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(right) > 1024 and abs(left) > 1:
-                raise jinja2.sandbox.SecurityError(f"{left!r:.20} ** {right!r:.20} is too large for a chat template")
+            if (
+                isinstance(left, (int, float))
+                and isinstance(right, (int, float))
+                and abs(right) > 1024
+                and abs(left) > 1
+            ):
+                raise jinja2.exceptions.SecurityError(f"{left!r:.20} ** {right!r:.20} is too large for a chat template")
             return operator.pow(left, right)
-        sized = [(x, n) for x, n in ((left, right), (right, left)) if isinstance(x, (str, list, tuple)) and isinstance(n, int)]
+        sized = [
+            (x, n)
+            for x, n in ((left, right), (right, left))
+            if isinstance(x, (str, list, tuple)) and isinstance(n, int)
+        ]
         if sized and len(sized[0][0]) * max(sized[0][1], 0) > self.max_chars:
-            raise jinja2.sandbox.SecurityError(f"repeating a sequence {sized[0][1]} times passes the {self.max_chars}-character bound")
+            raise jinja2.exceptions.SecurityError(
+                f"repeating a sequence {sized[0][1]} times passes the {self.max_chars}-character bound"
+            )
         return operator.mul(left, right)
 
 
@@ -103,12 +115,12 @@ def render_template(
 
 
 def _stop(thread: threading.Thread) -> None:
-    """Raise :class:`_RenderTimeout` in ``thread`` until it ends (resent: one delivered in a
+    """Raise :class:`_RenderTimeoutError` in ``thread`` until it ends (resent: one delivered in a
     weakref callback or ``__del__`` is swallowed); give up after ``_STOP_ATTEMPTS``."""
     for _ in range(_STOP_ATTEMPTS):
         if not thread.is_alive() or thread.ident is None:
             return
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderTimeout))
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderTimeoutError))
         thread.join(_REFIRE_SECONDS)
 
 
@@ -118,7 +130,10 @@ def _render(env: _BoundedSandbox, template: str, variables: dict[str, Any], max_
     for piece in env.from_string(template).generate(**variables):
         size += len(piece)
         if size > max_chars:
-            msg = f"the install's chat template rendered more than {max_chars} characters; fix or replace the chat template"
+            msg = (
+                f"the install's chat template rendered more than {max_chars} characters; "
+                "fix or replace the chat template"
+            )
             raise TokenizerError(msg)
         pieces.append(piece)
     return "".join(pieces)

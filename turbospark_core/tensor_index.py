@@ -38,8 +38,12 @@ class QuantSpec:
             msg = f"quantization entry for {name!r} must be an object, got {raw!r}"
             raise TensorStorageError(msg)
         bits, group_size, mode = raw.get("bits"), raw.get("group_size"), raw.get("mode", "affine")
-        known = isinstance(bits, int) and isinstance(group_size, int) and isinstance(mode, str)
-        if not (known and _has_kernel(mode, bits, group_size)):
+        if not (
+            isinstance(bits, int)
+            and isinstance(group_size, int)
+            and isinstance(mode, str)
+            and _has_kernel(mode, bits, group_size)
+        ):
             msg = (
                 f"tensor {name!r} is stored as {mode!r:.40} {bits!r:.40}-bit with group "
                 f"size {group_size!r:.40}, which has no kernel here (affine "

@@ -237,7 +237,7 @@ class SteeringChecks:
     @staticmethod
     def _direction(runner: Any, seed: int = 7) -> np.ndarray:
         d = np.random.default_rng(seed).standard_normal(int(runner.manifest.arch["hidden_size"]))
-        return (d / np.linalg.norm(d)).astype(np.float32)
+        return np.asarray(d / np.linalg.norm(d), dtype=np.float32)
 
     @staticmethod
     def _supported(runner: Any) -> bool:
@@ -319,7 +319,7 @@ class SteeringChecks:
         # interleaved streams: each keeps its own edit
         one = runner.stream(prompt_ids, max_tokens=4, temperature=0.0, steering=add)
         two = runner.stream(prompt_ids, max_tokens=4, temperature=0.0)
-        for _ in zip(one, two):
+        for _ in zip(one, two, strict=False):
             pass
         for _ in one:
             pass

@@ -6,7 +6,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -36,11 +36,14 @@ def _backend(what: str) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError):
         raise
     except BaseException as e:  # noqa: BLE001 - tokenizers raises plain Exception, or pyo3's PanicException
-        msg = f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); re-run `turbospark convert`"
+        msg = (
+            f"the install's tokenizer failed to {what} ({type(e).__name__}: {str(e)[:200]}); "
+            "re-run `turbospark convert`"
+        )
         raise TokenizerError(msg) from None
 
 
-def _is_id(value: object) -> bool:
+def _is_id(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 
@@ -61,7 +64,9 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise TokenizerError(msg)
     template = config.get("chat_template")
     if isinstance(template, list):  # Hugging Face's named form: [{"name": ..., "template": ...}]
-        named = {t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        named = {
+            t["name"]: t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         template = config["chat_template"] = named.get("default")
     if template is not None and not isinstance(template, str):
         msg = (

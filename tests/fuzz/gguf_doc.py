@@ -103,12 +103,11 @@ def seed_from(path: Path, keep_tokens: int = 400, keep_layers: int = 2) -> GGUFD
     src = open_gguf(path)
     fields = GGUFReader(str(path)).fields
     kvs = [KV(key=k, types=[int(t) for t in fields[k].types], value=v) for k, v in src.metadata.items()]
-    infos = [
-        i for i in src._infos.values()
-        if not i.name.startswith("blk.") or int(i.name.split(".")[1]) < keep_layers
-    ]
+    infos = [i for i in src._infos.values() if not i.name.startswith("blk.") or int(i.name.split(".")[1]) < keep_layers]
     first = min(i.offset for i in infos)
-    tensors = [TensorInfo(name=i.name, dims=list(i.dims), ggml_type=i.ggml_type, offset=i.offset - first) for i in infos]
+    tensors = [
+        TensorInfo(name=i.name, dims=list(i.dims), ggml_type=i.ggml_type, offset=i.offset - first) for i in infos
+    ]
     end = max(i.offset + (i.n_bytes or 0) for i in infos) - first
     doc = GGUFDoc(version=3, kvs=kvs, tensors=tensors, data_size=end)
     _cut_vocab(doc, keep_tokens)
@@ -155,7 +154,10 @@ def _value_for(rnd: random.Random, types: list[int], near: Any = None) -> Any:
         value = hostile_value(rnd, near if isinstance(near, str) else "x")
         return value if isinstance(value, str) else str(value)[:64]
     count = rnd.choice([0, 1, 2, 5]) if not isinstance(near, list) else len(near)
-    return [_value_for(rnd, types[1:], near[i] if isinstance(near, list) and i < len(near) else None) for i in range(min(count, 64))]
+    return [
+        _value_for(rnd, types[1:], near[i] if isinstance(near, list) and i < len(near) else None)
+        for i in range(min(count, 64))
+    ]
 
 
 def _random_types(rnd: random.Random) -> list[int]:
@@ -254,7 +256,9 @@ def _edit_tokenizer(rnd: random.Random, doc: GGUFDoc) -> None:
     kv = by_key.get(key)
     if kv is None:
         return
-    if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens") and not isinstance(kv.value, list):
+    if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens") and not isinstance(
+        kv.value, list
+    ):
         return  # an earlier edit changed its type
     if key == "tokenizer.ggml.merges" and kv.value:
         kv.value = [*kv.value, rnd.choice(["nope nope", "Ġ zzz", str(kv.value[0]).replace(" ", "")])]
@@ -270,7 +274,16 @@ def _edit_tokenizer(rnd: random.Random, doc: GGUFDoc) -> None:
         kv.value = rnd.choice(["gpt2", "llama", "bert", "smollm", "qwen2", "llama-bpe", "default", ""])
 
 
-_EDITS = [_edit_value, _edit_value, _edit_type, _edit_keys, _edit_tensor, _edit_counts, _edit_tokenizer, _edit_tokenizer]
+_EDITS = [
+    _edit_value,
+    _edit_value,
+    _edit_type,
+    _edit_keys,
+    _edit_tensor,
+    _edit_counts,
+    _edit_tokenizer,
+    _edit_tokenizer,
+]
 
 
 def mutate_gguf(rnd: random.Random, seed: GGUFDoc) -> tuple[bytes, int]:

@@ -21,7 +21,10 @@ HOSTILE: list[Any] = [
 
 
 def hostile_value(rnd: random.Random, near: Any = None) -> Any:
-    """A value chosen to break a reader: wrong types, bounds, non-finite floats, deep nesting, or a tweak of ``near``."""
+    """A value chosen to break a reader.
+
+    Wrong types, bounds, non-finite floats, deep nesting, or a tweak of ``near``.
+    """
     roll = rnd.random()
     if roll < 0.45:
         return copy.deepcopy(rnd.choice(HOSTILE))
@@ -42,8 +45,10 @@ def hostile_value(rnd: random.Random, near: Any = None) -> Any:
 
 def _tweak_number(rnd: random.Random, n: int | float) -> Any:
     ops = [
-        lambda: n + 1, lambda: n - 1, lambda: -n, lambda: n * 2, lambda: n * 1000003, lambda: n // 2 if isinstance(n, int) else n / 2,
-        lambda: float(n), lambda: str(n), lambda: [n], lambda: n ** 3 if abs(n) < 10**6 else n, lambda: 0, lambda: n + 0.5,
+        lambda: n + 1, lambda: n - 1, lambda: -n, lambda: n * 2, lambda: n * 1000003,
+        lambda: n // 2 if isinstance(n, int) else n / 2,
+        lambda: float(n), lambda: str(n), lambda: [n], lambda: n ** 3 if abs(n) < 10**6 else n, lambda: 0,
+        lambda: n + 0.5,
     ]  # fmt: skip
     return rnd.choice(ops)()
 
@@ -54,7 +59,8 @@ def _tweak_string(rnd: random.Random, s: str) -> Any:
     i = rnd.randrange(len(s))
     ops = [
         lambda: s[:i] + s[i + 1 :], lambda: s[:i] + chr(rnd.randrange(32, 0x2FFF)) + s[i:], lambda: s + s,
-        lambda: s.upper(), lambda: s[::-1], lambda: s[:i], lambda: s + ".", lambda: "../" + s, lambda: [s], lambda: {s: s},
+        lambda: s.upper(), lambda: s[::-1], lambda: s[:i], lambda: s + ".", lambda: "../" + s, lambda: [s],
+        lambda: {s: s},
     ]  # fmt: skip
     return rnd.choice(ops)()
 

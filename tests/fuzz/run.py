@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.fuzz.targets import TARGETS, Escape, Seeds, run_one, smollm2_path, temp_work
+from tests.fuzz.targets import TARGETS, EscapeError, Seeds, run_one, smollm2_path, temp_work
 
 FIXTURES = Path(os.environ.get("TURBOSPARK_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "fixtures"))
 
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("fuzz-findings"))
-    p.add_argument("--seconds", type=float, default=None, help="stop a target after this long (counts say how far it got)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="stop a target after this long (counts say how far it got)"
+    )
     p.add_argument("--report-every", type=int, default=5000)
     args = p.parse_args(argv)
     seeds = Seeds.make(FIXTURES, temp_work(), smollm2_path())
@@ -62,7 +64,7 @@ def _run_target(name: str, seeds: Seeds, args: argparse.Namespace) -> dict[str, 
         t0 = time.perf_counter()
         try:
             counts[run_one(target, data)] += 1
-        except Escape as e:
+        except EscapeError as e:
             counts["escapes"] += 1
             kind = str(e).split(":")[1].strip() if ":" in str(e) else str(e)
             if kinds[kind] < 3:  # keep a few inputs of each kind of escape
@@ -71,7 +73,9 @@ def _run_target(name: str, seeds: Seeds, args: argparse.Namespace) -> dict[str, 
             kinds[kind] += 1
         slowest = max(slowest, time.perf_counter() - t0)
         if args.report_every and (i + 1) % args.report_every == 0:
-            print(f"{name}: {i + 1} inputs {dict(counts)} {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+            print(
+                f"{name}: {i + 1} inputs {dict(counts)} {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True
+            )
     return {"inputs": done, **counts, "escape_kinds": dict(kinds), "slowest_s": round(slowest, 3),
             "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
 

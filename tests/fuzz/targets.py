@@ -2,7 +2,7 @@
 
 The property every target checks: reading an input either succeeds or raises a
 :class:`~turbospark_core.errors.TurbosparkError` subclass, within a time bound.
-Anything else escaping is a bug (:class:`Escape`).
+Anything else escaping is a bug (:class:`EscapeError`).
 
 Targets:
     manifest: ``manifest.json`` of a dense, a q4 and an MoE install, through the
@@ -52,7 +52,7 @@ TIME_BOUND = 10.0  # seconds one input may take (a shared 2-core machine is slow
 _OPTIONS = OpenOptions(memory_budget="64GB")
 
 
-class Escape(Exception):
+class EscapeError(Exception):
     """A reader raised something other than a TurbosparkError, or ran past the time bound."""
 
 
@@ -68,7 +68,7 @@ class Target:
 
 
 def run_one(target: Target, data: Any, bound: float = TIME_BOUND) -> str:
-    """Read one input: ``"ok"`` or ``"refused"``; raises :class:`Escape` on a bug."""
+    """Read one input: ``"ok"`` or ``"refused"``; raises :class:`EscapeError` on a bug."""
 
     def alarm(*_: object) -> None:
         raise _Timeout
@@ -82,16 +82,16 @@ def run_one(target: Target, data: Any, bound: float = TIME_BOUND) -> str:
     except TurbosparkError:
         outcome = "refused"
     except _Timeout:
-        raise Escape(f"{target.name}: an input ran past the {bound:g}-second bound") from None
+        raise EscapeError(f"{target.name}: an input ran past the {bound:g}-second bound") from None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        raise Escape(f"{target.name}: {type(e).__name__}: {str(e)[:300]}") from e
+        raise EscapeError(f"{target.name}: {type(e).__name__}: {str(e)[:300]}") from e
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     if time.perf_counter() - start > bound:
-        raise Escape(f"{target.name}: an input took {time.perf_counter() - start:.1f} s")
+        raise EscapeError(f"{target.name}: an input took {time.perf_counter() - start:.1f} s")
     return outcome
 
 
@@ -156,7 +156,9 @@ def manifest_target(seeds: Seeds) -> Target:
             value = doc[section]
             value = mutate_section(rnd, value) if value is not None else rnd.choice([{}, {"size": 4}, [], 1])
             doc = {**doc, section: value}
-            return name, json.dumps(doc, allow_nan=True).encode() if rnd.random() < 0.9 else mutate_bytes(rnd, json.dumps(doc).encode())
+            return name, json.dumps(doc, allow_nan=True).encode() if rnd.random() < 0.9 else mutate_bytes(
+                rnd, json.dumps(doc).encode()
+            )
         return name, mutate_document(rnd, doc)
 
     def run(data: tuple[str, bytes]) -> None:
@@ -174,7 +176,9 @@ def open_target(seeds: Seeds) -> Target:
 
     def mutate(rnd: random.Random) -> tuple[str, bytes]:
         name = rnd.choice(sorted(docs))
-        return name, json.dumps({**docs[name], "arch": mutate_section(rnd, docs[name]["arch"])}, allow_nan=True).encode()
+        return name, json.dumps(
+            {**docs[name], "arch": mutate_section(rnd, docs[name]["arch"])}, allow_nan=True
+        ).encode()
 
     def run(data: tuple[str, bytes]) -> None:
         import turbospark_core
@@ -299,12 +303,15 @@ def tokenizer_target(seeds: Seeds) -> Target:
 _TEMPLATE_PIECES = [
     "{{ messages[0]['content'] }}", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
     "{% if add_generation_prompt %}assistant:{% endif %}", "{{ bos_token }}", "{{ raise_exception('no') }}",
-    "{{ 'a' * 100000000 }}", "{{ 9 ** 99999 }}", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ 'a' * 100000000 }}", "{{ 9 ** 99999 }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{{ messages.__class__ }}", "{{ ''.__class__.__mro__ }}", "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
-    "{{ 1 / 0 }}", "{{ messages | tojson }}", "{% set x = namespace(a=1) %}{{ x.a }}", "{{ (messages * 1000000) | length }}",
+    "{{ 1 / 0 }}", "{{ messages | tojson }}", "{% set x = namespace(a=1) %}{{ x.a }}",
+    "{{ (messages * 1000000) | length }}",
     "{{ range(10) | list }}", "{% for m in messages %}{% for m2 in messages %}{{ m2 }}{% endfor %}{% endfor %}",
     "{{ messages[99] }}", "{{ undefined_var.attr }}", "{{ 'x' | center(2**40) }}", "{{ '%s' | format(messages) }}",
-    "{{ lipsum(10000) }}", "{% raw %}{{{% endraw %}", "{{", "{% if %}", "{% endfor %}", "{{ messages|map(attribute='content')|join('') }}",
+    "{{ lipsum(10000) }}", "{% raw %}{{{% endraw %}", "{{", "{% if %}", "{% endfor %}",
+    "{{ messages|map(attribute='content')|join('') }}",
 ]  # fmt: skip
 
 

@@ -39,7 +39,12 @@ def test_the_seed_converts(seeds: Seeds, tmp_path: Path) -> None:
     [
         # was Exception: Error while initializing BPE: Token ... out of vocabulary (issue 20)
         ("tokenizer.ggml.merges", [9, 8], lambda kv: [*kv.value, "nope nope"], ["BPE vocabulary and merges", "nope"]),
-        ("tokenizer.ggml.token_type", [9, 8], lambda kv: ["1"] * 400, ["token_type", "small integers"]),  # was ValueError
+        (
+            "tokenizer.ggml.token_type",
+            [9, 8],
+            lambda kv: ["1"] * 400,
+            ["token_type", "small integers"],
+        ),  # was ValueError
         ("tokenizer.ggml.token_type", [9, 10], lambda kv: [2**64 - 1] * 400, ["token_type"]),  # was OverflowError
         ("tokenizer.ggml.pre", [9, 8], ["smollm"], ["tokenizer.ggml.pre"]),  # was TypeError: unhashable list
         ("llama.block_count", [8], "thirty", ["malformed", "ValueError"]),  # the plugin's int("thirty")

@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from .targets import TARGETS, Seeds, run_one
 
-EXAMPLES = {"open": 40, "manifest": 150, "safetensors": 150, "experts": 150, "gguf": 60, "tokenizer": 60, "template": 100}
+EXAMPLES = {
+    "open": 40,
+    "manifest": 150,
+    "safetensors": 150,
+    "experts": 150,
+    "gguf": 60,
+    "tokenizer": 60,
+    "template": 100,
+}
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
@@ -26,7 +34,11 @@ def test_only_turbospark_errors_escape(name: str, seeds: Seeds) -> None:
         pytest.skip(str(e))
 
     @settings(
-        max_examples=EXAMPLES[name], derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        max_examples=EXAMPLES[name],
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
     )
     @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
     def check(seed: int) -> None:

@@ -63,7 +63,8 @@ def gguf_source(
     hooks = plugins.family_hooks(arch["model_type"])
     problems = generic_problems(arch) or hooks.arch_problems(arch)  # before the plugin maps names with it
     if problems:
-        msg = f"{path}: its metadata gives an invalid arch config (model type {arch['model_type']!r}): " + "; ".join(problems)
+        msg = f"{path}: its metadata gives an invalid arch config (model type {arch['model_type']!r}): "
+        msg += "; ".join(problems)
         raise ConversionError(msg)
     targets = {name: hooks.gguf_tensor_target(arch, name) for name in src.tensor_names()}
     dequantized = _inexact(src, targets)

@@ -227,7 +227,9 @@ def _merges(src: GGUFSource) -> list[tuple[str, str]]:
 def _token_types(src: GGUFSource, n_tokens: int) -> np.ndarray:
     """``tokenizer.ggml.token_type`` as an int array (all normal when absent)."""
     raw = src.metadata.get(_KEY + "token_type", [1] * n_tokens)
-    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) and abs(t) < 1 << 31 for t in raw):
+    if not isinstance(raw, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and abs(t) < 1 << 31 for t in raw
+    ):
         msg = f"GGUF file {src.path}: tokenizer.ggml.token_type is not a list of small integers; the file is corrupt"
         raise ConversionError(msg)
     types = np.asarray(raw, dtype=np.int64)

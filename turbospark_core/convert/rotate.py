@@ -30,9 +30,9 @@ def dequantize_all(tensors: dict[str, mx.array], quantization: dict[str, Any]) -
         w = tensors[f"{base}.weight"]
         scales = tensors.pop(f"{base}.scales")
         biases = tensors.pop(f"{base}.biases", None)
-        tensors[f"{base}.weight"] = mx.dequantize(
-            w, scales, biases, group_size=q["group_size"], bits=q["bits"]
-        ).astype(mx.float32)
+        tensors[f"{base}.weight"] = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"]).astype(
+            mx.float32
+        )
     quantization.clear()
 
 

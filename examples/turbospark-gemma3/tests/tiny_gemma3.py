@@ -190,7 +190,8 @@ def _steering_references(cfg: dict[str, Any], weights: dict[str, np.ndarray], pr
             if key != "ablate":
                 out[f"{key}_layers"], out[f"{key}_scale"] = np.array(chosen, np.int32), scale
             model.model.layers = [
-                _Edited(layer, scale * d if unit is None and i in chosen else None, unit) for i, layer in enumerate(layers)
+                _Edited(layer, scale * d if unit is None and i in chosen else None, unit)
+                for i, layer in enumerate(layers)
             ]
             refs = _references_of(model, prompt)
             out |= {f"{key}_{k}": v for k, v in refs.items()}

@@ -36,7 +36,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 _INTS = {
     "hidden_size": MAX_HIDDEN, "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
-    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "vocab_size": MAX_VOCAB, "sliding_window": MAX_POSITIONS,
+    "num_key_value_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "vocab_size": MAX_VOCAB,
+    "sliding_window": MAX_POSITIONS,
 }  # fmt: skip
 _FLOATS = {"rms_norm_eps": 1.0, "query_pre_attn_scalar": MAX_FLOAT}
 _ROPE_BASES = {"rope_theta": MAX_FLOAT, "rope_local_base_freq": MAX_FLOAT}  # above 1
@@ -90,7 +91,8 @@ class Args:
     @staticmethod
     def problems(arch: dict[str, Any]) -> list[str]:
         out = int_problems(arch, _INTS) + int_problems(arch, {"max_position_embeddings": MAX_POSITIONS}, optional=True)
-        out += float_problems(arch, _FLOATS) + float_problems(arch, _ROPE_BASES, low=1.0) + float_problems(arch, {"final_logit_softcapping": MAX_FLOAT}, optional=True)
+        out += float_problems(arch, _FLOATS) + float_problems(arch, _ROPE_BASES, low=1.0)
+        out += float_problems(arch, {"final_logit_softcapping": MAX_FLOAT}, optional=True)
         out += rope_scaling_problems(arch.get("rope_scaling"))
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(

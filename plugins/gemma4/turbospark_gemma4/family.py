@@ -122,7 +122,11 @@ class Args:
         out = _typed_problems(arch)
         types = arch.get("layer_types")
         n = arch.get("num_hidden_layers")
-        if not isinstance(types, list) or len(types) != n or any(not isinstance(t, str) or t not in LAYER_TYPES for t in types):
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or any(not isinstance(t, str) or t not in LAYER_TYPES for t in types)
+        ):
             out.append(f"'layer_types' must list {n!r} entries from {LAYER_TYPES} (got {_brief(types)})")
             return out
         if arch.get("hidden_activation") not in ACTIVATIONS:
@@ -192,7 +196,10 @@ def _typed_problems(arch: dict[str, Any]) -> list[str]:
         return out
     if not isinstance(moe, dict):
         return [*out, f"'moe' must be an object or null (got {type(moe).__name__})"]
-    problems = [keys_problem(moe, {a.name for a in attrs.fields(MoEArgs)}, "'moe'"), *int_problems(moe, _MOE_INTS, where="moe.")]
+    problems = [
+        keys_problem(moe, {a.name for a in attrs.fields(MoEArgs)}, "'moe'"),
+        *int_problems(moe, _MOE_INTS, where="moe."),
+    ]
     return out + [p for p in problems if p]
 
 
@@ -211,7 +218,8 @@ def _rope_problems(rope: object) -> list[str]:
             out.append(f"{where} rope_type {_brief(entry.get('rope_type'))} is not one of {ROPE_TYPES}")
         out.append(keys_problem(entry, {a.name for a in attrs.fields(RopeArgs)}, where))
         out.append(float_problem(entry, "rope_theta", where=f"{where}."))
-        out += float_problems(entry, {k: v for k, v in _ROPE_FLOATS.items() if k != "rope_theta"}, optional=True, where=f"{where}.")
+        others = {k: v for k, v in _ROPE_FLOATS.items() if k != "rope_theta"}
+        out += float_problems(entry, others, optional=True, where=f"{where}.")
     return [p for p in out if p]
 
 

@@ -19,7 +19,8 @@ def _under(names: list[str], prefix: str, suffixes: tuple[str, ...]) -> tuple[st
 
 def residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
     """The residual readers and writers of every layer, found by name in the install."""
-    norms, writers = [], []
+    norms: list[NormReaders] = []
+    writers: list[str] = []
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
         attn, mlp = _under(names, p + "self_attn.", _ATTN_READERS), _under(names, p + "mlp.", _MLP_READERS)

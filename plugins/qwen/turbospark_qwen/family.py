@@ -133,7 +133,8 @@ class Args:
                 if not isinstance(kind, str) or kind not in LAYER_KINDS
             ]
         if arch.get("hidden_act") not in ACTIVATIONS:
-            out.append(f"hidden_act={_brief(arch.get('hidden_act'))} is not supported (supported: {', '.join(ACTIVATIONS)})")
+            act = _brief(arch.get("hidden_act"))
+            out.append(f"hidden_act={act} is not supported (supported: {', '.join(ACTIVATIONS)})")
         return out + _moe_problems(arch.get("moe"))
 
     def cache_layout(self) -> list[CacheSpec | StateSpec]:

@@ -22,7 +22,8 @@ def _under(names: list[str], prefix: str, suffixes: tuple[str, ...]) -> tuple[st
 
 def residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
     """The residual readers and writers of every layer; the family's norms scale by ``1 + w``."""
-    norms, writers = [], []
+    norms: list[NormReaders] = []
+    writers: list[str] = []
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
         mixer = tuple(n for n in _under(names, p, _MIXER_READERS) if not n.startswith(p + "mlp."))
