@@ -2,7 +2,7 @@
 
 Garbage, malformed UTF-8, nesting bombs, oversized headers, slow clients, clients
 that vanish mid-stream and a flood past the queue bound: each is answered with a
-4xx, a 503 past the queue bound, or dropped; well-formed requests interleaved with them get the right
+4xx, a 429 (Retry-After) past the queue bound, or dropped; well-formed requests interleaved with them get the right
 answer; afterwards no slot, thread or file descriptor has leaked.
 """
 
@@ -49,11 +49,18 @@ def expected(install: Path) -> str:
 
 
 def _request(server: Server, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    status, payload, _ = _request_with_headers(server, body, headers)
+    return status, payload
+
+
+def _request_with_headers(
+    server: Server, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, bytes, dict[str, str]]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
         conn.request("POST", "/v1/completions", body=body, headers=headers or {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        return resp.status, resp.read()
+        return resp.status, resp.read(), dict(resp.getheaders())
     finally:
         conn.close()
 
@@ -189,24 +196,30 @@ def test_clients_vanishing_mid_stream_free_their_slots(server: Server, expected:
     assert _settled(_fds, fds) <= fds
 
 
-def test_a_flood_past_the_queue_bound_is_refused_with_503(server: Server, expected: str) -> None:
-    """The documented overload answer (``max_queue``: 503 beyond), never a hang or a dropped worker."""
+def test_a_flood_past_the_queue_bound_is_refused_with_429(server: Server, expected: str) -> None:
+    """The documented overload answer (``max_queue``: 429 with Retry-After beyond), never a hang or a dropped worker."""
     _wait_idle(server)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 30, "temperature": 0}).encode()
     statuses: list[int] = []
+    refusals: list[tuple[bytes, dict[str, str]]] = []
     lock = threading.Lock()
 
     def one() -> None:
-        status, _ = _request(server, body)
+        status, payload, headers = _request_with_headers(server, body)
         with lock:
             statuses.append(status)
+            if status == 429:
+                refusals.append((payload, headers))
 
     threads = [threading.Thread(target=one) for _ in range(24)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert len(statuses) == 24 and set(statuses) <= {200, 503}, statuses
-    assert 503 in statuses  # 24 at once against 2 slots and a queue of 2
+    assert len(statuses) == 24 and set(statuses) <= {200, 429}, statuses
+    assert 429 in statuses  # 24 at once against 2 slots and a queue of 2
+    for payload, headers in refusals:
+        assert headers.get("Retry-After") == "1", headers
+        assert json.loads(payload)["error"]["code"] == "rate_limit_exceeded"
     _wait_idle(server)
     _good(server, expected)

@@ -212,7 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._headers_sent:  # mid-stream: the stream already said what it could
             self.close_connection = True
             return
-        self._send_json(err.status, err.body(), headers)
+        self._send_json(err.status, err.body(), {**err.headers, **(headers or {})} or None)
 
     # ------------------------------------------------------------- simple routes
     def _models(self, path: str) -> None:
@@ -331,7 +331,7 @@ class Server:
         host: Address to bind (loopback by default).
         port: TCP port; 0 picks a free one (see :attr:`port`).
         max_body: Largest request body accepted, in bytes (413 beyond).
-        max_queue: Most requests waiting for a session slot (503 beyond).
+        max_queue: Most requests waiting for a session slot (429 with Retry-After beyond).
         max_batch: Most requests decoding in one forward (default: every session slot).
         steering_sets: Direction sets requests may name in their ``steering``
             field (name -> :class:`~turbospark_core.steering.DirectionSet`),

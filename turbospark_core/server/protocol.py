@@ -69,6 +69,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - the wire name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -76,6 +77,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  # extra response headers (e.g. Retry-After on a 429)
 
     def body(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""

@@ -32,6 +32,7 @@ from turbospark_core.sessions import common_prefix
 log = logging.getLogger("turbospark.server")
 
 PIECE, DONE, ERROR = "piece", "done", "error"
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait, in seconds
 DEFAULT_MAX_QUEUE = 256
 PINNED, AUTO = "session:", "auto-"
 
@@ -148,7 +149,7 @@ class Scheduler:
         opener: Builds the :class:`Runner`; called on the worker thread, since
             MLX streams are per thread (arrays made lazily on one thread
             cannot be evaluated on another).
-        max_queue: Most requests waiting for a slot before new ones get 503.
+        max_queue: Most requests waiting for a slot before new ones get 429 (with ``Retry-After``).
         max_batch: Most requests decoding in one forward (default: every
             session slot); more wait in the queue.
         observer: Metrics hooks, called on the worker thread (see
@@ -195,7 +196,7 @@ class Scheduler:
         """Queue ``request``; read the answer from the returned job's ``events``.
 
         Raises:
-            APIError: 503 when the queue is full or the server is stopping.
+            APIError: 429 (``Retry-After``) when the queue is full; 503 when the server is stopping.
         """
         job = Job(request)
         with self._cond:
@@ -203,7 +204,8 @@ class Scheduler:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
             if len(self._pending) >= self.max_queue:
                 msg = f"{len(self._pending)} requests are already waiting for a session slot; retry later"
-                raise APIError(503, msg, type="server_error", code="server_busy")
+                retry = {"Retry-After": str(RETRY_AFTER_S)}
+                raise APIError(429, msg, type="requests", code="rate_limit_exceeded", headers=retry)
             self._pending.append(job)
             self._cond.notify()
         return job
