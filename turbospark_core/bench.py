@@ -3,9 +3,9 @@
 Each length runs on a fresh cache: a prompt of random token ids is
 prefilled in the Runner's chunks, then ``decode_tokens`` tokens are decoded
 greedily (EOS does not stop a benchmark), pipelined as the Runner does. A
-short unmeasured run first pays for one-time setup. The Runner decodes one
-sequence at a time (the server interleaves requests token by token rather
-than batching them), so there is no batch-size axis.
+short unmeasured run first pays for one-time setup. It measures one
+sequence; batched throughput (``Runner.generate_many``, the server's batched
+scheduler) is not measured here yet (``benchmarks/serve_throughput.py`` does).
 """
 
 from __future__ import annotations
