@@ -266,6 +266,23 @@ def test_batch_yields_each_rows_pieces_in_order(llama: Any) -> None:
         assert "".join(seen[row.id]) == row.result.text == llama.generate(prompt, max_tokens=6).text
 
 
+def test_each_row_gets_exactly_its_own_steering(llama: Any) -> None:
+    from turbospark_core.steering import DirectionSet
+
+    hidden = llama.manifest.arch["hidden_size"]
+    rng = np.random.default_rng(0)
+    push = DirectionSet.from_arrays({0: rng.standard_normal(hidden)}, mode="add", scale=4.0)
+    ablate = DirectionSet.from_arrays({1: rng.standard_normal(hidden)}, mode="ablate")
+    prompts, sets = ["hello there my friend", "one two three", "the end"], [push, None, ablate]
+    batch = llama.batch(max_rows=3)
+    rows = [batch.add(p, 8, steering=d) for p, d in zip(prompts, sets, strict=True)]
+    batch.run()
+    for row, prompt, chosen in zip(rows, prompts, sets, strict=True):
+        alone = llama.generate(prompt, max_tokens=8, steering=chosen if chosen is not None else False)
+        assert row.result.tokens == alone.tokens
+    assert rows[0].result.tokens != llama.generate(prompts[0], max_tokens=8).tokens  # the edit took effect
+
+
 def test_cancel_frees_the_row_at_once(llama: Any) -> None:
     batch = llama.batch(max_rows=1)
     first = batch.add("hello there my friend", 50)
