@@ -166,3 +166,16 @@ def test_bench_lengths_are_checked() -> None:
         bench.prompt_lengths([8], 16, 16)
     with pytest.raises(OptionError, match="positive"):
         bench.prompt_lengths([0], 64, 4)
+
+
+def test_bench_batch_sizes_report_aggregate_throughput(dense: Path, capsys: Any) -> None:
+    argv = ["bench", str(dense), "--lengths", "8", "--decode-tokens", "4", "--batch-sizes", "1", "3", "--json", "-q"]
+    assert main(argv) == 0
+    batches = json.loads(capsys.readouterr().out)["batches"]
+    assert [b["rows"] for b in batches] == [1, 3]
+    for b in batches:
+        assert b["prompt_tokens"] == 8 and 0 < b["generated"] <= 4 * b["rows"] and b["aggregate_tps"] > 0
+    assert main(["bench", str(dense), "--lengths", "8", "--decode-tokens", "2", "--batch-sizes", "2", "-q"]) == 0
+    assert "aggregate tok/s" in capsys.readouterr().out
+    assert main(["bench", str(dense), "--lengths", "8", "--batch-sizes", "0", "-q"]) == 2
+    assert "batch size 0" in capsys.readouterr().err

@@ -3,9 +3,9 @@
 Each length runs on a fresh cache: a prompt of random token ids is
 prefilled in the Runner's chunks, then ``decode_tokens`` tokens are decoded
 greedily (EOS does not stop a benchmark), pipelined as the Runner does. A
-short unmeasured run first pays for one-time setup. It measures one
-sequence; batched throughput (``Runner.generate_many``, the server's batched
-scheduler) is not measured here yet (``benchmarks/serve_throughput.py`` does).
+short unmeasured run first pays for one-time setup. With batch sizes,
+:func:`run_batches` also measures aggregate throughput of B rows decoded
+together (``Runner.generate_many``: one forward per step for every row).
 """
 
 from __future__ import annotations
@@ -47,6 +47,66 @@ class BenchRow:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
         return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
+class BatchRow:
+    """One batch size's aggregate throughput (prefill of every row included)."""
+
+    rows: int
+    prompt_tokens: int
+    generated: int
+    seconds: float
+    aggregate_tps: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return attrs.asdict(self)
+
+
+def run_batches(
+    runner: Runner,
+    sizes: Sequence[int],
+    prompt_tokens: int,
+    decode_tokens: int = DEFAULT_DECODE_TOKENS,
+    *,
+    show_progress: bool = True,
+) -> list[BatchRow]:
+    """Aggregate tok/s of ``B`` greedy rows of random prompts decoded together, for each ``B`` in ``sizes``."""
+    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise OptionError(f"batch size {bad[0]!r} is invalid; use positive numbers of rows")
+    (length,) = prompt_lengths([prompt_tokens], runner.max_context, decode_tokens)
+    rng = np.random.default_rng(_SEED)
+    vocab = int(runner.manifest.arch["vocab_size"])
+    runner.generate_many([rng.integers(0, vocab, 8).tolist()], max_tokens=2)  # unmeasured: one-time setup
+    out = []
+    for size in progress(sorted(set(sizes)), len(set(sizes)), "bench batches", enabled=show_progress):
+        prompts = [rng.integers(0, vocab, length).tolist() for _ in range(size)]
+        t0 = time.perf_counter()
+        gens = runner.generate_many(prompts, max_tokens=decode_tokens, max_rows=size)
+        seconds = time.perf_counter() - t0
+        generated = sum(len(g.tokens) for g in gens)
+        out.append(
+            BatchRow(
+                rows=size,
+                prompt_tokens=length,
+                generated=generated,
+                seconds=seconds,
+                aggregate_tps=generated / seconds if seconds else 0.0,
+            )
+        )
+    return out
+
+
+def batch_table(rows: Sequence[BatchRow]) -> str:
+    """The batch rows as an aligned text table (aggregate tok/s against one row's)."""
+    base = rows[0].aggregate_tps if rows and rows[0].aggregate_tps else None
+    lines = [f"{'rows':>6} {'prompt':>8} {'generated':>10} {'aggregate tok/s':>16} {'vs first':>9}"]
+    for r in rows:
+        ratio = f"{r.aggregate_tps / base:>8.2f}x" if base else f"{'-':>9}"
+        lines.append(f"{r.rows:>6} {r.prompt_tokens:>8} {r.generated:>10} {r.aggregate_tps:>16.1f} {ratio}")
+    return "\n".join(lines)
 
 
 def prompt_lengths(requested: Iterable[int], max_context: int, decode_tokens: int) -> list[int]:

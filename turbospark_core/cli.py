@@ -513,15 +513,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
         _figure(1, 1)  # refuse a missing matplotlib before the long run
     runner = _open(args)
     rows = bench.run(runner, args.lengths, args.decode_tokens, show_progress=not args.quiet)
+    batches = []
+    if args.batch_sizes:
+        length = min(args.lengths)
+        batches = bench.run_batches(
+            runner, args.batch_sizes, length, args.decode_tokens, show_progress=not args.quiet
+        )
     if args.json:
         out = {
             "install": str(args.install),
             "model_type": runner.manifest.model_type,
             "rows": [r.as_dict() for r in rows],
+            "batches": [b.as_dict() for b in batches],
         }
         print(json.dumps(out, indent=2))
     else:
         print(bench.table(rows))
+        if batches:
+            print()
+            print(bench.batch_table(batches))
     if args.plot:
         from turbospark_core.plot import plot_bench
 
@@ -537,6 +547,8 @@ def _add_bench_parser(sub: Any) -> None:
     lengths_help = "prompt lengths (clipped to max context)"
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help=lengths_help)
     p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, help="tokens decoded per length")
+    batch_help = "also measure aggregate tok/s of this many rows decoded together (at the shortest length)"
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, metavar="B", help=batch_help)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     plot_help = "draw tok/s against prompt length (needs turbospark[plot])"
     p.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
