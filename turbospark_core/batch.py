@@ -24,7 +24,7 @@ import attrs
 import mlx.core as mx
 
 from turbospark_core.batch_cache import BatchCaches
-from turbospark_core.errors import ContextOverflowError, OptionError
+from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
@@ -123,14 +123,14 @@ class Batch:
         holds exactly the tokens fed, as :meth:`Session.generate` leaves it.
         The caller keeps it out of other rows' hands until the row is done.
         """
-        from turbospark_core.runner import _Progress
+        from turbospark_core.runner import _Progress, check_budget
 
         options: SamplingOptions = sampling  # type: ignore[assignment]
         stop = options.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in options.items() if k != "stop"})
         chosen = self.runner.steering_set(steering)
         ids = self.runner._encode_prompt(prompt)
-        _check_budget(len(ids), max_tokens, self.runner.max_context)
+        check_budget(len(ids), max_tokens, self.runner.max_context)
         if state is not None:
             self.runner._match_cache_steering(state, fingerprint(chosen))
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
@@ -324,17 +324,6 @@ class Batch:
         seq.state.caches = fresh
         seq.state.tokens = (seq.ids + seq.sampled)[:fed]
         seq.state.checkpoint()
-
-
-def _check_budget(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
-    if prompt_tokens + max_tokens > max_context:
-        msg = (
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-            f"max_context={max_context}; lower max_tokens or open with a larger max_context"
-        )
-        raise ContextOverflowError(msg)
 
 
 def generate_many(

@@ -33,6 +33,18 @@ PREFILL_CHUNK = 512
 Steering = DirectionSet | Literal[False] | None
 
 
+def check_budget(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Refuse a ``max_tokens`` that is not a count, or a prompt + ``max_tokens`` past ``max_context``."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
+    if prompt_tokens + max_tokens > max_context:
+        msg = (
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"max_context={max_context}; lower max_tokens or open with a larger max_context"
+        )
+        raise ContextOverflowError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class Generation:
     """A finished generation."""
@@ -272,14 +284,7 @@ class Runner:
         stop = sampling.get("stop")
         params = SamplingParams.from_kwargs({k: v for k, v in sampling.items() if k != "stop"})
         ids = self._encode_prompt(prompt)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise OptionError(f"max_tokens={max_tokens!r} must be a non-negative integer")
-        if len(ids) + max_tokens > self.max_context:
-            msg = (
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_context={self.max_context}; lower max_tokens or open with a larger max_context"
-            )
-            raise ContextOverflowError(msg)
+        check_budget(len(ids), max_tokens, self.max_context)
         progress.prompt_tokens = len(ids)
         if max_tokens == 0:
             return
