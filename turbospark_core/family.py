@@ -28,7 +28,8 @@ Conversion
     ``strip_language_model_prefix``, ``drop_pattern`` (with
     ``VISION_TOWERS`` and ``MTP_HEADS``), ``rope_theta``, ``rope_scaling``;
     ``ResidualMap`` and ``NormReaders`` (the ``hadamard_residual_map``
-    answer: which tensors read and write the residual stream).
+    answer: which tensors read and write the residual stream) and
+    ``names_under`` (the install names under a prefix with given suffixes).
 Arch checks
     Typed, bounded checks for ``Args.problems``: ``int_problem``,
     ``float_problem`` (and ``int_problems``/``float_problems`` over a
@@ -90,7 +91,7 @@ from turbospark_core.convert.conventions import (
 )
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
-from turbospark_core.hadamard import NormReaders, ResidualMap
+from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
@@ -150,6 +151,7 @@ __all__ = [
     "is_number",
     "is_tied_head",
     "keys_problem",
+    "names_under",
     "rope_scaling",
     "rope_scaling_problems",
     "rope_theta",

@@ -83,6 +83,11 @@ class ResidualMap:
     norm_offset: float = 0.0
 
 
+def names_under(names: Iterable[str], prefix: str, suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``names`` that start with ``prefix`` and end with one of ``suffixes`` (for a family's residual map)."""
+    return tuple(n for n in names if n.startswith(prefix) and n.endswith(suffixes))
+
+
 def block_size(n: int) -> int:
     """The Hadamard block for a residual of width ``n``: its largest power-of-two divisor."""
     return n & -n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from turbospark_core.family import NormReaders, ResidualMap
+from turbospark_core.family import NormReaders, ResidualMap, names_under
 
 # readers of the input norm: gated-DeltaNet input projections or attention projections
 _MIXER_READERS = (
@@ -16,21 +16,17 @@ _MLP_READERS = ("gate_proj.weight", "up_proj.weight", ".gate.weight", "shared_ex
 _WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
 
-def _under(names: list[str], prefix: str, suffixes: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(n for n in names if n.startswith(prefix) and n.endswith(suffixes))
-
-
 def residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap:
     """The residual readers and writers of every layer; the family's norms scale by ``1 + w``."""
     norms: list[NormReaders] = []
     writers: list[str] = []
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        mixer = tuple(n for n in _under(names, p, _MIXER_READERS) if not n.startswith(p + "mlp."))
+        mixer = tuple(n for n in names_under(names, p, _MIXER_READERS) if not n.startswith(p + "mlp."))
         norms.append(NormReaders(norm=f"{p}input_layernorm.weight", readers=mixer))
-        mlp = _under(names, p + "mlp.", _MLP_READERS)
+        mlp = names_under(names, p + "mlp.", _MLP_READERS)
         norms.append(NormReaders(norm=f"{p}post_attention_layernorm.weight", readers=mlp))
-        writers.extend(_under(names, p, _WRITERS))
+        writers.extend(names_under(names, p, _WRITERS))
     return ResidualMap(
         hidden_size=arch["hidden_size"],
         embedding="model.embed_tokens.weight",
