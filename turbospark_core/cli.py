@@ -51,6 +51,11 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 def _open(args: argparse.Namespace) -> Any:
     import turbospark_core
 
+    return turbospark_core.open(args.install, **_open_options(args))
+
+
+def _open_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``open()`` options the command's flags ask for (flags a command lacks are left out)."""
     options: dict[str, Any] = {}
     if getattr(args, "max_context", None) is not None:
         options["max_context"] = args.max_context
@@ -63,7 +68,7 @@ def _open(args: argparse.Namespace) -> Any:
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
-    return turbospark_core.open(args.install, **options)
+    return options
 
 
 # ------------------------------------------------------------------ steering options (issue 17)
@@ -295,14 +300,7 @@ def cmd_families(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from turbospark_core.server import serve
 
-    options: dict[str, Any] = {"session_slots": args.session_slots}
-    if args.max_context is not None:
-        options["max_context"] = args.max_context
-    if args.memory_budget is not None:
-        options["memory_budget"] = args.memory_budget
-    default = _steering_set(args)
-    if default is not None:
-        options["steering"] = default
+    options = {**_open_options(args), "session_slots": args.session_slots}
     serve(
         args.install,
         host=args.host,
@@ -310,7 +308,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_body=args.max_body,
         max_batch=args.max_batch,
         verbose=args.verbose,
-        steering_sets=_named_sets(args, default),
+        steering_sets=_named_sets(args, options.get("steering")),
         **options,
     )
 
