@@ -35,6 +35,21 @@ if TYPE_CHECKING:
     from turbospark_core.runner import Generation, Runner, Steering, _Progress
 
 PREFILL_CHUNK = 512
+MAX_TOP_LOGPROBS = 20  # alternatives a row may ask for per token (OpenAI's bound)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A sampled token's log probability and the ``top`` most likely alternatives ``(id, logprob)``, best first.
+
+    From the distribution the sampler draws from: the logits after the
+    repetition penalty, divided by the temperature (1 when greedy), log-softmaxed;
+    before top-k / top-p / min-p truncation.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -49,6 +64,7 @@ class BatchRow:
     status: str = "queued"
     pieces: list[str] = attrs.Factory(list)
     result: Generation | None = None
+    logprobs: list[TokenLogprob] = attrs.Factory(list)  # one per generated token but EOS, when asked for
 
     @property
     def text(self) -> str:
@@ -81,6 +97,7 @@ class _Seq:
     pending: mx.array | None = None  # the last sampled token, not yet fed
     generated: int = 0
     t0: float = 0.0
+    top_logprobs: int | None = None  # None: no log probabilities; k: the sampled token's and k alternatives
 
 
 class Batch:
@@ -114,6 +131,7 @@ class Batch:
         *,
         state: SequenceState | None = None,
         steering: Steering = None,
+        logprobs: int | None = None,
         **sampling: Any,
     ) -> BatchRow:
         """Queue a sequence; options as :meth:`Runner.generate` (its own sampling, seed, stop, steering).
@@ -122,6 +140,8 @@ class Batch:
         row reuses the prefix its caches hold and, when it leaves, the state
         holds exactly the tokens fed, as :meth:`Session.generate` leaves it.
         The caller keeps it out of other rows' hands until the row is done.
+        ``logprobs`` (0 to 20): record each generated token's log probability
+        and that many alternatives in ``row.logprobs`` (see :class:`TokenLogprob`).
         """
         from turbospark_core.runner import _Progress, check_budget
 
@@ -131,6 +151,10 @@ class Batch:
         chosen = self.runner.steering_set(steering)
         ids = self.runner._encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.runner.max_context)
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise OptionError(f"logprobs={logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (or None)")
         if state is not None:
             self.runner._match_cache_steering(state, fingerprint(chosen))
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
@@ -147,6 +171,7 @@ class Batch:
             history=mx.array(ids[-params.repetition_context :]),
             state=state,
             steering=chosen,
+            top_logprobs=logprobs,
         )
         if max_tokens == 0:
             self._finish(seq, "length", flush=False)
@@ -230,8 +255,10 @@ class Batch:
             seq.progress.prompt_s += time.perf_counter() - t0
             return
         logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit)[:, -1, :]
-        token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
-        mx.eval(token)
+        penalized = seq.sampler.penalize(logits.astype(mx.float32), seq.history)
+        token = seq.sampler(penalized)
+        scores = _logprob_arrays(seq, penalized, token)
+        mx.eval(token, scores)
         seq.fed = len(ids)
         seq.progress.prompt_s += time.perf_counter() - t0
         if seq.state is not None:
@@ -240,7 +267,7 @@ class Batch:
         self._prefilling = None
         seq.t0 = time.perf_counter()
         seq.row.status = "decoding"
-        self._accept(seq, _token_id(token), out)
+        self._accept(seq, _token_id(token), out, scores)
         if seq.row.done:
             return
         if self._caches is None:
@@ -256,20 +283,24 @@ class Batch:
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         edit = Edit.of_rows([s.steering for s in rows])
         logits = self.runner._forward(pending[:, None], self._caches.caches, edit)[:, -1, :]
-        tokens = []
+        tokens, scores = [], []
         for b, seq in enumerate(rows):
             assert seq.pending is not None
             ctx = seq.sampler.params.repetition_context
             seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
-            tokens.append(seq.sampler(seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)))
-        mx.eval(tokens, self._caches.state)
+            penalized = seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)
+            tokens.append(seq.sampler(penalized))
+            scores.append(_logprob_arrays(seq, penalized, tokens[-1]))
+        mx.eval(tokens, scores, self._caches.state)
         self._caches.step_done(1)
-        for seq, token in zip(rows, tokens, strict=False):
+        for seq, token, score in zip(rows, tokens, scores, strict=False):
             seq.pending = token
-            self._accept(seq, _token_id(token), out)
+            self._accept(seq, _token_id(token), out, score)
         self._drop_finished()
 
-    def _accept(self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]]) -> None:
+    def _accept(
+        self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]], scores: list[mx.array] | None = None
+    ) -> None:
         """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
         seq.generated += 1
         seq.sampled.append(tok)
@@ -278,6 +309,8 @@ class Batch:
             self._finish(seq, "stop", flush=True, out=out)
             return
         seq.progress.tokens.append(tok)
+        if scores:
+            seq.row.logprobs.append(_token_logprob(tok, scores))
         piece, stopped = seq.matcher.feed(seq.detok.add(tok))
         if piece:
             seq.row.pieces.append(piece)
@@ -346,6 +379,33 @@ def generate_many(
     rows = [batch.add(p, m, **{**sampling, **o}) for p, m, o in zip(prompts, limits, extra, strict=False)]
     batch.run()
     return [r.result for r in rows if r.result is not None]
+
+
+def _logprob_arrays(seq: _Seq, logits: mx.array, token: mx.array) -> list[mx.array]:
+    """Lazily, the sampled token's log probability and the row's top alternatives (ids, values); [] when off.
+
+    The sampler's distribution: ``logits`` (``[1, V]``, penalized) over the
+    temperature (1 when greedy), log-softmaxed, as :class:`Sampler` computes it.
+    """
+    k = seq.top_logprobs
+    if k is None:
+        return []
+    scaled = logits / (seq.sampler.params.temperature or 1.0)
+    lp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, token.reshape(1, 1).astype(mx.int32), axis=-1)
+    if k == 0:
+        return [chosen]
+    ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    return [chosen, ids, mx.take_along_axis(lp, ids, axis=-1)]
+
+
+def _token_logprob(tok: int, scores: list[mx.array]) -> TokenLogprob:
+    """A :class:`TokenLogprob` from :func:`_logprob_arrays`' evaluated arrays."""
+    top: tuple[tuple[int, float], ...] = ()
+    if len(scores) == 3:
+        pairs = zip(scores[1].reshape(-1).tolist(), scores[2].reshape(-1).tolist(), strict=True)
+        top = tuple(sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0])))
+    return TokenLogprob(token=tok, logprob=float(scores[0].item()), top=top)
 
 
 def _token_id(token: mx.array) -> int:

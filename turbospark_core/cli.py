@@ -307,6 +307,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         port=args.port,
         max_body=args.max_body,
         max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_connections=args.max_connections,
         verbose=args.verbose,
         steering_sets=_named_sets(args, options.get("steering")),
         **options,
@@ -429,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot (429 + Retry-After beyond)")
+    p.add_argument(
+        "--max-connections", type=int, default=256, help="open connections (503 + Retry-After beyond)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
     p.add_argument(
