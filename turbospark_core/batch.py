@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from turbospark_core.batch_cache import BatchCaches
 from turbospark_core.errors import OptionError
@@ -403,9 +404,10 @@ def _token_logprob(tok: int, scores: list[mx.array]) -> TokenLogprob:
     """A :class:`TokenLogprob` from :func:`_logprob_arrays`' evaluated arrays."""
     top: tuple[tuple[int, float], ...] = ()
     if len(scores) == 3:
-        pairs = zip(scores[1].reshape(-1).tolist(), scores[2].reshape(-1).tolist(), strict=True)
+        ids, values = np.array(scores[1]).reshape(-1), np.array(scores[2]).reshape(-1)
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
         top = tuple(sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0])))
-    return TokenLogprob(token=tok, logprob=float(scores[0].item()), top=top)
+    return TokenLogprob(token=tok, logprob=float(np.array(scores[0]).reshape(-1)[0]), top=top)
 
 
 def _token_id(token: mx.array) -> int:

@@ -71,7 +71,7 @@ class Limits:
     write_timeout: float
 
 
-class ClientGone(Exception):
+class ClientGoneError(Exception):
     """The client closed its connection; nothing is answered."""
 
 
@@ -174,7 +174,7 @@ class Handlers:
             msg = f"the request body did not arrive within {self.limits.body_timeout:g} s"
             raise APIError(408, msg, code="request_timeout", headers={"Connection": "close"}) from None
         if message["type"] == "http.disconnect":
-            raise ClientGone
+            raise ClientGoneError
         return message
 
     async def _drain(self, request: Request) -> None:
@@ -223,7 +223,11 @@ class Handlers:
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Event] = asyncio.Queue()
-        job = self.server.scheduler.submit(req, sink=lambda ev: loop.call_soon_threadsafe(inbox.put_nowait, ev))
+
+        def sink(event: Event) -> None:  # on the worker thread
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        job = self.server.scheduler.submit(req, sink=sink)
         watcher = asyncio.ensure_future(_watch_disconnect(request, inbox))
         streaming = False
         try:
@@ -256,7 +260,7 @@ async def _watch_disconnect(request: Request, inbox: asyncio.Queue[Event]) -> No
 async def _next(inbox: asyncio.Queue[Event]) -> Event:
     event = await inbox.get()
     if event[0] == GONE:
-        raise ClientGone
+        raise ClientGoneError
     return event
 
 
@@ -315,9 +319,9 @@ class _SSEResponse(Response):
             try:
                 await asyncio.wait_for(send(message), timeout)
             except asyncio.TimeoutError:
-                raise ClientGone from None  # the client stopped reading
+                raise ClientGoneError from None  # the client stopped reading
             except OSError:
-                raise ClientGone from None
+                raise ClientGoneError from None
 
         try:
             await write({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -358,7 +362,7 @@ def _answering(
             return await endpoint(request)
         except APIError as e:
             return error_response(e)
-        except ClientGone:
+        except ClientGoneError:
             raise
         except Exception:  # a bug must not take the server down
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
@@ -408,7 +412,7 @@ class Guard:
                 await error_response(err)(scope, receive, counted)
                 return
             await self.app(scope, receive, counted)
-        except (ClientGone, OSError):
+        except (ClientGoneError, OSError):
             pass  # the client left: nothing to answer
         finally:
             if not started:

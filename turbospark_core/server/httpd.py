@@ -9,6 +9,7 @@ opens, so a busy port fails fast.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -281,10 +282,8 @@ def serve(install: str | Path, *, verbose: bool = False, **options: Any) -> None
     if threading.current_thread() is threading.main_thread():
         # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found
         signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -353,9 +353,8 @@ class Scheduler:
             else:
                 self.counters.failed += 1
         self._close(job)
-        if kind != DONE:
-            if not isinstance(value, (APIError, TurbosparkError)):
-                log.error("request %s failed", job.request.request_id, exc_info=value)
+        if kind != DONE and not isinstance(value, (APIError, TurbosparkError)):
+            log.error("request %s failed", job.request.request_id, exc_info=value)
         self.observer.finished(job, kind, value)  # before the client hears of it: a scrape then sees it
         job.emit(kind, value)
 
