@@ -146,3 +146,11 @@ def test_rows_of_one_batch_report_their_own_logprobs(server: Server, reference: 
         dists = expected_logprobs(reference, ids, tokens)
         got = out[i].choices[0].logprobs.token_logprobs
         assert got == pytest.approx([d[t] for d, t in zip(dists, tokens, strict=True)], abs=TOL)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
+def test_the_batch_engine_refuses_a_bad_logprobs_count(reference: Runner, bad: Any) -> None:
+    from turbospark_core.errors import OptionError
+
+    with pytest.raises(OptionError, match="logprobs=.* must be an integer in \\[0, 20\\]"):
+        reference.batch().add(PROMPT, 2, logprobs=bad)
