@@ -105,8 +105,10 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def stream(port: int, path: str, body: dict[str, Any], out: list[dict[str, Any]]) -> None:
-    """One streamed request: its start time and the arrival time of each content chunk."""
+def stream(
+    port: int, path: str, body: dict[str, Any], out: list[dict[str, Any]], stop: threading.Event | None = None
+) -> None:
+    """One streamed request: its start time and the arrival time of each content chunk (hangs up once ``stop``)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     t0 = time.perf_counter()
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
@@ -123,6 +125,8 @@ def stream(port: int, path: str, body: dict[str, Any], out: list[dict[str, Any]]
         piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
         if piece:
             stamps.append(time.perf_counter())
+        if stop is not None and stop.is_set():
+            break  # hanging up cancels the request's row
     conn.close()
     out.append({"t0": t0, "stamps": stamps})
 
@@ -201,22 +205,26 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
     prompt = long_prompt_ids(install, LONG_PROMPT_TOKENS)
     completion = {"model": "m", "stream": True, "temperature": 0, "max_tokens": 1}
     chunk_alone: list[dict[str, Any]] = []
-    for k in range(3):  # one chunk's prefill alone (the last 1-2 runs count: the first warms up)
-        chunk_alone.clear()
+    for k in range(3):  # one chunk's prefill alone (a 512-token prompt's TTFT; the first run warms up)
         stream(port, "/v1/completions", {**completion, "prompt": prompt[k : k + CHUNK_TOKENS]}, chunk_alone)
-    chunk_s = chunk_alone[0]["stamps"][0] - chunk_alone[0]["t0"]
+    chunk_s = min(r["stamps"][0] - r["t0"] for r in chunk_alone[1:])
     running: list[dict[str, Any]] = []
+    stop = threading.Event()
     threads = [
-        threading.Thread(target=stream, args=(port, "/v1/chat/completions", chat_body(q, 160), running))
+        threading.Thread(
+            target=stream,
+            args=(port, "/v1/completions", {**completion, "prompt": q, "max_tokens": 2000}, running, stop),
+        )
         for q in QUESTIONS[:3]
     ]
     for t in threads:
         t.start()
-    time.sleep(max(3.0, 4 * chunk_s))  # the three are decoding
+    time.sleep(3.0)  # the three are decoding
     joined: list[dict[str, Any]] = []
     t_join = time.perf_counter()
     stream(port, "/v1/completions", {**completion, "prompt": prompt[::-1], "max_tokens": 4}, joined)
     t_first = joined[0]["stamps"][0] if joined[0]["stamps"] else time.perf_counter()
+    stop.set()
     for t in threads:
         t.join()
     before = [b - a for r in running for a, b in zip(r["stamps"], r["stamps"][1:], strict=False) if b < t_join]
@@ -258,7 +266,7 @@ def main() -> int:
         mlx_dir = work / "mlx-lm"
         if not args.skip_mlx_lm:
             mlx_lm_dir_from_install(install, mlx_dir)
-        slots = max(args.clients)
+        slots = max(*args.clients, 4)  # the stall check runs 3 streams and a joining request
         ts_bin = str(Path(sys.executable).parent / "turbospark")
         results: dict[str, dict[int, dict[str, float]]] = {}
         stall: dict[str, float] | None = None

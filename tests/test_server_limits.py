@@ -191,3 +191,37 @@ def test_a_deep_body_is_refused_by_name(server: Server) -> None:
     reply = _reply(sock)
     sock.close()
     assert _status(reply) == 400 and "deeper than" in _json(reply)["error"]["message"]
+
+
+def test_a_stream_nobody_reads_is_dropped() -> None:
+    """A client that stops reading (the send never completes) is cut off after ``write_timeout``; its job cancelled."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from turbospark_core.server.app import ClientGoneError, _SSEResponse, _SSEStream
+    from turbospark_core.server.protocol import GenerationRequest
+    from turbospark_core.server.scheduler import PIECE, Job, Piece
+
+    req = GenerationRequest(kind="completion", prompt=[1], max_tokens=4, sampling={}, stream=True)
+    job = Job(req)
+    fake_server = SimpleNamespace(model_id="m", facts=SimpleNamespace(decode=lambda ids: "x"))
+    sent: list[str] = []
+
+    async def stalled_send(message: Any) -> None:
+        sent.append(message["type"])
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the client's window is full: never drains
+
+    async def run() -> float:
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        watcher = asyncio.ensure_future(asyncio.Event().wait())
+        stream = _SSEStream(fake_server, job, inbox, (PIECE, Piece("a")), write_timeout=0.3)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        with pytest.raises(ClientGoneError):
+            await _SSEResponse(stream, watcher)({}, None, stalled_send)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert watcher.cancelled()
+        return time.monotonic() - t0
+
+    took = asyncio.run(run())
+    assert 0.3 <= took < 2.0 and job.cancelled and sent == ["http.response.start", "http.response.body"]

@@ -152,5 +152,5 @@ def test_rows_of_one_batch_report_their_own_logprobs(server: Server, reference: 
 def test_the_batch_engine_refuses_a_bad_logprobs_count(reference: Runner, bad: Any) -> None:
     from turbospark_core.errors import OptionError
 
-    with pytest.raises(OptionError, match="logprobs=.* must be an integer in \\[0, 20\\]"):
+    with pytest.raises(OptionError, match=r"logprobs=.* must be an integer in \[0, 20\]"):
         reference.batch().add(PROMPT, 2, logprobs=bad)
