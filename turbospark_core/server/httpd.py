@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_MAX_BODY", "Server", "as_api_error", "serve"]
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 256  # open connections (503 + Retry-After beyond)
-HEADER_TIMEOUT_S = 10.0  # a request head must arrive within this of connecting (or of the last answer)
+HEADER_TIMEOUT_S = 10.0  # a request head must arrive within this of connecting (or of its first byte)
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this once its head has
 WRITE_TIMEOUT_S = 120.0  # a streaming client that reads nothing for this long is dropped
 KEEP_ALIVE_S = 30.0  # idle keep-alive connections are closed after this

@@ -5,10 +5,11 @@
   error body, ``Connection: close``); connections already open are not
   touched. (Requests beyond the scheduler's queue get 429 from the scheduler.)
 * **Header deadline** (slowloris): a connection must deliver a complete
-  request head within ``header_timeout`` seconds of opening, or of its
-  previous answer; otherwise it is closed. uvicorn's own keep-alive timeout
-  stops counting once any byte arrives, so a client sending one header byte
-  at a time would otherwise hold its connection for ever. Request bodies are
+  request head within ``header_timeout`` seconds of opening, or of the first
+  byte of a later request; otherwise it is closed. (An idle keep-alive
+  connection is closed by uvicorn's keep-alive timeout, which stops counting
+  once any byte arrives: a client sending one header byte at a time would
+  otherwise hold its connection for ever.) Request bodies are
   bounded by the app (``body_timeout``), stalled readers of a stream by its
   ``write_timeout``.
 """
@@ -59,20 +60,26 @@ def _over_capacity_app(limit: int) -> Any:
     return refuse
 
 
-def protocol_class(limits: ConnectionLimits, on_refused: Any = None) -> type[H11Protocol]:
+def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
     refuse = _over_capacity_app(limits.max_connections)
 
     class BoundedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _answered = False  # a response was sent on this connection
+        _partial = False  # bytes of a request head arrived since the last response
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > limits.max_connections:
                 self.app = refuse
-                if on_refused is not None:
-                    on_refused()
-            self._arm()
+            self._arm()  # the first request's head is due within the deadline
+
+        def data_received(self, data: bytes) -> None:
+            if self._answered and not self._partial and self._waiting_for_head():
+                self._partial = True
+                self._arm()  # a later request's head is due within the deadline of its first byte
+            super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -80,7 +87,8 @@ def protocol_class(limits: ConnectionLimits, on_refused: Any = None) -> type[H11
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm()
+            self._answered, self._partial = True, False
+            self._disarm()  # idle now: uvicorn's keep-alive timeout applies
 
         def _arm(self) -> None:
             self._disarm()
@@ -91,11 +99,13 @@ def protocol_class(limits: ConnectionLimits, on_refused: Any = None) -> type[H11
                 self._deadline.cancel()
                 self._deadline = None
 
+        def _waiting_for_head(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return cycle is None or bool(cycle.response_complete)
+
         def _head_overdue(self) -> None:
             self._deadline = None
-            cycle = getattr(self, "cycle", None)
-            waiting_for_head = cycle is None or cycle.response_complete
-            if waiting_for_head and not self.transport.is_closing():
+            if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.close()
 
     return BoundedH11Protocol
