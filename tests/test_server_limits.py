@@ -240,3 +240,13 @@ def test_a_stream_nobody_reads_is_dropped() -> None:
 
     took = asyncio.run(run())
     assert 0.3 <= took < 2.0 and job.cancelled and sent == ["http.response.start", "http.response.body"]
+
+
+def test_serving_without_the_serve_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from turbospark_core.errors import TurbosparkError
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    with pytest.raises(TurbosparkError, match=r"pip install 'turbospark\[serve\]'"):
+        Server(lambda: None, model_id="m", port=0)  # type: ignore[arg-type, return-value]
