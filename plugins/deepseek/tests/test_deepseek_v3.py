@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -126,7 +126,7 @@ def test_greedy_matches_mlx_lm_with_its_latent_cache(v3_runner: turbospark_core.
 class TestDeepSeekV3Tiny(TinyRandomConformance):
     """Caching, batching, sessions, steering and the hook contract on the V3 routing."""
 
-    tiny_configs = {"deepseek_v3": V3}
+    tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {"deepseek_v3": V3}
 
     def tiny_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         return v3_tensors(hf_config)

@@ -131,8 +131,9 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_PROJ = r"(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\." + _PROJ)
+_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.switch_mlp\." + _PROJ)
 _MLX_SPLIT = re.compile(r"\.self_attn\.(embed_q|unembed_out)\.")
 
 

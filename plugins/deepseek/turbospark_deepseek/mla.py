@@ -24,7 +24,8 @@ from turbospark_deepseek.rope import LatentRope
 class LatentAttention:
     def __init__(self, args: Args, w: WeightStore, prefix: str) -> None:
         self.n_heads = H = args.num_attention_heads
-        self.dn, self.dr, self.dv, self.r = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim, args.kv_lora_rank
+        self.dn, self.dr = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.dv, self.r = args.v_head_dim, args.kv_lora_rank
         if args.q_lora_rank is None:
             self.q_proj = w.linear(f"{prefix}.q_proj")
             self.q_a_proj = self.q_b_proj = None
@@ -76,9 +77,7 @@ class LatentAttention:
         out = mx.fast.scaled_dot_product_attention(q, keys, keys[..., : self.r], scale=self.scale, mask=mask)
         return out @ self.w_uv_t
 
-    def expanded(
-        self, q_nope: mx.array, q_r: mx.array, keys: mx.array, mask: mx.array | str | None
-    ) -> mx.array:
+    def expanded(self, q_nope: mx.array, q_r: mx.array, keys: mx.array, mask: mx.array | str | None) -> mx.array:
         """Attention with per-head keys and values rebuilt from the latents; ``[B, H, L, dv]``."""
         B, _, S, _ = keys.shape
         latent = keys[..., : self.r]

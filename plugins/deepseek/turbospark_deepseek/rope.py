@@ -54,7 +54,8 @@ def _yarn_inv_freq(inv: np.ndarray, dims: int, theta: float, s: dict[str, Any]) 
     def corr(rotations: float) -> float:
         return dims * math.log(original / (2 * math.pi * rotations)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dims - 1)
+    low: float = max(math.floor(corr(beta_fast)), 0)
+    high: float = min(math.ceil(corr(beta_slow)), dims - 1)
     if low == high:
         high += 0.001  # as every reference: no division by zero
     ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
