@@ -18,6 +18,7 @@ import mlx.core as mx
 from turbospark_core.family import AttentionCache, WeightStore
 
 from turbospark_deepseek.args import LATENT_EPS, Args
+from turbospark_deepseek.moe import float_matrix
 from turbospark_deepseek.rope import LatentRope
 
 
@@ -37,7 +38,7 @@ class LatentAttention:
         self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_norm = w.tensor(f"{prefix}.kv_a_layernorm.weight")
         # kv_b_proj rows per head: [k_nope (dn) | v (dv)], each a map from the latent (r)
-        per_head = w.tensor(f"{prefix}.kv_b_proj.weight").reshape(H, self.dn + self.dv, self.r)
+        per_head = float_matrix(w, f"{prefix}.kv_b_proj").reshape(H, self.dn + self.dv, self.r)
         self.w_uk = mx.contiguous(per_head[:, : self.dn, :])  # [H, dn, r]: q_nope -> latent query
         self.w_uk_t = mx.contiguous(self.w_uk.swapaxes(-1, -2))  # [H, r, dn]: latent -> k_nope
         self.w_uv_t = mx.contiguous(per_head[:, self.dn :, :].swapaxes(-1, -2))  # [H, r, dv]: latent -> v

@@ -9,6 +9,11 @@ from turbospark_core.family import WeightStore
 from turbospark_deepseek.args import MoEArgs
 
 
+def float_matrix(w: WeightStore, base: str) -> mx.array:
+    """The float matrix ``<base>.weight``, dequantized when the install quantized it (sliced, not multiplied)."""
+    return w.tensor(base if base in w.index.quantization else f"{base}.weight")
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
@@ -38,7 +43,7 @@ class Router:
 
     def __init__(self, args: MoEArgs, w: WeightStore, prefix: str) -> None:
         self.args = args
-        self.weight = w.tensor(f"{prefix}.weight").astype(mx.float32)
+        self.weight = float_matrix(w, prefix).astype(mx.float32)
         noaux = args.topk_method == "noaux_tc"
         self.bias = w.tensor(f"{prefix}.e_score_correction_bias").astype(mx.float32) if noaux else None
 
