@@ -30,6 +30,14 @@ V3: dict[str, Any] = {
 }  # fmt: skip
 
 
+# V3 routing without groups or renormalisation, a plain q_proj, and MoE on every other layer only
+V3_PLAIN: dict[str, Any] = V3 | {
+    "num_hidden_layers": 4, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+    "moe_layer_freq": 2, "num_nextn_predict_layers": 0, "routed_scaling_factor": 1.5,
+}  # fmt: skip
+CONFIGS = {"v3": V3, "v3_plain": V3_PLAIN}
+
+
 def v3_tensors(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names/shapes of a DeepSeek-V3 checkpoint, plus one MTP layer (dropped at conversion)."""
     h, H, r, dr = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
@@ -46,14 +54,19 @@ def v3_tensors(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
     for i in range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
         p = f"model.layers.{i}"
+        if qr is None:
+            shapes[f"{p}.self_attn.q_proj.weight"] = (H * (dn + dr), h)
+        else:
+            shapes |= {
+                f"{p}.self_attn.q_a_proj.weight": (qr, h), f"{p}.self_attn.q_a_layernorm.weight": (qr,),
+                f"{p}.self_attn.q_b_proj.weight": (H * (dn + dr), qr),
+            }  # fmt: skip
         shapes |= {
             f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_a_proj.weight": (qr, h), f"{p}.self_attn.q_a_layernorm.weight": (qr,),
-            f"{p}.self_attn.q_b_proj.weight": (H * (dn + dr), qr),
             f"{p}.self_attn.kv_a_proj_with_mqa.weight": (r + dr, h), f"{p}.self_attn.kv_a_layernorm.weight": (r,),
             f"{p}.self_attn.kv_b_proj.weight": (H * (dn + dv), r), f"{p}.self_attn.o_proj.weight": (h, H * dv),
         }  # fmt: skip
-        if i < cfg["first_k_dense_replace"]:
+        if i < cfg["first_k_dense_replace"] or i % cfg.get("moe_layer_freq", 1):
             shapes |= mlp(f"{p}.mlp", cfg["intermediate_size"])
             continue
         shapes |= {f"{p}.mlp.gate.weight": (E, h), f"{p}.mlp.gate.e_score_correction_bias": (E,)}
@@ -65,9 +78,14 @@ def v3_tensors(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def config(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return CONFIGS[request.param]
+
+
 @pytest.fixture(scope="module")
-def v3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("v3") / "hf", V3, v3_tensors(V3), seed=3)
+def v3_checkpoint(tmp_path_factory: pytest.TempPathFactory, config: dict[str, Any]) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v3") / "hf", config, v3_tensors(config), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +96,12 @@ def v3_runner(v3_checkpoint: Path) -> turbospark_core.Runner:
 
 
 @pytest.fixture(scope="module")
-def oracle(v3_checkpoint: Path) -> Any:
+def oracle(v3_checkpoint: Path, config: dict[str, Any]) -> Any:
     """mlx-lm's deepseek_v3 on the same weights (its MTP layer filtered out as its sanitize would for V3's 61)."""
     from mlx_lm.models import deepseek_v3
 
-    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(V3))
-    last = f"model.layers.{V3['num_hidden_layers']}."
+    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(config))
+    last = f"model.layers.{config['num_hidden_layers']}."
     weights = {k: v for k, v in mx.load(str(v3_checkpoint / "model.safetensors")).items() if not k.startswith(last)}
     model.load_weights(list(model.sanitize(weights).items()))
     mx.eval(model.parameters())
@@ -93,12 +111,14 @@ def oracle(v3_checkpoint: Path) -> Any:
 PROMPT = np.random.default_rng(5).integers(3, 256, size=40).tolist()
 
 
-def test_mtp_layer_dropped_and_routing_recorded(v3_runner: turbospark_core.Runner) -> None:
+def test_mtp_layer_dropped_and_routing_recorded(v3_runner: turbospark_core.Runner, config: dict[str, Any]) -> None:
     arch = v3_runner.manifest.arch
-    assert arch["num_hidden_layers"] == 3 and len(v3_runner.model.layers) == 3
-    assert (arch["moe"]["scoring"], arch["moe"]["topk_method"], arch["moe"]["norm_topk_prob"]) == (
-        "sigmoid", "noaux_tc", True
-    )  # fmt: skip
+    n = config["num_hidden_layers"]
+    assert arch["num_hidden_layers"] == n and len(v3_runner.model.layers) == n
+    moe = arch["moe"]
+    assert (moe["scoring"], moe["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert moe["norm_topk_prob"] == config["norm_topk_prob"]
+    assert moe["sparse_layers"] == [i for i in range(1, n) if i % config["moe_layer_freq"] == 0]
 
 
 def test_float32_logits_match_mlx_lm(v3_runner: turbospark_core.Runner, oracle: Any) -> None:
@@ -126,7 +146,7 @@ def test_greedy_matches_mlx_lm_with_its_latent_cache(v3_runner: turbospark_core.
 class TestDeepSeekV3Tiny(TinyRandomConformance):
     """Caching, batching, sessions, steering and the hook contract on the V3 routing."""
 
-    tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {"deepseek_v3": V3}
+    tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {"deepseek_v3": V3, "deepseek_v3_plain": V3_PLAIN}
 
     def tiny_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         return v3_tensors(hf_config)
