@@ -579,7 +579,12 @@ def _add_bench_parser(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: user errors print one line and exit 2; no tracebacks."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "func", None) is cmd_chat and args.message is None and len(extra) == 1 and extra[0][:1] != "-":
+        args.message, extra = extra[0], []  # `chat INSTALL --image FILE "message"`: the message after options
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.func(args)
     except TurbosparkError as e:

@@ -16,6 +16,7 @@ from turbospark_core.runner import Runner
 from turbospark_core.testing import vision_messages
 from turbospark_core.vision.images import load_image
 from turbospark_core.vision.prompt import VisionPrompt, expand
+
 from turbospark_llama.vision import ImageSizeError, Processor
 
 MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -74,7 +75,8 @@ def test_preprocessing_from_png_matches_pixel_values_and_grid(
     prompt = _prompt(runner, src, ref, case)
     pixels = np.concatenate([im.pixel_values for im in prompt.images])
     assert pixels.shape == ref[f"{case}_pixel_values"].shape
-    assert np.abs(pixels - ref[f"{case}_pixel_values"]).max() <= 1e-6  # image_1 is resized: PIL bicubic, as the reference
+    # image_1 is resized: PIL bicubic, as the reference
+    assert np.abs(pixels - ref[f"{case}_pixel_values"]).max() <= 1e-6
     assert [im.grid for im in prompt.images] == [tuple(g) for g in ref[f"{case}_image_grid_thw"].tolist()]
 
 
@@ -133,7 +135,8 @@ def test_session_reuses_a_prefix_only_with_the_same_images(
     assert again.tokens == runner.chat(follow, max_tokens=3).tokens
     # the same conversation with another image of the same size: nothing from the image on is reused
     flipped = np.array(load_image(src / "image_0.png")[::-1])
-    other = [{**follow[0], "content": [{**p, "image": flipped} if p["type"] == "image" else p for p in follow[0]["content"]]}]
+    parts = [{**p, "image": flipped} if p["type"] == "image" else p for p in follow[0]["content"]]
+    other = [{**follow[0], "content": parts}]
     swapped = session.chat([*other, *follow[1:]], max_tokens=3)
     first_image = ref["one_input_ids"].tolist().index(7)
     assert swapped.stats.reused_tokens <= first_image
@@ -150,7 +153,8 @@ def test_text_only_chat_is_unchanged_by_an_attached_tower(
 
 
 def test_smart_resize_rounds_half_to_even_and_bounds_pixels() -> None:
-    config = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "size": {"shortest_edge": 256, "longest_edge": 2048}}
+    size = {"shortest_edge": 256, "longest_edge": 2048}
+    config = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "size": size}
     processor = Processor.from_config(config)
     assert processor.target_size(32, 40) == (32, 40)
     assert processor.target_size(36, 52) == (32, 48)  # 4.5 and 6.5 round down to even
