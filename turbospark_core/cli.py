@@ -581,7 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: user errors print one line and exit 2; no tracebacks."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) is cmd_chat and args.message is None and len(extra) == 1 and extra[0][:1] != "-":
+    chat = getattr(args, "func", None) is cmd_chat
+    if chat and args.message is None and len(extra) == 1 and extra[0][:1] != "-":
         args.message, extra = extra[0], []  # `chat INSTALL --image FILE "message"`: the message after options
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
