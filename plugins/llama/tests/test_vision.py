@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -164,3 +165,58 @@ def test_smart_resize_rounds_half_to_even_and_bounds_pixels() -> None:
     assert h * w >= 256 and h % 8 == 0
     with pytest.raises(ImageSizeError, match="aspect ratio"):
         processor.target_size(1, 300)
+
+
+# ------------------------------------------------------------------ the vision hooks, via llama
+
+
+def test_hook_vision_arch_from_hf_config(src: Path, turbospark_fixtures: Path) -> None:
+    import json
+
+    from turbospark_core import plugins
+
+    hooks = plugins.family_hooks("qwen3_vl")
+    spec = hooks.vision_arch_from_hf_config(json.loads((src / "config.json").read_text()))
+    assert spec is not None and spec.hidden_size == 64
+    assert spec.tokens == {"image": 7, "vision_start": 5, "vision_end": 6}
+    assert spec.vision["deepstack_visual_indexes"] == [0] and spec.vision["rope_theta"] == 10000.0
+    json.dumps(spec.vision)  # it goes into the sidecar manifest
+    text_only = json.loads((turbospark_fixtures / "qwen3" / "config.json").read_text())
+    assert hooks.vision_arch_from_hf_config(text_only) is None  # no tower: the sidecar is refused
+
+
+def test_hook_vision_tensor_target() -> None:
+    from turbospark_core import plugins
+    from turbospark_core.family import TensorTarget
+
+    hooks = plugins.family_hooks("qwen3_vl")
+    got = hooks.vision_tensor_target({}, "model.visual.blocks.0.attn.qkv.weight")
+    assert got == TensorTarget.to("visual.blocks.0.attn.qkv.weight")
+    assert hooks.vision_tensor_target({}, "model.language_model.layers.0.mlp.up_proj.weight") == TensorTarget.drop()
+
+
+def test_hook_build_vision(runner: Runner) -> None:
+    from turbospark_core.vision.tower import VisionContext
+
+    assert runner.vision is not None
+    tower = runner.vision.tower
+    assert (tower.placeholder_id, tower.soft_token_id) == (7, 7)
+    opened = runner.opened
+    sidecar = runner.vision.sidecar
+    from turbospark_core.tensor_index import build_index
+    from turbospark_core.vision.sidecar import VISION_WEIGHTS
+    from turbospark_core.weights import WeightStore
+
+    index = build_index(sidecar.path(VISION_WEIGHTS), sidecar.files[VISION_WEIGHTS].size, {})
+    context = VisionContext(
+        arch={**opened.manifest.arch, "model_type": "qwen3"},
+        vision=sidecar.vision,
+        processor=sidecar.processor,
+        tokens=sidecar.tokens,
+        weights=WeightStore(sidecar.path(VISION_WEIGHTS), index, opened.policy),
+        compute_dtype=opened.policy.compute_dtype,
+    )
+    assert opened.hooks.build_vision(context) is None  # a text-only model type: no vision flow
+    no_mrope = {k: v for k, v in opened.manifest.arch.items() if k != "mrope"}
+    with pytest.raises(turbospark_core.TurbosparkError, match="no 'mrope' section"):
+        opened.hooks.build_vision(attrs.evolve(context, arch=no_mrope))
