@@ -220,3 +220,14 @@ def test_hook_build_vision(runner: Runner) -> None:
     no_mrope = {k: v for k, v in opened.manifest.arch.items() if k != "mrope"}
     with pytest.raises(turbospark_core.TurbosparkError, match="no 'mrope' section"):
         opened.hooks.build_vision(attrs.evolve(context, arch=no_mrope))
+
+
+def test_batched_rows_with_images_equal_single_sequence_runs(
+    runner: Runner, src: Path, ref: dict[str, np.ndarray]
+) -> None:
+    one, two = _prompt(runner, src, ref, "one"), _prompt(runner, src, ref, "two")
+    text = runner.chat_prompt([{"role": "user", "content": "hello there"}])
+    got = runner.generate_many([one, text, two], max_tokens=6)  # type: ignore[list-item]
+    assert got[0].tokens == ref["one_greedy_tokens"].tolist()[:6]
+    assert got[2].tokens == ref["two_greedy_tokens"].tolist()[:6]  # each row decodes at its own rope_delta
+    assert got[1].tokens == runner.generate(text, max_tokens=6).tokens
