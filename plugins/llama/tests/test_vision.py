@@ -231,3 +231,14 @@ def test_batched_rows_with_images_equal_single_sequence_runs(
     assert got[0].tokens == ref["one_greedy_tokens"].tolist()[:6]
     assert got[2].tokens == ref["two_greedy_tokens"].tolist()[:6]  # each row decodes at its own rope_delta
     assert got[1].tokens == runner.generate(text, max_tokens=6).tokens
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_checkpoint_matches_logits_bf16_weights(
+    turbospark_vision_install: Callable[..., tuple[Path, Path]], src: Path, ref: dict[str, np.ndarray], case: str
+) -> None:
+    trunk, sidecar = turbospark_vision_install("qwen3_vl", "bf16")
+    runner = turbospark_core.open(trunk, vision=sidecar)  # bf16 weights, float32 math on the CPU
+    got = runner.logits(_prompt(runner, src, ref, case))
+    loose = 1e-3 if runner.opened.policy.compute_dtype == mx.float32 else 0.1  # bf16 activations off the CPU
+    assert np.abs(got - ref[f"{case}_logits_bf16_weights"]).max() <= loose
