@@ -24,3 +24,11 @@ def test_convert_and_chat_with_an_image(
     assert "remote image URL" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--image needs --vision SIDECAR"):
         main(["chat", str(tmp_path / "i"), "--image", str(src / "image_0.png"), "what?"])
+
+
+def test_serve_passes_the_sidecar_to_open() -> None:
+    from turbospark_core.cli import _open_options, build_parser
+
+    args = build_parser().parse_args(["serve", "INSTALL", "--vision", "SIDECAR"])
+    assert _open_options(args)["vision"] == "SIDECAR"
+    assert "vision" not in _open_options(build_parser().parse_args(["serve", "INSTALL"]))

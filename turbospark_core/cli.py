@@ -449,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    p.add_argument("--vision", metavar="SIDECAR", default=None, help="attach a vision sidecar (image_url parts)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
     p.add_argument(
