@@ -96,12 +96,15 @@ class VisionPrompt:
             self._features.append(tower.encode(self.images))
         return self._features[0]
 
-    def chunk(self, tower: VisionTower, start: int, end: int) -> VisionInputs:
-        """The :class:`VisionInputs` of the forward over ``ids[start:end]`` (one row)."""
+    def chunk(self, tower: VisionTower, start: int, end: int) -> VisionInputs | None:
+        """The :class:`VisionInputs` of the forward over ``ids[start:end]`` (one row).
+
+        ``None`` when the chunk is plain text at plain positions (the text-only forward).
+        """
         soft = self.soft[start:end]
         positions = None if self.positions is None else mx.array(self.positions[..., None, start:end])
         if not soft.any():
-            return VisionInputs(positions=positions, shift=self.shift)
+            return None if positions is None and not self.shift else VisionInputs(positions=positions, shift=self.shift)
         feats = self.features(tower)
         first = int(self.soft[:start].sum())
         rows = slice(first, first + int(soft.sum()))
@@ -113,9 +116,9 @@ class VisionPrompt:
             shift=self.shift,
         )
 
-    def decode_step(self) -> VisionInputs:
-        """The :class:`VisionInputs` of a decode step after the prompt."""
-        return VisionInputs(shift=self.shift)
+    def decode_step(self) -> VisionInputs | None:
+        """The :class:`VisionInputs` of a decode step after the prompt (``None`` with no position shift)."""
+        return VisionInputs(shift=self.shift) if self.shift else None
 
 
 def expand(

@@ -23,10 +23,11 @@ tower (hook ``build_vision``). The flow of one image request:
    and the *shift*: a token at sequence index ``j`` after the prompt gets
    position ``j + shift`` (Qwen3-VL's ``rope_delta``; 0 for plain positions).
 6. The trunk's forward is called as ``model(inputs, cache, vision=VisionInputs)``
-   for every chunk of a sequence that holds images (prefill chunks with the
-   rows of that chunk, and decode steps with only the shift). A trunk that
-   serves vision takes the ``vision`` keyword; without it (``None``) the
-   forward is the text-only one, unchanged.
+   for every chunk of a sequence that holds images and needs it: prefill
+   chunks holding soft tokens or explicit positions, and decode steps when the
+   shift is not 0 (only the shift). Any other forward is the text-only one,
+   ``model(inputs, cache)``, unchanged. A trunk that serves vision takes the
+   ``vision`` keyword.
 
 What each family does with :class:`VisionInputs` (Gemma 4: placeholder ids
 become the pad id for the token embedding and the per-layer inputs, the
