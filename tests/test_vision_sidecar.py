@@ -54,7 +54,7 @@ def test_convert_writes_a_sidecar_of_its_own_kind(sidecar: Path, turbospark_fixt
 
 
 def test_opening_a_sidecar_as_a_model_is_refused(sidecar: Path) -> None:
-    with pytest.raises(NotAnInstallError, match=r"is a vision sidecar, not a language model install"):
+    with pytest.raises(NotAnInstallError, match=r"is a vision sidecar, not a language model install.*vision=SIDECAR"):
         turbospark_core.open(sidecar)
 
 
