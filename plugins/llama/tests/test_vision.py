@@ -193,6 +193,8 @@ def test_hook_vision_tensor_target() -> None:
     got = hooks.vision_tensor_target({}, "model.visual.blocks.0.attn.qkv.weight")
     assert got == TensorTarget.to("visual.blocks.0.attn.qkv.weight")
     assert hooks.vision_tensor_target({}, "model.language_model.layers.0.mlp.up_proj.weight") == TensorTarget.drop()
+    with pytest.raises(turbospark_core.TurbosparkError, match="mlx-vlm vision tower"):
+        hooks.vision_tensor_target({}, "vision_tower.patch_embed.proj.weight")
 
 
 def test_hook_build_vision(runner: Runner) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from turbospark_core.family import (
     ArchConfigError,
+    ConversionError,
     ImageFeatures,
     InstallError,
     Linear,
@@ -77,8 +78,18 @@ def vision_spec(hf_config: dict[str, Any]) -> VisionSpec | None:
 
 
 def vision_target(name: str) -> TensorTarget:
-    """Tower tensors keep their name under ``visual.``; everything else is the trunk's (dropped)."""
-    for prefix in (_TOWER, "visual.", "model.vision_tower.", "vision_tower."):
+    """Tower tensors keep their name under ``visual.``; everything else is the trunk's (dropped).
+
+    Raises:
+        ConversionError: An mlx-vlm tower (``vision_tower.*``: convolution weights channel-last).
+    """
+    if name.startswith(("vision_tower.", "model.vision_tower.")):
+        msg = (
+            f"tensor {name!r} is an mlx-vlm vision tower (its layout differs from transformers'); "
+            "convert the Hugging Face checkpoint with --vision instead"
+        )
+        raise ConversionError(msg)
+    for prefix in (_TOWER, "visual."):
         if name.startswith(prefix):
             return TensorTarget.to("visual." + name[len(prefix) :])
     return TensorTarget.drop()
