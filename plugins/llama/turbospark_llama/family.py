@@ -327,7 +327,8 @@ class Block:
         self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
     ) -> mx.array:
         if x.shape[1] == 1 and cache is not None and positions is None:
-            q, k, v = self._decode_qkv(x, mx.array(cache.offset) + shift)
+            offset = mx.array(cache.offset)
+            q, k, v = self._decode_qkv(x, offset if isinstance(shift, int) and not shift else offset + shift)
             return self._decode_rest(x, self.self_attn.attend(q, k, v, cache))
         h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
         return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
