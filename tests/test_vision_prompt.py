@@ -121,3 +121,21 @@ def test_a_template_without_image_parts_is_refused(pair: tuple[Path, Path], tmp_
     runner = turbospark_core.open(pair[0], vision=sidecar)  # the trunk's template renders no image parts
     with pytest.raises(ImageError, match=r"rendered 0 image placeholder\(s\) \(token id 7\) for 1 image"):
         runner.chat(_ask(image), max_tokens=1)
+
+
+def test_held_images_forgets_dead_states_and_tells_states_apart() -> None:
+    from turbospark_core.vision.prompt import HeldImages
+
+    class State:
+        pass
+
+    held, a, b = HeldImages(), State(), State()
+    soft = np.array([0, 1, 0], bool)
+    prompt = VisionPrompt(ids=[1, 7, 2], soft=soft, images=[], keys=((1, "x"),), positions=None, shift=0)
+    held.remember(a, prompt)
+    assert held.reusable(a, prompt, 3) == 3
+    assert held.reusable(a, None, 3) == 1  # a text prompt: only the text before the image
+    assert held.reusable(b, prompt, 3) == 1  # b's caches hold no image
+    del a
+    held.remember(b, None)
+    assert len(held._held) == 1

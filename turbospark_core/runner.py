@@ -22,7 +22,7 @@ from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
-from turbospark_core.vision.prompt import VisionPrompt
+from turbospark_core.vision.prompt import HeldImages, VisionPrompt
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -106,8 +106,7 @@ class Runner:
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
         # id(state) -> (state, fingerprint of the steering its caches were computed under)
         self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
-        # id(state) -> (state, (position, content hash) of each image its caches hold)
-        self._cache_images: dict[int, tuple[weakref.ref[SequenceState], tuple[tuple[int, str], ...]]] = {}
+        self._held_images = HeldImages()  # which images each state's caches hold (prefix reuse)
         self.vision: AttachedVision | None = None
 
     # ------------------------------------------------------------- vision (issue 22)
@@ -137,49 +136,22 @@ class Runner:
                 too large image, a remote URL.
             ContextOverflowError: The images do not fit ``max_context``.
         """
-        from turbospark_core.template import render_template
-        from turbospark_core.vision.prompt import decode_images, expand, split_images
+        from turbospark_core.vision.prompt import image_prompt, split_images
 
         if not messages:
             raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
         rendered, images = split_images(messages)
         if not images:
             return self.chat_prompt(messages)
-        from turbospark_core.vision.images import ImageError
-
-        if self.vision is None:
-            msg = (
-                f"{images[0][1]} is an image, but this runner has no vision tower; open the install with "
-                "vision=SIDECAR (made by `turbospark convert SRC DST --vision SIDECAR`) or send text only"
-            )
-            raise ImageError(msg)
-        rgbs = decode_images(images)
-        template = self.vision.chat_template
-        if template is None:
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
-        else:
-            variables = {
-                "messages": rendered,
-                "add_generation_prompt": True,
-                "bos_token": self.tokenizer.bos_token or "",
-                "eos_token": self.tokenizer.eos_token or "",
-            }
-            text = render_template(template, variables)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return expand(ids, rgbs, self.vision.tower, self.max_context)
+        return image_prompt(rendered, images, self.tokenizer, self.vision, self.max_context)
 
     def _image_reuse(self, state: SequenceState, prompt: VisionPrompt | None, common: int) -> int:
         """The reusable prefix of a parked state: up to the first image its caches hold that the prompt lacks."""
-        from turbospark_core.vision.prompt import reusable
-
-        entry = self._cache_images.get(id(state))
-        held = entry[1] if entry is not None and entry[0]() is state else ()
-        wanted = () if prompt is None else prompt.keys
-        return reusable(held, wanted, common)
+        return self._held_images.reusable(state, prompt, common)
 
     def _remember_images(self, state: SequenceState, prompt: VisionPrompt | None) -> None:
-        self._cache_images = {k: v for k, v in self._cache_images.items() if v[0]() is not None}
-        self._cache_images[id(state)] = (weakref.ref(state), () if prompt is None else prompt.keys)
+        """Record the images ``state``'s caches are filled with (``prompt``'s)."""
+        self._held_images.remember(state, prompt)
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
@@ -12,6 +13,10 @@ import numpy as np
 from turbospark_core.errors import ContextOverflowError
 from turbospark_core.vision.images import MAX_IMAGE_PIXELS, ImageError, image_key, load_image
 from turbospark_core.vision.tower import ImageFeatures, PreparedImage, VisionInputs, VisionTower
+
+if TYPE_CHECKING:
+    from turbospark_core.tokenizer import Tokenizer
+    from turbospark_core.vision.attach import AttachedVision
 
 MAX_IMAGES = 64  # per request
 _IMAGE_KEYS = ("image", "image_url", "url", "path")
@@ -172,3 +177,61 @@ def reusable(held: Sequence[tuple[int, str]], wanted: Sequence[tuple[int, str]],
             return min(common, a[0], b[0])
     longer = held[len(wanted) :] if len(held) > len(wanted) else wanted[len(held) :]
     return min([common, *(pos for pos, _ in longer)])
+
+
+def image_prompt(
+    rendered: list[dict[str, Any]],
+    images: Sequence[tuple[Any, str]],
+    tokenizer: Tokenizer,
+    attached: AttachedVision | None,
+    max_context: int,
+) -> VisionPrompt:
+    """The :class:`VisionPrompt` of messages with images (``split_images``'s output).
+
+    Rendered with the sidecar's chat template when it has one (else the trunk's),
+    tokenized without special tokens (the template writes them), placeholders expanded.
+
+    Raises:
+        ImageError: No vision tower is attached, or an image is unusable (each named).
+        ContextOverflowError: The expanded prompt passes ``max_context``.
+    """
+    from turbospark_core.template import render_template
+
+    if attached is None:
+        msg = (
+            f"{images[0][1]} is an image, but this runner has no vision tower; open the install with "
+            "vision=SIDECAR (made by `turbospark convert SRC DST --vision SIDECAR`) or send text only"
+        )
+        raise ImageError(msg)
+    rgbs = decode_images(images)
+    if attached.chat_template is None:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    else:
+        variables = {
+            "messages": rendered,
+            "add_generation_prompt": True,
+            "bos_token": tokenizer.bos_token or "",
+            "eos_token": tokenizer.eos_token or "",
+        }
+        text = render_template(attached.chat_template, variables)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return expand(ids, rgbs, attached.tower, max_context)
+
+
+class HeldImages:
+    """Which images each parked state's caches were filled with: its prefix is reused only up to the first
+    image that differs (content hash and position)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[weakref.ref[Any], tuple[tuple[int, str], ...]]] = {}
+
+    def reusable(self, state: object, prompt: VisionPrompt | None, common: int) -> int:
+        """How much of ``common`` (the shared token prefix) ``state`` may reuse for ``prompt``."""
+        entry = self._held.get(id(state))
+        held = entry[1] if entry is not None and entry[0]() is state else ()
+        return reusable(held, () if prompt is None else prompt.keys, common)
+
+    def remember(self, state: object, prompt: VisionPrompt | None) -> None:
+        """``state``'s caches now hold ``prompt``'s images (none for a text prompt)."""
+        self._held = {k: v for k, v in self._held.items() if v[0]() is not None}
+        self._held[id(state)] = (weakref.ref(state), () if prompt is None else prompt.keys)
