@@ -30,6 +30,8 @@ from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
+from turbospark_core.vision.prompt import VisionPrompt
+from turbospark_core.vision.tower import VisionInputs
 
 if TYPE_CHECKING:
     from turbospark_core.runner import Generation, Runner, Steering, _Progress
@@ -75,6 +77,7 @@ class _Seq:
     history: mx.array
     caches: list[Cache] | None = None
     state: SequenceState | None = None  # a parked session the row continues, and is saved back into
+    vision: VisionPrompt | None = None  # the prompt's images (issue 22)
     steering: DirectionSet | None = None  # this row's own edit (per-row inside a batched forward)
     sampled: list[int] = attrs.Factory(list)  # every sampled token, EOS included
     fed: int = 0
@@ -109,7 +112,7 @@ class Batch:
     # ------------------------------------------------------------- rows
     def add(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | VisionPrompt,
         max_tokens: int = 256,
         *,
         state: SequenceState | None = None,
@@ -147,6 +150,7 @@ class Batch:
             history=mx.array(ids[-params.repetition_context :]),
             state=state,
             steering=chosen,
+            vision=prompt if isinstance(prompt, VisionPrompt) else None,
         )
         if max_tokens == 0:
             self._finish(seq, "length", flush=False)
@@ -202,8 +206,9 @@ class Batch:
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 return
-            reused = common_prefix(seq.state.tokens, seq.ids)
+            reused = self.runner._image_reuse(seq.state, seq.vision, common_prefix(seq.state.tokens, seq.ids))
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
+            self.runner._remember_images(seq.state, seq.vision)
             seq.progress.reused_tokens = reused
             seq.fed = reused
             seq.caches = seq.state.caches
@@ -224,12 +229,13 @@ class Batch:
         ids, edit = seq.ids, Edit.of_rows([seq.steering])
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
-            self.runner._forward(mx.array([chunk]), seq.caches, edit)
+            self.runner._forward(mx.array([chunk]), seq.caches, edit, self._images(seq, seq.fed, seq.fed + len(chunk)))
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             return
-        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit)[:, -1, :]
+        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, self._images(seq, len(ids) - 1, len(ids)))
+        logits = logits[:, -1, :]
         token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
         mx.eval(token)
         seq.fed = len(ids)
@@ -255,7 +261,9 @@ class Batch:
         rows = self._decoding
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         edit = Edit.of_rows([s.steering for s in rows])
-        logits = self.runner._forward(pending[:, None], self._caches.caches, edit)[:, -1, :]
+        shifts = [0 if s.vision is None else s.vision.shift for s in rows]  # positions after a row's images
+        vision = VisionInputs(shift=mx.array(shifts, dtype=mx.int32)) if any(shifts) else None
+        logits = self.runner._forward(pending[:, None], self._caches.caches, edit, vision)[:, -1, :]
         tokens = []
         for b, seq in enumerate(rows):
             assert seq.pending is not None
@@ -268,6 +276,11 @@ class Batch:
             seq.pending = token
             self._accept(seq, _token_id(token), out)
         self._drop_finished()
+
+    def _images(self, seq: _Seq, start: int, end: int) -> VisionInputs | None:
+        """The image part of a row's prefill forward over ``ids[start:end]`` (``None`` for text)."""
+        tower = self.runner.vision
+        return None if seq.vision is None or tower is None else seq.vision.chunk(tower.tower, start, end)
 
     def _accept(self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
