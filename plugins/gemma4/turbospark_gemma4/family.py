@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -36,6 +36,8 @@ from turbospark_core.family import (
     keys_problem,
     steer,
 )
+
+from turbospark_gemma4.errors import ImageInputError
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
@@ -393,6 +395,43 @@ class Block:
         return h * self.layer_scalar, kv
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class SoftTokens:
+    """Rows that replace token embeddings in one call (image soft tokens).
+
+    Attributes:
+        mask: ``[B, L]`` bool, true where a row replaces the token's embedding.
+        rows: ``[B, L, hidden]``, read where ``mask`` is true.
+        pad_id: The token id the per-layer inputs read at those positions.
+    """
+
+    mask: mx.array
+    rows: mx.array
+    pad_id: int = 0
+
+    @classmethod
+    def at_placeholders(cls, inputs: mx.array, placeholder: int, embeds: mx.array, pad_id: int = 0) -> SoftTokens:
+        """``embeds`` ``[n, hidden]`` placed, in order, at the ``placeholder`` positions of ``inputs`` ``[B, L]``.
+
+        Raises:
+            ImageInputError: The number of placeholders is not ``n``.
+        """
+        mask = inputs == placeholder
+        count = int(cast(int, mask.astype(mx.int32).sum().item()))
+        if count != embeds.shape[0]:
+            msg = (f"the prompt has {count} image placeholder tokens (id {placeholder}) for "
+                   f"{embeds.shape[0]} image soft tokens; expand each image's placeholder exactly once")  # fmt: skip
+            raise ImageInputError(msg)
+        flat = mask.reshape(-1)
+        index = mx.maximum(mx.cumsum(flat.astype(mx.int32)) - 1, 0)
+        rows = embeds[index] if count else mx.zeros((flat.shape[0], embeds.shape[-1]), dtype=embeds.dtype)
+        return cls(mask=mask, rows=rows.reshape(*inputs.shape, embeds.shape[-1]), pad_id=pad_id)
+
+    def window(self, start: int, stop: int) -> SoftTokens:
+        """The part for sequence positions ``[start, stop)`` (a prefill chunk)."""
+        return SoftTokens(mask=self.mask[:, start:stop], rows=self.rows[:, start:stop], pad_id=self.pad_id)
+
+
 class Model:
     def __init__(self, args: Args, w: WeightStore) -> None:
         self.args = args
@@ -420,9 +459,26 @@ class Model:
         context = mx.fast.rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
         return (context + token.astype(context.dtype)) * 2**-0.5
 
-    def __call__(self, inputs: mx.array, cache: list[KVCache | RingKVCache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs) * self.embed_scale
-        per_layer = self._per_layer_inputs(inputs, h) if self.ple_dim else None
+    def embed(self, inputs: mx.array, soft: SoftTokens | None = None) -> tuple[mx.array, mx.array | None]:
+        """The sequence entering layer 0, and the per-layer inputs (None without PLE).
+
+        Token rows are scaled by ``sqrt(hidden)``; soft-token rows replace them
+        unscaled, and their per-layer token part reads the pad id instead of the
+        placeholder, while the per-layer context part reads the merged rows.
+        """
+        ids = inputs if soft is None else mx.where(soft.mask, soft.pad_id, inputs)
+        h = self.embed_tokens(ids) * self.embed_scale
+        if soft is not None:
+            h = mx.where(soft.mask[..., None], soft.rows.astype(h.dtype), h)
+        return h, self._per_layer_inputs(ids, h) if self.ple_dim else None
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[KVCache | RingKVCache] | None = None,
+        soft: SoftTokens | None = None,
+    ) -> mx.array:
+        h, per_layer = self.embed(inputs, soft)
         offset = cache[0].offset if cache else 0
         # K/V (and mask) of the layers that KV-shared layers read, from this same pass:
         # a ring may already have dropped rows an earlier query of a long chunk needs
