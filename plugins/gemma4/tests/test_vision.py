@@ -13,20 +13,20 @@ import pytest
 from turbospark_core.family import ArchConfigError, InstallError
 
 from turbospark_gemma4.errors import ImageInputError
-from turbospark_gemma4.image_processing import PreparedImage, from_processor_output
-from turbospark_gemma4.vision import VisionTower
+from turbospark_gemma4.image_processing import ImagePatches, from_processor_output
+from turbospark_gemma4.vision import Encoder
 from turbospark_gemma4.vision_config import VisionArgs, vision_arch_from_hf
 
 FIXTURES = ("gemma4_e", "gemma4_moe")
 
 
-def _tower(fixture: Path, weights: dict[str, mx.array] | None = None, **change: Any) -> VisionTower:
+def _tower(fixture: Path, weights: dict[str, mx.array] | None = None, **change: Any) -> Encoder:
     arch = {**vision_arch_from_hf(json.loads((fixture / "config.json").read_text())), **change}
     tensors = weights if weights is not None else cast(dict[str, mx.array], mx.load(str(fixture / "model.safetensors")))
-    return VisionTower(VisionArgs.from_arch(arch), tensors.__getitem__, prefix="model.")
+    return Encoder(VisionArgs.from_arch(arch), tensors.__getitem__, prefix="model.")
 
 
-def _images(ref: Any, case: str) -> list[PreparedImage]:
+def _images(ref: Any, case: str) -> list[ImagePatches]:
     pv, pos = ref[f"{case}_pixel_values"], ref[f"{case}_image_position_ids"]
     return [from_processor_output(pv[i], pos[i], 3) for i in range(pv.shape[0])]
 

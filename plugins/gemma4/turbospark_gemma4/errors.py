@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from turbospark_core.family import TurbosparkError
+from turbospark_core.family import ImageError
 
 
-class ImageInputError(TurbosparkError):
-    """An image, or image placeholders, the gemma4 flow cannot take (shape, size, count)."""
+class ImageInputError(ImageError):
+    """An image the gemma4 preprocessing or tower cannot take (shape, size): a bad request, not a fault."""

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from turbospark_core.family import TurbosparkError, float_problem, int_problems
+from turbospark_core.family import ArchConfigError, float_problem, int_problems, resize_rgb
 
 from turbospark_gemma4.errors import ImageInputError
 
@@ -25,7 +25,7 @@ MAX_SOFT_TOKENS = 1 << 16  # soft tokens one image may take
 _INTS = {"patch_size": 64, "pooling_kernel_size": 64, "max_soft_tokens": MAX_SOFT_TOKENS}
 
 
-class ProcessorConfigError(TurbosparkError):
+class ProcessorConfigError(ArchConfigError):
     """A gemma4 processor config with a missing or out-of-range setting."""
 
 
@@ -129,7 +129,7 @@ def target_size(height: int, width: int, cfg: ImageProcessing) -> tuple[int, int
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class PreparedImage:
+class ImagePatches:
     """One image as the tower takes it: its real patches (raster order) and their grid."""
 
     patches: np.ndarray  # [rows * cols, patch_size^2 * 3] float32
@@ -152,14 +152,7 @@ class PreparedImage:
         return pixels, positions
 
 
-def _resize(image: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:
-    from PIL import Image  # Pillow: only a resizing configuration needs it
-
-    h, w = size
-    return np.asarray(Image.fromarray(image).resize((w, h), Image.Resampling(resample)))
-
-
-def prepare(image: np.ndarray, cfg: ImageProcessing) -> PreparedImage:
+def prepare(image: np.ndarray, cfg: ImageProcessing) -> ImagePatches:
     """Preprocess one decoded RGB image, ``[H, W, 3]`` uint8.
 
     Raises:
@@ -177,7 +170,7 @@ def prepare(image: np.ndarray, cfg: ImageProcessing) -> PreparedImage:
     if cfg.do_resize:
         size = target_size(height, width, cfg)
         if size != (height, width):
-            image = _resize(image, size, cfg.resample)
+            image = resize_rgb(image, size[0], size[1], cfg.resample)
             height, width = size
     side = cfg.side_multiple
     if height % side or width % side:
@@ -198,13 +191,13 @@ def prepare(image: np.ndarray, cfg: ImageProcessing) -> PreparedImage:
         x = (x - mean) / std
     patches = x.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, p * p * 3)
     k2 = cfg.pooling_kernel_size**2
-    return PreparedImage(patches=np.ascontiguousarray(patches), rows=rows, cols=cols,
+    return ImagePatches(patches=np.ascontiguousarray(patches), rows=rows, cols=cols,
                          num_soft_tokens=rows * cols // k2)  # fmt: skip
 
 
 def from_processor_output(
     pixel_values: np.ndarray, position_ids: np.ndarray, pooling_kernel_size: int
-) -> PreparedImage:
+) -> ImagePatches:
     """One image of a processor's padded output (``pixel_values[i]``, ``image_position_ids[i]``).
 
     Raises:
@@ -215,7 +208,7 @@ def from_processor_output(
     if n == 0:
         raise ImageInputError("processor output has no real patch (every position is -1)")
     rows, cols = int(position_ids[:n, 1].max()) + 1, int(position_ids[:n, 0].max()) + 1
-    image = PreparedImage(patches=np.ascontiguousarray(pixel_values[:n], dtype=np.float32), rows=rows, cols=cols,
+    image = ImagePatches(patches=np.ascontiguousarray(pixel_values[:n], dtype=np.float32), rows=rows, cols=cols,
                           num_soft_tokens=n // pooling_kernel_size**2)  # fmt: skip
     if rows * cols != n or real[n:].any() or not np.array_equal(position_ids[:n], image.positions()):
         raise ImageInputError("processor output: the real patches are not a raster-ordered rows x cols grid first")

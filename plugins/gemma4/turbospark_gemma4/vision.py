@@ -29,11 +29,9 @@ from turbospark_core.family import InstallError
 
 from turbospark_gemma4.errors import ImageInputError
 from turbospark_gemma4.family import gelu_tanh
-from turbospark_gemma4.image_processing import PreparedImage
-from turbospark_gemma4.vision_config import VisionArgs
+from turbospark_gemma4.image_processing import ImagePatches
+from turbospark_gemma4.vision_config import PROJECTOR, TOWER, VisionArgs
 
-TOWER = "vision_tower"
-PROJECTOR = "embed_vision"
 Tensors = Callable[[str], mx.array]  # install name -> tensor (a WeightStore's ``tensor``, a dict's ``__getitem__``)
 
 
@@ -119,7 +117,7 @@ class VisionLayer:
         return h + self._norm(y, self.post_feedforward_layernorm)
 
 
-class VisionTower:
+class Encoder:
     """The encoder plus ``embed_vision``: one image's patches in, its soft-token embeddings out.
 
     ``get`` reads tensors by name; ``prefix`` is what precedes ``vision_tower.`` and
@@ -178,10 +176,10 @@ class VisionTower:
         """``embed_vision``: weightless RMSNorm, then ``embedding_projection`` into the text width."""
         return mx.fast.rms_norm(hidden, None, self.args.rms_norm_eps) @ self.projection.T
 
-    def __call__(self, image: PreparedImage) -> mx.array:
+    def __call__(self, image: ImagePatches) -> mx.array:
         """One image's soft-token embeddings, ``[num_soft_tokens, text hidden]``."""
         return self.project(self.hidden(mx.array(image.patches), image.rows, image.cols))
 
-    def embed_images(self, images: list[PreparedImage]) -> mx.array:
+    def embed_images(self, images: list[ImagePatches]) -> mx.array:
         """Every image's soft tokens, in order, ``[sum of num_soft_tokens, text hidden]``."""
         return mx.concatenate([self(image) for image in images], axis=0)

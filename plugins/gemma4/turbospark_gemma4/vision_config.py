@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -15,11 +15,15 @@ from turbospark_core.family import (
     MAX_INTERMEDIATE,
     MAX_LAYERS,
     ArchConfigError,
+    TensorTarget,
+    VisionSpec,
     bool_problem,
     float_problem,
     int_problems,
 )
 
+TOWER = "vision_tower"  # the encoder's tensors, under this name in a sidecar
+PROJECTOR = "embed_vision"  # the projection into the text width
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 MAX_PATCH = 64  # pixels per patch side
 MAX_POSITION_TABLE = 4096  # patches per image side the learned position table may cover
@@ -116,3 +120,41 @@ def vision_arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "text_hidden_size": text.get("hidden_size") if isinstance(text, dict) else None,
     }
 
+
+
+def vision_spec(hf_config: dict[str, Any]) -> VisionSpec | None:
+    """What a vision sidecar records about a Gemma 4 checkpoint's tower (``None`` without a ``vision_config``).
+
+    Raises:
+        ArchConfigError: The tower config is one the tower cannot run (by key), or the text
+            model asks for bidirectional attention inside images, which the flow does not do.
+    """
+    if hf_config.get("model_type") != "gemma4" or not isinstance(hf_config.get("vision_config"), dict):
+        return None
+    text = hf_config.get("text_config")
+    mode = text.get("use_bidirectional_attention") if isinstance(text, dict) else None
+    if mode is not None:
+        msg = (f"text_config.use_bidirectional_attention={mode!r}: the gemma4 flow attends causally over "
+               "image tokens; only null is served")  # fmt: skip
+        raise ArchConfigError(msg)
+    vision = {"model_type": "gemma4", **vision_arch_from_hf(hf_config)}
+    problems = VisionArgs.problems(vision)
+    if problems:
+        raise ArchConfigError("gemma4 vision tower: " + "; ".join(problems))
+    tokens = {name: hf_config.get(f"{name}_token_id") for name in ("image", "boi", "eoi")}
+    missing = [f"{name}_token_id" for name, value in tokens.items() if not isinstance(value, int)]
+    if missing:
+        raise ArchConfigError(f"gemma4 config has no integer {missing[0]!r}: the image placeholders are unknown")
+    return VisionSpec(vision=vision, tokens=cast(dict[str, int], tokens), hidden_size=int(vision["text_hidden_size"]))
+
+
+_SIDECAR_PREFIXES = {f"{root}{part}.": f"{part}." for part in (TOWER, PROJECTOR) for root in ("model.", "")}
+
+
+def vision_target(name: str) -> TensorTarget:
+    """The tower's tensors (Hugging Face ``model.vision_tower.*`` / ``model.embed_vision.*``, or
+    without ``model.``) keep their name under ``vision_tower.`` / ``embed_vision.``; the rest is dropped."""
+    for prefix, target in _SIDECAR_PREFIXES.items():
+        if name.startswith(prefix):
+            return TensorTarget.to(target + name[len(prefix) :])
+    return TensorTarget.drop()
