@@ -56,6 +56,18 @@ def test_png_chat_matches_transformers(
     assert list(reply.tokens) == ref[f"{case}_greedy_tokens"].tolist()
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_bf16_checkpoint_and_sidecar_match_their_reference(
+    turbospark_install: Any, turbospark_fixtures: Path, tmp_path: Path, name: str
+) -> None:
+    fixture = turbospark_fixtures / name
+    convert_sidecar(fixture / "bf16", tmp_path / "sidecar")
+    runner = turbospark_core.open(turbospark_install(name, "bf16"), vision=tmp_path / "sidecar")
+    logits = runner.logits(runner.chat_input(_messages(fixture, "one")))
+    want = np.load(fixture / "references_vision.npz")["one_logits_bf16_weights"]
+    assert np.abs(logits - want).max() <= 1e-2  # loosely, as the README says (observed 2e-6 with float32 math)
+
+
 def test_sidecar_records_the_tower_and_placeholders(turbospark_fixtures: Path, sidecars: dict[str, Path]) -> None:
     manifest = json.loads((sidecars["gemma4_e"] / "manifest.json").read_text())
     assert manifest["tokens"] == {"image": 11, "boi": 9, "eoi": 10}

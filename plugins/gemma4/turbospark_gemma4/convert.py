@@ -1,4 +1,4 @@
-"""Hugging Face config and tensor-name mapping for Gemma 4 (text decoder only)."""
+"""Hugging Face config and tensor-name mapping for the Gemma 4 text decoder (the tower: see vision_config)."""
 
 from __future__ import annotations
 
