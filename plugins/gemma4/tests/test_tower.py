@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -54,6 +55,22 @@ def test_png_chat_matches_transformers(
     assert np.abs(runner.logits(prompt) - ref[f"{case}_logits"]).max() <= 1e-4
     reply = runner.generate(prompt, max_tokens=16, temperature=0.0)
     assert list(reply.tokens) == ref[f"{case}_greedy_tokens"].tolist()
+
+
+def test_openai_data_url_parts_give_the_same_prompt(
+    turbospark_install: Any, turbospark_fixtures: Path, sidecars: dict[str, Path]
+) -> None:
+    fixture = turbospark_fixtures / "gemma4_e"
+    runner = turbospark_core.open(turbospark_install("gemma4_e"), vision=sidecars["gemma4_e"])
+    by_path = _messages(fixture, "two")
+    by_url = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                  + base64.b64encode(Path(p["image"]).read_bytes()).decode()}}
+        if p["type"] == "image" else p for p in by_path[0]["content"]
+    ]}]  # fmt: skip
+    a, b = runner.chat_input(by_path), runner.chat_input(by_url)
+    assert isinstance(a, VisionPrompt) and isinstance(b, VisionPrompt) and a.ids == b.ids
+    assert np.array_equal(runner.logits(a), runner.logits(b))
 
 
 @pytest.mark.parametrize("name", FIXTURES)
