@@ -133,3 +133,24 @@ def test_image_the_tower_cannot_take_is_a_bad_request(
         image = np.zeros((*size, 3), dtype=np.uint8)
         with pytest.raises(ImageError, match=named):
             runner.chat_input([{"role": "user", "content": [{"type": "image", "image": image}]}])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_session_reuse_with_images_equals_a_fresh_run(
+    turbospark_install: Any, turbospark_fixtures: Path, sidecars: dict[str, Path], name: str
+) -> None:
+    """A follow-up turn reuses the cached image prefix; a different image at the same place is not reused."""
+    fixture = turbospark_fixtures / name
+    runner = turbospark_core.open(turbospark_install(name), vision=sidecars[name])
+    first = _messages(fixture, "one")
+    session = runner.session("s")
+    reply = session.chat(first, max_tokens=4, temperature=0.0)
+    follow_up = [*first, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And the colours?"}]
+    assert session.chat(follow_up, max_tokens=6, temperature=0.0).tokens == runner.chat(
+        follow_up, max_tokens=6, temperature=0.0
+    ).tokens
+    other = [{"role": "user", "content": [{**first[0]["content"][0], "image": str(fixture / "image_1.png")},
+                                          *first[0]["content"][1:]]}]  # fmt: skip
+    assert session.chat(other, max_tokens=6, temperature=0.0).tokens == runner.chat(
+        other, max_tokens=6, temperature=0.0
+    ).tokens
