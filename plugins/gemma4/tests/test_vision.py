@@ -89,9 +89,17 @@ def test_grid_the_tower_cannot_cover_refused(turbospark_fixtures: Path, rows: in
         tower.hidden(mx.zeros((rows * cols, 48)), rows, cols)
 
 
-def test_position_table_of_another_shape_refused(turbospark_fixtures: Path) -> None:
-    with pytest.raises(InstallError, match="position_embedding_table"):
-        _tower(turbospark_fixtures / "gemma4_e", position_embedding_size=32)
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"position_embedding_size": 32}, "position_embedding_table"),
+        ({"patch_size": 8}, "input_proj"),
+        ({"text_hidden_size": 128}, "embedding_projection"),
+    ],
+)
+def test_tensors_of_another_shape_refused(turbospark_fixtures: Path, change: dict[str, Any], named: str) -> None:
+    with pytest.raises(InstallError, match=f"{named}.* has shape"):
+        _tower(turbospark_fixtures / "gemma4_e", **change)
 
 
 def _weights(fixture: Path) -> dict[str, mx.array]:

@@ -125,20 +125,34 @@ class Encoder:
     """
 
     def __init__(self, args: VisionArgs, get: Tensors, prefix: str = "") -> None:
+        """Read the tower's tensors.
+
+        Raises:
+            InstallError: The patch embedding, position table or projection has another
+                shape than the tower config says (named, with both shapes).
+        """
         self.args = args
         tower = f"{prefix}{TOWER}"
-        self.input_proj = get(f"{tower}.patch_embedder.input_proj.weight").astype(mx.float32)
-        self.positions = get(f"{tower}.patch_embedder.position_embedding_table").astype(mx.float32)
-        expected = (2, args.position_embedding_size, args.hidden_size)
-        if tuple(self.positions.shape) != expected:
-            msg = (f"{tower}.patch_embedder.position_embedding_table has shape {tuple(self.positions.shape)}, "
-                   f"expected {expected} from the tower config")  # fmt: skip
-            raise InstallError(msg)
+
+        def shaped(name: str, shape: tuple[int, ...]) -> mx.array:
+            arr = get(name).astype(mx.float32)
+            if tuple(arr.shape) != shape:
+                msg = (f"{name} has shape {tuple(arr.shape)}, but the tower config says {shape}; "
+                       "re-run the sidecar conversion from the checkpoint")  # fmt: skip
+                raise InstallError(msg)
+            return arr
+
+        a = args
+        self.input_proj = shaped(f"{tower}.patch_embedder.input_proj.weight", (a.hidden_size, 3 * a.patch_size**2))
+        self.positions = shaped(
+            f"{tower}.patch_embedder.position_embedding_table", (2, a.position_embedding_size, a.hidden_size)
+        )
         self.layers = [VisionLayer(args, get, f"{tower}.encoder.layers.{i}") for i in range(args.num_hidden_layers)]
         self.std: tuple[mx.array, mx.array] | None = None
         if args.standardize:
-            self.std = (get(f"{tower}.std_bias").astype(mx.float32), get(f"{tower}.std_scale").astype(mx.float32))
-        self.projection = get(f"{prefix}{PROJECTOR}.embedding_projection.weight").astype(mx.float32)
+            self.std = (shaped(f"{tower}.std_bias", (a.hidden_size,)), shaped(f"{tower}.std_scale", (a.hidden_size,)))
+        projection = f"{prefix}{PROJECTOR}.embedding_projection.weight"
+        self.projection = shaped(projection, (a.text_hidden_size, a.hidden_size))
 
     def check_grid(self, rows: int, cols: int) -> None:
         """Refuse a patch grid the learned positions or the pooling cannot cover.
