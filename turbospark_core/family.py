@@ -50,7 +50,8 @@ Vision (see :mod:`turbospark_core.vision.tower` for the whole image flow)
     answer follows), ``PreparedImage`` (one preprocessed image),
     ``ImageFeatures`` (what the tower's ``encode`` returns), ``VisionInputs``
     (the ``vision=`` keyword of the trunk's forward), ``resize_rgb`` (PIL
-    resampling of a decoded image, as the Hugging Face processors do).
+    resampling of a decoded image, as the Hugging Face processors do),
+    ``ImageError`` (an image the tower cannot take: a 400 in the server).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -104,7 +105,7 @@ from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
-from turbospark_core.vision.images import resize_rgb
+from turbospark_core.vision.images import ImageError, resize_rgb
 from turbospark_core.vision.tower import (
     ImageFeatures,
     PreparedImage,
@@ -140,6 +141,7 @@ __all__ = [
     "FamilyContext",
     "FamilyModel",
     "FamilySpec",
+    "ImageError",
     "ImageFeatures",
     "InstallError",
     "KVCache",
