@@ -103,7 +103,7 @@ class PreparedImage:
     Attributes:
         pixel_values: The processor's output for this image (float32; the
             family's layout, e.g. Qwen3-VL ``[patches, 3*2*p*p]`` in
-            merge-block order, Gemma 4 ``[max_patches, p*p*3]`` padded).
+            merge-block order, Gemma 4 ``[patches, p*p*3]``, the real patches only).
         grid: Family-defined shape facts (Qwen3-VL ``(t, gh, gw)`` in patches;
             Gemma 4 the patch grid ``(rows, cols)``).
         expansion: The token ids that replace this image's placeholder token.

@@ -19,12 +19,12 @@ import numpy as np
 from turbospark_core.family import (
     ArchConfigError,
     ConversionError,
+    ImageError,
     ImageFeatures,
     InstallError,
     Linear,
     PreparedImage,
     TensorTarget,
-    TurbosparkError,
     VisionContext,
     VisionSpec,
     WeightStore,
@@ -37,7 +37,7 @@ MAX_ASPECT_RATIO = 200
 _TOWER = "model.visual."
 
 
-class ImageSizeError(TurbosparkError, ValueError):
+class ImageSizeError(ImageError):
     """An image the Qwen3-VL processor cannot take (aspect ratio past 200)."""
 
 
