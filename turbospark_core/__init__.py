@@ -43,6 +43,7 @@ def open(  # noqa: A001 - the API's name
     verify: bool = False,
     steering: str | Path | DirectionSet | None = None,
     kv_rotate: bool = True,
+    vision: str | Path | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -91,6 +92,11 @@ def open(  # noqa: A001 - the API's name
             a normalized Hadamard transform (rotated back when read, so the
             attention is unchanged in exact math; 4-bit KV loses far less).
             Applies to head dims that are powers of two; ``False`` turns it off.
+        vision: A vision sidecar directory (``turbospark convert SRC DST --vision
+            SIDECAR``) to attach after the open: chat messages may then hold
+            images. It must fit the install (family, hidden size, placeholder
+            ids) and the tower counts against ``memory_budget``; a family with
+            no vision flow refuses it by name (see :meth:`Runner.attach_vision`).
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -123,6 +129,7 @@ def open(  # noqa: A001 - the API's name
             "verify": verify,
             "steering": steering,
             "kv_rotate": kv_rotate,
+            "vision": vision,
         }
     )
     opened = open_install(path, options)  # steps 3-15
@@ -131,7 +138,10 @@ def open(  # noqa: A001 - the API's name
         opened.generation_config,
         lambda: opened.hooks.default_chat_template(opened.manifest.arch),
     )
-    return Runner(opened, tokenizer)
+    runner = Runner(opened, tokenizer)
+    if options.vision is not None:
+        runner.attach_vision(options.vision)
+    return runner
 
 
 from turbospark_core.runner import Generation, Runner  # noqa: E402

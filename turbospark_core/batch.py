@@ -31,6 +31,8 @@ from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
+from turbospark_core.vision.prompt import VisionPrompt
+from turbospark_core.vision.tower import VisionInputs
 
 if TYPE_CHECKING:
     from turbospark_core.runner import Generation, Runner, Steering, _Progress
@@ -92,6 +94,7 @@ class _Seq:
     history: mx.array
     caches: list[Cache] | None = None
     state: SequenceState | None = None  # a parked session the row continues, and is saved back into
+    vision: VisionPrompt | None = None  # the prompt's images (issue 22)
     steering: DirectionSet | None = None  # this row's own edit (per-row inside a batched forward)
     sampled: list[int] = attrs.Factory(list)  # every sampled token, EOS included
     fed: int = 0
@@ -127,7 +130,7 @@ class Batch:
     # ------------------------------------------------------------- rows
     def add(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | VisionPrompt,
         max_tokens: int = 256,
         *,
         state: SequenceState | None = None,
@@ -173,6 +176,7 @@ class Batch:
             state=state,
             steering=chosen,
             top_logprobs=logprobs,
+            vision=prompt if isinstance(prompt, VisionPrompt) else None,
         )
         if max_tokens == 0:
             self._finish(seq, "length", flush=False)
@@ -228,8 +232,9 @@ class Batch:
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 return
-            reused = common_prefix(seq.state.tokens, seq.ids)
+            reused = self.runner._image_reuse(seq.state, seq.vision, common_prefix(seq.state.tokens, seq.ids))
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
+            self.runner._remember_images(seq.state, seq.vision)
             seq.progress.reused_tokens = reused
             seq.fed = reused
             seq.caches = seq.state.caches
@@ -250,12 +255,13 @@ class Batch:
         ids, edit = seq.ids, Edit.of_rows([seq.steering])
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
-            self.runner._forward(mx.array([chunk]), seq.caches, edit)
+            self.runner._forward(mx.array([chunk]), seq.caches, edit, self._images(seq, seq.fed, seq.fed + len(chunk)))
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             return
-        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit)[:, -1, :]
+        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, self._images(seq, len(ids) - 1, len(ids)))
+        logits = logits[:, -1, :]
         penalized = seq.sampler.penalize(logits.astype(mx.float32), seq.history)
         token = seq.sampler(penalized)
         scores = _logprob_arrays(seq, penalized, token)
@@ -283,7 +289,9 @@ class Batch:
         rows = self._decoding
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         edit = Edit.of_rows([s.steering for s in rows])
-        logits = self.runner._forward(pending[:, None], self._caches.caches, edit)[:, -1, :]
+        shifts = [0 if s.vision is None else s.vision.shift for s in rows]  # positions after a row's images
+        vision = VisionInputs(shift=mx.array(shifts, dtype=mx.int32)) if any(shifts) else None
+        logits = self.runner._forward(pending[:, None], self._caches.caches, edit, vision)[:, -1, :]
         tokens, scores = [], []
         for b, seq in enumerate(rows):
             assert seq.pending is not None
@@ -298,6 +306,11 @@ class Batch:
             seq.pending = token
             self._accept(seq, _token_id(token), out, score)
         self._drop_finished()
+
+    def _images(self, seq: _Seq, start: int, end: int) -> VisionInputs | None:
+        """The image part of a row's prefill forward over ``ids[start:end]`` (``None`` for text)."""
+        tower = self.runner.vision
+        return None if seq.vision is None or tower is None else seq.vision.chunk(tower.tower, start, end)
 
     def _accept(
         self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]], scores: list[mx.array] | None = None

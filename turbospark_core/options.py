@@ -74,6 +74,18 @@ def _steering(value: object) -> Any:
     raise OptionError(msg)
 
 
+def _vision(value: object) -> Any:
+    """A vision sidecar directory (str or Path), or ``None``; read after the open."""
+    from pathlib import Path
+
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"vision={value!r} is invalid; pass a vision sidecar directory or None"
+    raise OptionError(msg)
+
+
 def _residency(value: object) -> Residency:
     return _choice("residency", value, RESIDENCY)
 
@@ -118,6 +130,7 @@ class OpenOptions:
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
     kv_rotate: bool = True
+    vision: Any = attrs.field(default=None, converter=_vision)  # Path | None
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

@@ -22,15 +22,22 @@ from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
+from turbospark_core.vision.prompt import HeldImages, VisionPrompt
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from typing_extensions import Unpack
 
     from turbospark_core.batch import Batch
+    from turbospark_core.vision.attach import AttachedVision
+    from turbospark_core.vision.tower import VisionInputs
 
 PREFILL_CHUNK = 512
 # Per-request steering: a DirectionSet, None (the open's set, if any) or False (unsteered)
 Steering = DirectionSet | Literal[False] | None
+# A prompt: text, token ids, or a chat prompt with images (Runner.chat_input)
+Prompt = str | Sequence[int] | VisionPrompt
 
 
 def check_budget(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -99,6 +106,52 @@ class Runner:
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
         # id(state) -> (state, fingerprint of the steering its caches were computed under)
         self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
+        self._held_images = HeldImages()  # which images each state's caches hold (prefix reuse)
+        self.vision: AttachedVision | None = None
+
+    # ------------------------------------------------------------- vision (issue 22)
+    def attach_vision(self, sidecar: str | Path) -> AttachedVision:
+        """Attach a vision sidecar (``turbospark convert SRC DST --vision SIDECAR``): images in chat messages.
+
+        Raises:
+            SidecarError: The sidecar is malformed or does not fit this model (family, hidden size,
+                placeholder ids), naming the mismatch.
+            FamilyRefusalError: The family serves no vision flow.
+            MemoryBudgetError: The tower does not fit the open's memory budget.
+        """
+        from turbospark_core.vision.attach import attach_vision
+
+        self.vision = attach_vision(sidecar, self._opened, self.tokenizer)
+        return self.vision
+
+    def chat_input(self, messages: list[dict[str, Any]]) -> list[int] | VisionPrompt:
+        """The prompt of ``messages``: token ids, or a :class:`VisionPrompt` when they hold images.
+
+        Image parts are ``{"type": "image", "image": X}`` (X: a path, bytes, a base64
+        ``data:`` URL, a PIL image or a numpy array) or OpenAI's
+        ``{"type": "image_url", "image_url": {"url": "data:..."}}``.
+
+        Raises:
+            ImageError: An image part on a runner without a vision sidecar, an undecodable or
+                too large image, a remote URL.
+            ContextOverflowError: The images do not fit ``max_context``.
+        """
+        from turbospark_core.vision.prompt import image_prompt, split_images
+
+        if not messages:
+            raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
+        rendered, images = split_images(messages)
+        if not images:
+            return self.chat_prompt(messages)
+        return image_prompt(rendered, images, self.tokenizer, self.vision, self.max_context)
+
+    def _image_reuse(self, state: SequenceState, prompt: VisionPrompt | None, common: int) -> int:
+        """The reusable prefix of a parked state: up to the first image its caches hold that the prompt lacks."""
+        return self._held_images.reusable(state, prompt, common)
+
+    def _remember_images(self, state: SequenceState, prompt: VisionPrompt | None) -> None:
+        """Record the images ``state``'s caches are filled with (``prompt``'s)."""
+        self._held_images.remember(state, prompt)
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:
@@ -165,14 +218,18 @@ class Runner:
         return self._opened.max_context
 
     # ------------------------------------------------------------- logits
-    def logits(self, token_ids: Sequence[int], *, steering: Steering = None) -> np.ndarray:
+    def logits(self, token_ids: Sequence[int] | VisionPrompt, *, steering: Steering = None) -> np.ndarray:
         """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context.
 
+        ``token_ids`` may be a :class:`VisionPrompt` (:meth:`chat_input` of messages with images).
         ``steering``: as in :meth:`generate`.
         """
-        ids = self._check_ids(token_ids)
+        ids = self._encode_prompt(token_ids) if isinstance(token_ids, VisionPrompt) else self._check_ids(token_ids)
+        vision = None
+        if isinstance(token_ids, VisionPrompt) and self.vision is not None:
+            vision = token_ids.chunk(self.vision.tower, 0, len(ids))
         cache = self._opened.new_cache()
-        out = self._forward(mx.array([ids]), cache, self.steering_edit(steering))[0].astype(mx.float32)
+        out = self._forward(mx.array([ids]), cache, self.steering_edit(steering), vision)[0].astype(mx.float32)
         return np.array(out)
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
@@ -190,13 +247,29 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:  # noqa: B008 - frozen, never mutated
-        """Run the prompt through the model; returns last-position logits ``[1, V]``."""
+    def _prefill(
+        self,
+        ids: list[int],
+        cache: list[Cache],
+        edit: Edit = Edit({}),  # noqa: B008 - frozen, never mutated
+        vision: VisionPrompt | None = None,
+        first: int = 0,
+    ) -> mx.array:
+        """Run the prompt through the model; returns last-position logits ``[1, V]``.
+
+        ``vision``: the prompt's images, ``ids`` being ``vision.ids[first:]``.
+        """
+
+        def part(a: int, b: int) -> VisionInputs | None:
+            if vision is None or self.vision is None:
+                return None
+            return vision.chunk(self.vision.tower, first + a, first + b)
+
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
-            chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
-            self._forward(mx.array([chunk]), cache, edit)
+            end = min(start + PREFILL_CHUNK, len(ids) - 1)
+            self._forward(mx.array([ids[start:end]]), cache, edit, part(start, end))
             mx.eval([c.state for c in cache])
-        return self._forward(mx.array([ids[-1:]]), cache, edit)[:, -1, :]
+        return self._forward(mx.array([ids[-1:]]), cache, edit, part(len(ids) - 1, len(ids)))[:, -1, :]
 
     def _token_stream(
         self,
@@ -206,9 +279,12 @@ class Runner:
         progress: _Progress,
         state: SequenceState,
         edit: Edit = Edit({}),  # noqa: B008 - a frozen Edit, never mutated
+        vision: VisionPrompt | None = None,
     ) -> Iterator[int]:
-        reused = common_prefix(state.tokens, ids)
+        reused = self._image_reuse(state, vision, common_prefix(state.tokens, ids))
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
+        self._remember_images(state, vision)
+        step_vision = None if vision is None else vision.decode_step()
         progress.reused_tokens = reused
         history = mx.array(ids[-sampler.params.repetition_context :])
         produced: list[int] = []
@@ -220,7 +296,7 @@ class Runner:
             return sampler(logits)
 
         try:
-            token = step(self._prefill(ids[reused:], state.caches, edit))
+            token = step(self._prefill(ids[reused:], state.caches, edit, vision, reused))
             fed = len(ids)
             mx.eval(token)
             state.tokens = list(ids)
@@ -231,7 +307,7 @@ class Runner:
                 current = token
                 if n + 1 < max_tokens:
                     history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
-                    token = step(self._forward(current[:, None], state.caches, edit)[:, -1, :])
+                    token = step(self._forward(current[:, None], state.caches, edit, step_vision)[:, -1, :])
                     fed += 1
                     mx.async_eval(token)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
                 tok = int(cast(int, current.item()))
@@ -249,14 +325,16 @@ class Runner:
                 state.tokens = (list(ids) + produced)[:fed]
                 state.checkpoint()
 
-    def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, VisionPrompt):
+            return self._check_ids(prompt.ids)
         if isinstance(prompt, str):
             return self._check_ids(self.tokenizer.encode(prompt))
         return self._check_ids(prompt)
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -272,7 +350,7 @@ class Runner:
 
     def _run(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int,
         sampling: SamplingOptions,
         progress: _Progress,
@@ -294,7 +372,8 @@ class Runner:
         matcher = StopMatcher(stop)
         state = state if state is not None else SequenceState(self._opened.new_cache)
         self._match_cache_steering(state, fingerprint(chosen))
-        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit):
+        vision = prompt if isinstance(prompt, VisionPrompt) else None
+        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit, vision):
             if tok in self.eos_token_ids:
                 progress.finish_reason = "stop"
                 break
@@ -311,7 +390,7 @@ class Runner:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -347,8 +426,11 @@ class Runner:
         steering: Steering = None,
         **sampling: Unpack[SamplingOptions],
     ) -> Generation:
-        """Generate the assistant's reply to ``messages`` through the install's chat template."""
-        return self.generate(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        """Generate the assistant's reply to ``messages`` through the install's chat template.
+
+        Messages may hold image parts when a vision sidecar is attached (see :meth:`chat_input`).
+        """
+        return self.generate(self.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
         self,
@@ -359,7 +441,7 @@ class Runner:
         **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
-        return self.stream(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        return self.stream(self.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def generate_many(
         self,
@@ -442,10 +524,17 @@ class Runner:
         self._cache_steering = {k: v for k, v in self._cache_steering.items() if v[0]() is not None}
         self._cache_steering[id(state)] = (weakref.ref(state), key)
 
-    def _forward(self, inputs: mx.array, cache: list[Cache] | None, edit: Edit) -> mx.array:
-        """One forward of the family's model with ``edit`` active (nothing set up when it is empty)."""
+    def _forward(
+        self, inputs: mx.array, cache: list[Cache] | None, edit: Edit, vision: VisionInputs | None = None
+    ) -> mx.array:
+        """One forward of the family's model with ``edit`` active (nothing set up when it is empty).
+
+        ``vision``: the image part of this forward (only then is the ``vision`` keyword passed).
+        """
         with applying(edit, family=self._opened.capabilities.family):
-            return self.model(inputs, cache)
+            if vision is None:
+                return self.model(inputs, cache)
+            return self.model(inputs, cache, vision=vision)  # type: ignore[call-arg]
 
     def capture(
         self,
@@ -505,9 +594,14 @@ class Runner:
         return np.array(stacked)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template."""
+        """The token ids of ``messages`` rendered with the chat template (images expanded: :meth:`chat_input`)."""
         if not messages:
             raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
+        from turbospark_core.vision.prompt import split_images
+
+        if split_images(messages)[1]:
+            prompt = self.chat_input(messages)
+            return prompt.ids if isinstance(prompt, VisionPrompt) else prompt
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -518,7 +612,7 @@ class TextStream:
     def __init__(
         self,
         runner: Runner,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int,
         sampling: SamplingOptions,
         state: SequenceState | None = None,
@@ -566,7 +660,7 @@ class Session:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -581,7 +675,7 @@ class Session:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -601,8 +695,8 @@ class Session:
         steering: Steering = None,
         **sampling: Unpack[SamplingOptions],
     ) -> Generation:
-        """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix is reused."""
-        return self.generate(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix (images included) is reused."""
+        return self.generate(self.runner.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
         self,
@@ -613,7 +707,7 @@ class Session:
         **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`Runner.chat_stream`, reusing the session's cached prefix."""
-        return self.stream(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        return self.stream(self.runner.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def reset(self) -> None:
         """Forget this session's cached tokens."""

@@ -264,7 +264,7 @@ def _facts(runner: Runner, model_id: str, steering_sets: dict[str, Any]) -> Mode
         vocab_size=int(runner.manifest.arch["vocab_size"]),
         encode=tok.encode,
         decode=tok.decode,
-        chat_prompt=runner.chat_prompt,
+        chat_prompt=runner.chat_input,
     )
 
 

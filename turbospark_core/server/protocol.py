@@ -46,9 +46,10 @@ from typing import Any
 import attrs
 
 from turbospark_core.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from turbospark_core.errors import OptionError, TokenizerError
+from turbospark_core.errors import OptionError, TurbosparkError
 from turbospark_core.sampling import SamplingParams
 from turbospark_core.stop import StopMatcher
+from turbospark_core.vision.prompt import VisionPrompt, is_image_part
 
 SEED_MODULUS = 2**64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -102,7 +103,8 @@ class ModelFacts:
     vocab_size: int
     encode: Callable[[str], list[int]] = attrs.field(eq=False)
     decode: Callable[[list[int]], str] = attrs.field(eq=False)
-    chat_prompt: Callable[[list[dict[str, Any]]], list[int]] = attrs.field(eq=False)
+    # the prompt of chat messages: token ids, or a VisionPrompt when they hold images (Runner.chat_input)
+    chat_prompt: Callable[[list[dict[str, Any]]], list[int] | VisionPrompt] = attrs.field(eq=False)
     steering_sets: dict[str, Any] = attrs.field(factory=dict, eq=False)  # name -> DirectionSet
     steering_refusal: str | None = None  # the family's steering_supported answer
     steering_default: str | None = None  # the name of the set applied when a request names none
@@ -122,6 +124,7 @@ class GenerationRequest:
     steering: Any = attrs.field(default=None, eq=False)  # DirectionSet, None (the default) or False (none)
     echo: str | None = None  # completions: the prompt text to put before the completion
     logprobs: int | None = None  # None: no log probabilities; k: each token's and its k best alternatives
+    vision: VisionPrompt | None = attrs.field(default=None, eq=False)  # chat: the prompt with its images
     request_id: str = attrs.Factory(lambda self: _new_id(self.kind), takes_self=True)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -332,11 +335,13 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...], prompt_len: int, f
 
 
 # ------------------------------------------------------------------ chat
-def _message_text(content: Any, where: str) -> str:
+def _message_text(content: Any, where: str) -> str | list[dict[str, Any]]:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise _bad_type(where, "a string or a list of text parts", content)
+    if any(is_image_part(p) for p in content):
+        return _image_parts(content, where)
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -346,7 +351,25 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _image_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """Text and ``image_url`` parts, as the chat template and :meth:`Runner.chat_input` take them."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if is_image_part(part):
+            value = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str):
+                raise _bad_type(f"{where}[{j}].image_url.url", "a base64 data: URL string", url)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _unsupported(where, f"only text and image_url content parts are served (got a {kind!r} part)")
+    return parts
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         msg = "'messages' must be a non-empty list of {'role', 'content'} objects"
@@ -377,9 +400,11 @@ def parse_chat(body: dict[str, Any], facts: ModelFacts) -> GenerationRequest:
     _refuse_unsupported(body)
     messages = _messages(body)
     try:
-        prompt = facts.chat_prompt(messages)
-    except (TokenizerError, OptionError) as e:
+        got = facts.chat_prompt(messages)
+    except TurbosparkError as e:  # a template failure; images: undecodable, too large, too many for the context
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    vision = got if isinstance(got, VisionPrompt) else None
+    prompt = got.ids if isinstance(got, VisionPrompt) else got
     sampling = _sampling(body)
     stream, include_usage = _stream_flags(body)
     return GenerationRequest(
@@ -392,6 +417,7 @@ def parse_chat(body: dict[str, Any], facts: ModelFacts) -> GenerationRequest:
         session_id=_session_id(body),
         steering=_steering(body, facts),
         logprobs=_chat_logprobs(body),
+        vision=vision,
     )
 
 

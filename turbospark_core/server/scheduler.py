@@ -306,8 +306,9 @@ class Scheduler:
         req = job.request
         try:
             state = self.runner.sessions.acquire(job.slot)
+            prompt = req.prompt if req.vision is None else req.vision  # a chat with images: the VisionPrompt
             job._row = self._batch.add(
-                req.prompt, req.max_tokens, state=state, steering=req.steering, logprobs=req.logprobs, **req.sampling
+                prompt, req.max_tokens, state=state, steering=req.steering, logprobs=req.logprobs, **req.sampling
             )
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
