@@ -73,6 +73,8 @@ def test_an_install_or_an_empty_directory_is_not_a_sidecar(turbospark_vision_ins
         (lambda raw: raw["tokens"].update(image=-1), SidecarError, "tokens.image must be a non-negative integer"),
         (lambda raw: raw["trunk"].update(hidden_size="64"), SidecarError, "trunk.hidden_size"),
         (lambda raw: raw.update(vision=[]), SidecarError, "'vision' must be a dict"),
+        (lambda raw: raw.update(quantization=[1]), SidecarError, "'quantization' must be an object"),  # fuzz find
+        (lambda raw: raw.update(provenance="x"), SidecarError, "'provenance' must be an object"),
         (lambda raw: raw["files"].update({"../w": {"size": 1, "sha256": ""}}), FileTableError, "not a sidecar file"),
         (lambda raw: raw["files"][VISION_WEIGHTS].update(size=3), FileTableError, "truncated or altered"),
         (lambda raw: raw["files"].pop(VISION_WEIGHTS), FileTableError, "lacks 'vision_weights.safetensors'"),

@@ -157,8 +157,8 @@ def load_sidecar(path: str | Path) -> Sidecar:
         token_texts=_texts(raw.get("token_texts") or {}, where),
         processor=_get(raw, "processor", dict, where),
         files=_file_table(_get(raw, "files", dict, where), where),
-        quantization=raw.get("quantization") or {},
-        provenance=raw.get("provenance") or {},
+        quantization=_optional(raw, "quantization", where),
+        provenance=_optional(raw, "provenance", where),
     )
     _check_files(sidecar)
     return sidecar
@@ -169,6 +169,13 @@ def _get(raw: dict[str, Any], key: str, kind: type, where: Path) -> Any:
     if not isinstance(value, kind):
         msg = f"{where}: {key!r} must be a {kind.__name__}, got {value!r:.80}; re-run the sidecar conversion"
         raise SidecarError(msg)
+    return value
+
+
+def _optional(raw: dict[str, Any], key: str, where: Path) -> dict[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise SidecarError(f"{where}: {key!r} must be an object or null, got {value!r:.80}; re-convert the sidecar")
     return value
 
 

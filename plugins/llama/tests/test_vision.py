@@ -13,6 +13,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core import runner as runner_module
+from turbospark_core.errors import ArchConfigError
 from turbospark_core.runner import Runner
 from turbospark_core.testing import vision_messages
 from turbospark_core.vision.images import load_image
@@ -165,6 +166,25 @@ def test_smart_resize_rounds_half_to_even_and_bounds_pixels() -> None:
     assert h * w >= 256 and h % 8 == 0
     with pytest.raises(ImageSizeError, match="aspect ratio"):
         processor.target_size(1, 300)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [  # each was an escape (ZeroDivisionError, TypeError, ValueError, AttributeError) found by tests/fuzz
+        ({"patch_size": 0}, "'processor.patch_size' must be an integer"),
+        ({"merge_size": [2]}, "'processor.merge_size' must be an integer"),
+        ({"size": [1]}, "processor.size must be an object"),
+        ({"rescale_factor": ""}, "'processor.rescale_factor' must be a finite number"),
+        ({"image_mean": [0.5, 0.5, 0.5, 0.5]}, "'processor.image_mean' must list 3"),
+        ({"image_std": [0.5, 0.0, 0.5]}, "'processor.image_std' must list 3"),
+        ({"do_resize": "yes"}, "'processor.do_resize' must be true or false"),
+        ({"size": {"shortest_edge": 4096, "longest_edge": 256}}, "must not exceed max_pixels"),
+    ],
+)
+def test_a_bad_processor_config_is_refused_by_name(change: dict[str, Any], words: str) -> None:
+    config = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, **change}
+    with pytest.raises(ArchConfigError, match=words):
+        Processor.from_config(config)
 
 
 # ------------------------------------------------------------------ the vision hooks, via llama

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.family import (
+    MAX_FLOAT,
     ArchConfigError,
     ConversionError,
     ImageError,
@@ -28,7 +29,10 @@ from turbospark_core.family import (
     VisionContext,
     VisionSpec,
     WeightStore,
+    bool_problem,
+    float_problems,
     int_problems,
+    is_number,
     resize_rgb,
 )
 
@@ -115,12 +119,16 @@ def vision_problems(vision: dict[str, Any]) -> list[str]:
     ds = vision.get("deepstack_visual_indexes")
     if not isinstance(ds, list) or not all(isinstance(i, int) and 0 <= i < vision["depth"] for i in ds):
         out.append(f"vision.deepstack_visual_indexes must list block indexes in [0, {vision['depth']})")
+    out += float_problems(vision, {"rope_theta": MAX_FLOAT}, where="vision.")
     if vision.get("hidden_act") != "gelu_pytorch_tanh":
         out.append(f"vision.hidden_act {vision.get('hidden_act')!r} is not served (gelu_pytorch_tanh)")
     return out
 
 
 # ------------------------------------------------------------------ preprocessing
+_PROCESSOR_INTS = {
+    "patch_size": 64, "temporal_patch_size": 8, "merge_size": 8, "min_pixels": 1 << 26, "max_pixels": 1 << 26,
+}  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)
@@ -142,24 +150,63 @@ class Processor:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Processor:
-        size = cfg.get("size") or {}
-        try:
-            return cls(
-                patch_size=int(cfg["patch_size"]),
-                temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
-                merge_size=int(cfg.get("merge_size", 2)),
-                min_pixels=int(size.get("shortest_edge", cfg.get("min_pixels", 56 * 56))),
-                max_pixels=int(size.get("longest_edge", cfg.get("max_pixels", 28 * 28 * 1280))),
-                resample=int(cfg.get("resample", 3)),
-                do_resize=bool(cfg.get("do_resize", True)),
-                do_rescale=bool(cfg.get("do_rescale", True)),
-                rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
-                do_normalize=bool(cfg.get("do_normalize", True)),
-                image_mean=tuple(float(x) for x in cfg.get("image_mean", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
-                image_std=tuple(float(x) for x in cfg.get("image_std", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
+        """Read a processor config, every value typed and bounded.
+
+        Raises:
+            ArchConfigError: A missing, mistyped or out-of-range value, naming it.
+        """
+        if not isinstance(cfg, dict):
+            raise ArchConfigError(
+                f"the sidecar's Qwen3-VL processor config must be an object (got {type(cfg).__name__})"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ArchConfigError(f"the sidecar's Qwen3-VL processor config is invalid ({e!r})") from None
+        size = cfg.get("size") or {}
+        if not isinstance(size, dict):
+            raise ArchConfigError(f"processor.size must be an object (got {type(size).__name__})")
+        merged = {
+            "patch_size": cfg.get("patch_size"),
+            "temporal_patch_size": cfg.get("temporal_patch_size", 2),
+            "merge_size": cfg.get("merge_size", 2),
+            "min_pixels": size.get("shortest_edge", cfg.get("min_pixels", 56 * 56)),
+            "max_pixels": size.get("longest_edge", cfg.get("max_pixels", 28 * 28 * 1280)),
+            "resample": cfg.get("resample", 3),
+            "rescale_factor": cfg.get("rescale_factor", 1 / 255),
+            "image_mean": cfg.get("image_mean", [0.5, 0.5, 0.5]),
+            "image_std": cfg.get("image_std", [0.5, 0.5, 0.5]),
+        }
+        problems = int_problems(merged, _PROCESSOR_INTS, where="processor.")
+        problems += int_problems(merged, {"resample": 5}, low=0, where="processor.")
+        problems += float_problems(merged, {"rescale_factor": 1.0}, where="processor.")
+        problems += [
+            p
+            for key in ("do_resize", "do_rescale", "do_normalize")
+            if (p := bool_problem(cfg, key, optional=True, where="processor."))
+        ]
+        for key, low in (("image_mean", -1e3), ("image_std", 0.0)):
+            values = merged[key]
+            if not (
+                isinstance(values, list) and len(values) == 3 and all(is_number(v) and low < v < 1e3 for v in values)
+            ):
+                problems.append(f"'processor.{key}' must list 3 finite numbers in ({low:g}, 1000) (got {values!r:.60})")
+        if not problems and merged["min_pixels"] > merged["max_pixels"]:
+            problems.append(
+                "'processor.min_pixels' (size.shortest_edge) must not exceed max_pixels (size.longest_edge)"
+            )
+        if problems:
+            raise ArchConfigError("the sidecar's Qwen3-VL processor config is invalid: " + "; ".join(problems))
+        return cls(
+            patch_size=merged["patch_size"],
+            temporal_patch_size=merged["temporal_patch_size"],
+            merge_size=merged["merge_size"],
+            min_pixels=merged["min_pixels"],
+            max_pixels=merged["max_pixels"],
+            resample=merged["resample"],
+            do_resize=cfg.get("do_resize", True),
+            do_rescale=cfg.get("do_rescale", True),
+            rescale_factor=float(merged["rescale_factor"]),
+            do_normalize=cfg.get("do_normalize", True),
+            image_mean=tuple(float(x) for x in merged["image_mean"]),  # type: ignore[arg-type]
+            image_std=tuple(float(x) for x in merged["image_std"]),  # type: ignore[arg-type]
+        )
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """``smart_resize``: both sides multiples of patch x merge, pixels within [min_pixels, max_pixels]."""
@@ -283,7 +330,9 @@ class Qwen3VLTower:
         self.processor = Processor.from_config(context.processor)
         p = self.processor
         if (p.patch_size, p.temporal_patch_size, p.merge_size) != (
-            v["patch_size"], v["temporal_patch_size"], v["spatial_merge_size"]
+            v["patch_size"],
+            v["temporal_patch_size"],
+            v["spatial_merge_size"],
         ):
             msg = (
                 f"the sidecar's processor config (patch {p.patch_size}, temporal {p.temporal_patch_size}, merge "
