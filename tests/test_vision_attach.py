@@ -83,3 +83,15 @@ def test_the_memory_guard_counts_the_tower(pair: tuple[Path, Path]) -> None:
 def test_a_bad_vision_option_is_refused(pair: tuple[Path, Path]) -> None:
     with pytest.raises(OptionError, match="vision=3 is invalid"):
         turbospark_core.open(pair[0], vision=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["intermediate_size", "hidden_size", "depth"])
+def test_a_tower_config_that_disagrees_with_the_tensors_is_refused(
+    pair: tuple[Path, Path], sidecar: Path, key: str
+) -> None:
+    """Was a ValueError from a reshape (found by tests/fuzz, target sidecar)."""
+    from turbospark_core.errors import InstallError
+
+    _edit(sidecar, lambda raw: raw["vision"].update({key: raw["vision"][key] * 2}))
+    with pytest.raises(InstallError, match=r"sidecar (tensor .* has shape .* but its vision config says|lacks tensor)"):
+        turbospark_core.open(pair[0], vision=sidecar)

@@ -181,7 +181,7 @@ class Processor:
             for key in ("do_resize", "do_rescale", "do_normalize")
             if (p := bool_problem(cfg, key, optional=True, where="processor."))
         ]
-        for key, low in (("image_mean", -1e3), ("image_std", 0.0)):
+        for key, low in (("image_mean", -1e3), ("image_std", 1e-6)):
             values = merged[key]
             if not (
                 isinstance(values, list) and len(values) == 3 and all(is_number(v) and low < v < 1e3 for v in values)
@@ -311,6 +311,49 @@ class _Block:
         return x + self.fc2(_gelu_tanh(self.fc1(_layer_norm(x, *self.norm2))))
 
 
+def _expected_shapes(v: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The logical shape of every tensor the tower reads, from its vision config."""
+    d, ff, group = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"] ** 2
+    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    out: dict[str, tuple[int, ...]] = {
+        "visual.patch_embed.proj.weight": (d, patch),
+        "visual.patch_embed.proj.bias": (d,),
+        "visual.pos_embed.weight": (v["num_position_embeddings"], d),
+    }
+    for i in range(v["depth"]):
+        b = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            out |= {f"{b}.{norm}.weight": (d,), f"{b}.{norm}.bias": (d,)}
+        out |= {f"{b}.attn.qkv.weight": (3 * d, d), f"{b}.attn.proj.weight": (d, d)}
+        out |= {f"{b}.mlp.linear_fc1.weight": (ff, d), f"{b}.mlp.linear_fc2.weight": (d, ff)}
+    mergers = [("visual.merger", d)]
+    mergers += [(f"visual.deepstack_merger_list.{k}", d * group) for k in range(len(v["deepstack_visual_indexes"]))]
+    for m, norm in mergers:
+        out |= {f"{m}.norm.weight": (norm,), f"{m}.norm.bias": (norm,)}
+        out |= {
+            f"{m}.linear_fc1.weight": (d * group, d * group),
+            f"{m}.linear_fc2.weight": (v["out_hidden_size"], d * group),
+        }
+    return out
+
+
+def _check_shapes(w: WeightStore, v: dict[str, Any]) -> None:
+    """Refuse, naming it, a tensor missing from the sidecar or shaped unlike its vision config."""
+    for name, shape in _expected_shapes(v).items():
+        base = name.removesuffix(".weight")
+        if name in w.index.tensors and base not in w.index.quantization:
+            got = w.index.tensors[name].shape
+            if len(got) == 5:  # the patch embedding is stored as a 3-D convolution kernel
+                got = (got[0], got[1] * got[2] * got[3] * got[4])
+        elif base in w.index.quantization:
+            got = w.index.logical_shape(base)
+        else:
+            raise InstallError(f"the sidecar lacks tensor {name!r}; re-run the sidecar conversion")
+        if tuple(got) != shape:
+            msg = f"sidecar tensor {name!r} has shape {tuple(got)}, but its vision config says {shape}; re-convert it"
+            raise InstallError(msg)
+
+
 class Qwen3VLTower:
     """The :class:`~turbospark_core.family.VisionTower` of Qwen3-VL."""
 
@@ -346,6 +389,7 @@ class Qwen3VLTower:
         self.heads = int(v["num_heads"])
         self.side = math.isqrt(int(v["num_position_embeddings"]))
         self.deepstack = [int(i) for i in v["deepstack_visual_indexes"]]
+        _check_shapes(w, v)
         self.patch_w = w.tensor("visual.patch_embed.proj.weight").reshape(self.hidden, -1).T
         self.patch_b = w.tensor("visual.patch_embed.proj.bias")
         self.pos_embed = w.tensor("visual.pos_embed.weight")
