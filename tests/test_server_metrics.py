@@ -32,7 +32,7 @@ def call(server: Server, method: str, path: str, body: Any = None) -> tuple[int,
     resp = conn.getresponse()
     data = resp.read()
     conn.close()
-    return resp.status, dict(resp.getheaders()), data
+    return resp.status, {k.title(): v for k, v in resp.getheaders()}, data
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -43,6 +43,7 @@ def open(  # noqa: A001 - the API's name
     verify: bool = False,
     steering: str | Path | DirectionSet | None = None,
     kv_rotate: bool = True,
+    vision: str | Path | None = None,
     draft_model: str | Path | None = None,
     ngram: int | None = None,
     num_draft_tokens: int | None = None,
@@ -94,6 +95,11 @@ def open(  # noqa: A001 - the API's name
             a normalized Hadamard transform (rotated back when read, so the
             attention is unchanged in exact math; 4-bit KV loses far less).
             Applies to head dims that are powers of two; ``False`` turns it off.
+        vision: A vision sidecar directory (``turbospark convert SRC DST --vision
+            SIDECAR``) to attach after the open: chat messages may then hold
+            images. It must fit the install (family, hidden size, placeholder
+            ids) and the tower counts against ``memory_budget``; a family with
+            no vision flow refuses it by name (see :meth:`Runner.attach_vision`).
         draft_model: Speculative decoding with a draft model (open step 12):
             the path of another install with the same vocabulary (checked:
             a mismatch is refused naming it), opened with this open's
@@ -145,6 +151,7 @@ def open(  # noqa: A001 - the API's name
             "verify": verify,
             "steering": steering,
             "kv_rotate": kv_rotate,
+            "vision": vision,
             "draft_model": draft_model,
             "ngram": ngram,
             "num_draft_tokens": num_draft_tokens,
@@ -156,7 +163,10 @@ def open(  # noqa: A001 - the API's name
         opened.generation_config,
         lambda: opened.hooks.default_chat_template(opened.manifest.arch),
     )
-    return Runner(opened, tokenizer)
+    runner = Runner(opened, tokenizer)
+    if options.vision is not None:
+        runner.attach_vision(options.vision)
+    return runner
 
 
 from turbospark_core.runner import Generation, Runner  # noqa: E402

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from turbospark_core.batch_cache import BatchCaches
 from turbospark_core.errors import OptionError
@@ -38,11 +39,28 @@ from turbospark_core.speculative.decode import SpeculativeLoop, observe
 from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
+from turbospark_core.vision.prompt import VisionPrompt
+from turbospark_core.vision.tower import VisionInputs
 
 if TYPE_CHECKING:
     from turbospark_core.runner import Generation, Runner, Steering, _Progress
 
 PREFILL_CHUNK = 512
+MAX_TOP_LOGPROBS = 20  # alternatives a row may ask for per token (OpenAI's bound)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """A sampled token's log probability and the ``top`` most likely alternatives ``(id, logprob)``, best first.
+
+    From the distribution the sampler draws from: the logits after the
+    repetition penalty, divided by the temperature (1 when greedy), log-softmaxed;
+    before top-k / top-p / min-p truncation.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -57,6 +75,7 @@ class BatchRow:
     status: str = "queued"
     pieces: list[str] = attrs.Factory(list)
     result: Generation | None = None
+    logprobs: list[TokenLogprob] = attrs.Factory(list)  # one per generated token but EOS, when asked for
 
     @property
     def text(self) -> str:
@@ -83,12 +102,14 @@ class _Seq:
     history: mx.array
     caches: list[Cache] | None = None
     state: SequenceState | None = None  # a parked session the row continues, and is saved back into
+    vision: VisionPrompt | None = None  # the prompt's images (issue 22)
     steering: DirectionSet | None = None  # this row's own edit (per-row inside a batched forward)
     sampled: list[int] = attrs.Factory(list)  # every sampled token, EOS included
     fed: int = 0
     pending: mx.array | None = None  # the last sampled token, not yet fed
     generated: int = 0
     t0: float = 0.0
+    top_logprobs: int | None = None  # None: no log probabilities; k: the sampled token's and k alternatives
     drafter: Drafter | None = None  # with a drafter open: this row's
     spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
 
@@ -120,11 +141,12 @@ class Batch:
     # ------------------------------------------------------------- rows
     def add(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | VisionPrompt,
         max_tokens: int = 256,
         *,
         state: SequenceState | None = None,
         steering: Steering = None,
+        logprobs: int | None = None,
         **sampling: Any,
     ) -> BatchRow:
         """Queue a sequence; options as :meth:`Runner.generate` (its own sampling, seed, stop, steering).
@@ -133,6 +155,8 @@ class Batch:
         row reuses the prefix its caches hold and, when it leaves, the state
         holds exactly the tokens fed, as :meth:`Session.generate` leaves it.
         The caller keeps it out of other rows' hands until the row is done.
+        ``logprobs`` (0 to 20): record each generated token's log probability
+        and that many alternatives in ``row.logprobs`` (see :class:`TokenLogprob`).
         """
         from turbospark_core.runner import _Progress, check_budget
 
@@ -142,6 +166,10 @@ class Batch:
         chosen = self.runner.steering_set(steering)
         ids = self.runner._encode_prompt(prompt)
         check_budget(len(ids), max_tokens, self.runner.max_context)
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise OptionError(f"logprobs={logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (or None)")
         if state is not None:
             self.runner._match_cache_steering(state, fingerprint(chosen))
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
@@ -158,6 +186,8 @@ class Batch:
             history=mx.array(ids[-params.repetition_context :]),
             state=state,
             steering=chosen,
+            top_logprobs=logprobs,
+            vision=prompt if isinstance(prompt, VisionPrompt) else None,
         )
         if max_tokens == 0:
             self._finish(seq, "length", flush=False)
@@ -213,17 +243,19 @@ class Batch:
             seq = self._waiting.popleft()
             seq.row.status = "prefill"
             self._prefilling = seq
-            setup = self.runner.opened.drafter
+            # rows asking for log probabilities or holding images decode in the batch, never speculatively
+            setup = self.runner.opened.drafter if seq.top_logprobs is None and seq.vision is None else None
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 seq.drafter = None if setup is None else setup.new()
                 return
-            reused = common_prefix(seq.state.tokens, seq.ids)
+            reused = self.runner._image_reuse(seq.state, seq.vision, common_prefix(seq.state.tokens, seq.ids))
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
+            self.runner._remember_images(seq.state, seq.vision)
             seq.progress.reused_tokens = reused
             seq.fed = reused
             seq.caches = seq.state.caches
-            seq.drafter = self.runner._drafter(seq.state, reused)
+            seq.drafter = None if setup is None else self.runner._drafter(seq.state, reused)
 
     def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""
@@ -243,18 +275,23 @@ class Batch:
         got: dict[int, mx.array] | None = {} if layers else None
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
-            self.runner._forward(mx.array([chunk]), seq.caches, edit, got, layers or None)
+            images = self._images(seq, seq.fed, seq.fed + len(chunk))
+            self.runner._forward(mx.array([chunk]), seq.caches, edit, images, got, layers or None)
             if seq.drafter is not None:
                 observe(seq.drafter, seq.fed, got)
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             return
-        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, got, layers or None)[:, -1, :]
+        images = self._images(seq, len(ids) - 1, len(ids))
+        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, images, got, layers or None)
         if seq.drafter is not None:
             observe(seq.drafter, len(ids) - 1, got)
-        token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
-        mx.eval(token)
+        logits = logits[:, -1, :]
+        penalized = seq.sampler.penalize(logits.astype(mx.float32), seq.history)
+        token = seq.sampler(penalized)
+        scores = _logprob_arrays(seq, penalized, token)
+        mx.eval(token, scores)
         seq.fed = len(ids)
         seq.progress.prompt_s += time.perf_counter() - t0
         if seq.state is not None:
@@ -263,7 +300,7 @@ class Batch:
         self._prefilling = None
         seq.t0 = time.perf_counter()
         seq.row.status = "decoding"
-        self._accept(seq, _token_id(token), out)
+        self._accept(seq, _token_id(token), out, scores)
         if seq.row.done:
             return
         if seq.drafter is not None:
@@ -283,18 +320,22 @@ class Batch:
         rows = self._decoding
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         edit = Edit.of_rows([s.steering for s in rows])
-        logits = self.runner._forward(pending[:, None], self._caches.caches, edit)[:, -1, :]
-        tokens = []
+        shifts = [0 if s.vision is None else s.vision.shift for s in rows]  # positions after a row's images
+        vision = VisionInputs(shift=mx.array(shifts, dtype=mx.int32)) if any(shifts) else None
+        logits = self.runner._forward(pending[:, None], self._caches.caches, edit, vision)[:, -1, :]
+        tokens, scores = [], []
         for b, seq in enumerate(rows):
             assert seq.pending is not None
             ctx = seq.sampler.params.repetition_context
             seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
-            tokens.append(seq.sampler(seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)))
-        mx.eval(tokens, self._caches.state)
+            penalized = seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)
+            tokens.append(seq.sampler(penalized))
+            scores.append(_logprob_arrays(seq, penalized, tokens[-1]))
+        mx.eval(tokens, scores, self._caches.state)
         self._caches.step_done(1)
-        for seq, token in zip(rows, tokens, strict=False):
+        for seq, token, score in zip(rows, tokens, scores, strict=False):
             seq.pending = token
-            self._accept(seq, _token_id(token), out)
+            self._accept(seq, _token_id(token), out, score)
         self._drop_finished()
 
     # ------------------------------------------------------------- speculative rows
@@ -307,7 +348,9 @@ class Batch:
         runner = self.runner
 
         def forward(tokens: list[int], cs: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
-            return runner._forward(mx.array([tokens]), cs, edit, capture, layers if capture is not None else None)
+            return runner._forward(
+                mx.array([tokens]), cs, edit, capture=capture, capture_layers=layers if capture is not None else None
+            )
 
         context = [*seq.ids, *seq.sampled]
         seq.spec = SpeculativeLoop(
@@ -361,7 +404,14 @@ class Batch:
         seq.state.tokens = loop.context[: loop.held]
         seq.state.checkpoint()
 
-    def _accept(self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]]) -> None:
+    def _images(self, seq: _Seq, start: int, end: int) -> VisionInputs | None:
+        """The image part of a row's prefill forward over ``ids[start:end]`` (``None`` for text)."""
+        tower = self.runner.vision
+        return None if seq.vision is None or tower is None else seq.vision.chunk(tower.tower, start, end)
+
+    def _accept(
+        self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]], scores: list[mx.array] | None = None
+    ) -> None:
         """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
         seq.generated += 1
         seq.sampled.append(tok)
@@ -370,6 +420,8 @@ class Batch:
             self._finish(seq, "stop", flush=True, out=out)
             return
         seq.progress.tokens.append(tok)
+        if scores:
+            seq.row.logprobs.append(_token_logprob(tok, scores))
         piece, stopped = seq.matcher.feed(seq.detok.add(tok))
         if piece:
             seq.row.pieces.append(piece)
@@ -442,6 +494,34 @@ def generate_many(
     rows = [batch.add(p, m, **{**sampling, **o}) for p, m, o in zip(prompts, limits, extra, strict=False)]
     batch.run()
     return [r.result for r in rows if r.result is not None]
+
+
+def _logprob_arrays(seq: _Seq, logits: mx.array, token: mx.array) -> list[mx.array]:
+    """Lazily, the sampled token's log probability and the row's top alternatives (ids, values); [] when off.
+
+    The sampler's distribution: ``logits`` (``[1, V]``, penalized) over the
+    temperature (1 when greedy), log-softmaxed, as :class:`Sampler` computes it.
+    """
+    k = seq.top_logprobs
+    if k is None:
+        return []
+    scaled = logits / (seq.sampler.params.temperature or 1.0)
+    lp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, token.reshape(1, 1).astype(mx.int32), axis=-1)
+    if k == 0:
+        return [chosen]
+    ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    return [chosen, ids, mx.take_along_axis(lp, ids, axis=-1)]
+
+
+def _token_logprob(tok: int, scores: list[mx.array]) -> TokenLogprob:
+    """A :class:`TokenLogprob` from :func:`_logprob_arrays`' evaluated arrays."""
+    top: tuple[tuple[int, float], ...] = ()
+    if len(scores) == 3:
+        ids, values = np.array(scores[1]).reshape(-1), np.array(scores[2]).reshape(-1)
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        top = tuple(sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0])))
+    return TokenLogprob(token=tok, logprob=float(np.array(scores[0]).reshape(-1)[0]), top=top)
 
 
 def _token_id(token: mx.array) -> int:

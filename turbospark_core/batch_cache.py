@@ -153,7 +153,7 @@ class BatchKVCache:
         if needed <= capacity:
             return
         new_cap = ((needed + self.step - 1) // self.step) * self.step
-        v_dim = self.spec.v_head_dim or self.spec.head_dim
+        v_dim = self.spec.value_dim
 
         def zeros(d: int) -> _Rows:
             blank = mx.zeros((batch, heads, new_cap - self.length, d), self.dtype)

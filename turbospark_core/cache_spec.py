@@ -14,7 +14,9 @@ class CacheSpec:
     Attributes:
         n_kv_heads: Key/value heads.
         head_dim: Key head dimension.
-        v_head_dim: Value head dimension (defaults to ``head_dim``).
+        v_head_dim: Value head dimension (defaults to ``head_dim``); ``0``: the
+            layer caches keys only (a flow that reads its values from the keys it
+            fetched, as latent attention does), so values take no memory.
         window: Sliding window in tokens, or ``None`` for full attention.
     """
 
@@ -27,8 +29,12 @@ class CacheSpec:
         """Bytes this layer's K and V take at ``tokens`` of context."""
         ring = None if self.window is None else max(self.window, ring_capacity or 0)
         held = tokens if ring is None else min(tokens, ring)
-        v_dim = self.v_head_dim or self.head_dim
-        return int(held * self.n_kv_heads * (self.head_dim + v_dim) * itemsize)
+        return int(held * self.n_kv_heads * (self.head_dim + self.value_dim) * itemsize)
+
+    @property
+    def value_dim(self) -> int:
+        """The value width the cache stores (``0``: keys only)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @classmethod
     def full(cls, n_kv_heads: int, head_dim: int) -> CacheSpec:

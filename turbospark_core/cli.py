@@ -71,6 +71,8 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
+    if getattr(args, "vision", None):
+        options["vision"] = args.vision
     return options
 
 
@@ -211,6 +213,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
     )
     for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):
         print(f"dequantized {len(names)} tensors ({kind}, no exact MLX form) to float: {', '.join(names)}")
+    if args.vision:
+        from turbospark_core.vision.convert import convert_sidecar
+
+        sidecar = convert_sidecar(resolve_source(args.src), args.vision, dtype=args.dtype, force=args.force)
+        size = sum(e.size for e in sidecar.files.values())
+        print(f"wrote {args.vision}: vision sidecar of family {sidecar.family}, {size / 1e6:.1f} MB")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -224,7 +232,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     runner = _open(args)
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
+    images: list[dict[str, Any]] = [{"type": "image", "image": path} for path in args.image or ()]
+    if images and not args.vision:
+        raise SystemExit("turbospark chat: --image needs --vision SIDECAR (the install's vision sidecar)")
     if args.system:
         messages.append({"role": "system", "content": args.system})
     turns = [args.message] if args.message else None
@@ -240,7 +251,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 return
             if not text.strip():
                 continue
-        messages.append({"role": "user", "content": text})
+        if images:  # the images go with the first user turn
+            messages.append({"role": "user", "content": [*images, {"type": "text", "text": text}]})
+            images = []
+        else:
+            messages.append({"role": "user", "content": text})
         stream = runner.chat_stream(messages, max_tokens=args.max_tokens, **_sampling(args))
         _stream_out(stream)
         result = stream.result
@@ -333,6 +348,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         port=args.port,
         max_body=args.max_body,
         max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_connections=args.max_connections,
         verbose=args.verbose,
         steering_sets=_named_sets(args, options.get("steering")),
         **options,
@@ -417,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fold a randomized Hadamard rotation of the residual stream into the weights (before --quantize)",
     )
     p.add_argument("--rotate-seed", type=int, default=0, help="seed of --rotate's random signs")
+    p.add_argument(
+        "--vision", metavar="SIDECAR", default=None, help="also write the checkpoint's vision tower as a sidecar here"
+    )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("generate", help="complete a prompt")
@@ -431,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("install")
     p.add_argument("message", nargs="?")
     p.add_argument("--system")
+    p.add_argument("--vision", metavar="SIDECAR", default=None, help="attach a vision sidecar (images in chat)")
+    p.add_argument("--image", action="append", metavar="FILE", default=None, help="an image for the first turn")
     _add_sampling(p)
     _add_steering_options(p)
     _add_drafter_options(p)
@@ -458,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot (429 + Retry-After beyond)")
+    p.add_argument("--max-connections", type=int, default=256, help="open connections (503 + Retry-After beyond)")
+    p.add_argument("--vision", metavar="SIDECAR", default=None, help="attach a vision sidecar (image_url parts)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
     p.add_argument(
@@ -589,7 +614,13 @@ def _add_bench_parser(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: user errors print one line and exit 2; no tracebacks."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    chat = getattr(args, "func", None) is cmd_chat
+    if chat and args.message is None and len(extra) == 1 and extra[0][:1] != "-":
+        args.message, extra = extra[0], []  # `chat INSTALL --image FILE "message"`: the message after options
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.func(args)
     except TurbosparkError as e:

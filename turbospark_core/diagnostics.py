@@ -416,9 +416,9 @@ class UncompiledModel:
     def __init__(self, model: FamilyModel) -> None:
         self.model = model
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **vision: Any) -> mx.array:
         with compile_off():
-            return self.model(inputs, cache)
+            return self.model(inputs, cache, **vision)
 
     @property
     def layers(self) -> list[Any]:

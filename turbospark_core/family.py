@@ -44,6 +44,14 @@ Steering
     ``steer`` (call it on each decoder layer's output in the layer loop:
     ``h = steer(block(h, ...), i)``; it applies the active steering edit and
     residual capture, and returns ``h`` untouched when none is active).
+Vision (see :mod:`turbospark_core.vision.tower` for the whole image flow)
+    ``VisionSpec`` (``vision_arch_from_hf_config``'s answer), ``VisionContext``
+    (what ``build_vision`` receives), ``VisionTower`` (the protocol its
+    answer follows), ``PreparedImage`` (one preprocessed image),
+    ``ImageFeatures`` (what the tower's ``encode`` returns), ``VisionInputs``
+    (the ``vision=`` keyword of the trunk's forward), ``resize_rgb`` (PIL
+    resampling of a decoded image, as the Hugging Face processors do),
+    ``ImageError`` (an image the tower cannot take: a 400 in the server).
 Errors
     ``TurbosparkError`` (the root), ``ArchConfigError`` (an arch config the
     flow cannot run), ``ConversionError`` (a source the converter cannot
@@ -97,6 +105,15 @@ from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
+from turbospark_core.vision.images import ImageError, resize_rgb
+from turbospark_core.vision.tower import (
+    ImageFeatures,
+    PreparedImage,
+    VisionContext,
+    VisionInputs,
+    VisionSpec,
+    VisionTower,
+)
 from turbospark_core.weights import WeightStore
 
 __all__ = [
@@ -124,10 +141,13 @@ __all__ = [
     "FamilyContext",
     "FamilyModel",
     "FamilySpec",
+    "ImageError",
+    "ImageFeatures",
     "InstallError",
     "KVCache",
     "Linear",
     "NormReaders",
+    "PreparedImage",
     "RecurrentState",
     "ResidualMap",
     "RingKVCache",
@@ -136,6 +156,10 @@ __all__ = [
     "StateSpec",
     "TensorTarget",
     "TurbosparkError",
+    "VisionContext",
+    "VisionInputs",
+    "VisionSpec",
+    "VisionTower",
     "WeightStore",
     "bool_problem",
     "causal_mask",
@@ -152,6 +176,7 @@ __all__ = [
     "is_tied_head",
     "keys_problem",
     "names_under",
+    "resize_rgb",
     "rope_scaling",
     "rope_scaling_problems",
     "rope_theta",

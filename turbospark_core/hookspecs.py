@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from turbospark_core.convert.records import TensorTarget
     from turbospark_core.hadamard import ResidualMap
     from turbospark_core.registry import FamilySpec
+    from turbospark_core.vision.tower import VisionContext, VisionSpec, VisionTower
 
 hookspec = pluggy.HookspecMarker(NAME)
 
@@ -256,4 +257,58 @@ def build_family_state(context: FamilyContext) -> FamilyModel | None:
     Args:
         context: Arch config, the core's weight store (linear, embedding,
             norm and expert objects) and the cache layout.
+    """
+
+
+# ------------------------------------------------------------ vision sidecar
+
+
+@hookspec(firstresult=True)
+def vision_arch_from_hf_config(hf_config: dict[str, Any]) -> VisionSpec | None:
+    """Describe the checkpoint's vision tower for a sidecar (``turbospark convert --vision``).
+
+    Fires during conversion of a Hugging Face directory when a sidecar is
+    asked for. Return ``None`` when the family has no vision flow for this
+    config (the core refuses the sidecar naming the model type); otherwise a
+    :class:`~turbospark_core.vision.tower.VisionSpec` (the tower's arch, the
+    placeholder token ids, the width of its embeddings). Stops at first
+    non-None result.
+
+    Args:
+        hf_config: The parsed ``config.json`` (with its ``vision_config``).
+    """
+
+
+@hookspec(firstresult=True)
+def vision_tensor_target(vision: dict[str, Any], name: str) -> TensorTarget | None:
+    """Say where a Hugging Face tensor goes in the vision sidecar.
+
+    Fires once per source tensor when a sidecar is written. Return
+    ``TensorTarget.drop()`` for every tensor that is not the tower's (the
+    text decoder, audio towers), the sidecar name otherwise. ``None`` is
+    refused naming the tensor. Stops at first non-None result.
+
+    Args:
+        vision: The ``vision`` of :func:`vision_arch_from_hf_config`'s answer.
+        name: The tensor's Hugging Face name.
+    """
+
+
+@hookspec(firstresult=True)
+def build_vision(context: VisionContext) -> VisionTower | None:
+    """Build the vision tower a sidecar describes, for the trunk ``context.arch``.
+
+    Fires when a sidecar is attached (``open(path, vision=SIDECAR)``), after
+    the core checked that the sidecar fits the trunk (family, hidden size,
+    placeholder ids). Return a
+    :class:`~turbospark_core.vision.tower.VisionTower` (the protocol and the
+    whole image flow are documented in :mod:`turbospark_core.vision.tower`);
+    the trunk model built by ``build_family_state`` must then accept
+    ``model(inputs, cache, vision=VisionInputs)``. ``None``, or a plugin
+    without the hook, is refused naming the family. Stops at first non-None
+    result.
+
+    Args:
+        context: The trunk's arch, the sidecar's vision arch, processor
+            config, placeholder ids and weights.
     """

@@ -53,7 +53,7 @@ class _Rows:
 
     @classmethod
     def encode(cls, x: mx.array, bits: int | None, dtype: mx.Dtype) -> _Rows:
-        if bits is None:
+        if bits is None or x.shape[-1] == 0:  # no values (a keys-only spec) stay unquantized
             return cls((x if x.dtype == dtype else x.astype(dtype),), None, dtype)
         group = kv_group_size(x.shape[-1])
         return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
@@ -130,7 +130,7 @@ class KVCache(_KVBuffers):
         if needed <= capacity:
             return
         new_cap = min(self.max_context, ((needed + self.step - 1) // self.step) * self.step)
-        v_dim = self.spec.v_head_dim or self.spec.head_dim
+        v_dim = self.spec.value_dim
         k_new = self._zeros(batch, new_cap - self.offset, self.spec.head_dim)
         v_new = self._zeros(batch, new_cap - self.offset, v_dim)
         if self._k is None or self._v is None:
@@ -281,7 +281,7 @@ class RingKVCache(_KVBuffers):
         pad = self.capacity - total
         B, H, _, _ = k_all.parts[0].shape
         k_pad = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
-        v_pad = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
+        v_pad = v_all.concat(self._pad(B, H, pad, self.spec.value_dim))
         p_pad = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
         first = int(np.array(p_all[:1]).sum()) if total else 0
         if first % self.capacity == 0:  # already slot == position % capacity (a ring filled from 0)
@@ -363,7 +363,7 @@ class RingKVCache(_KVBuffers):
         slots = mx.array((pos % self.capacity).astype(np.int32))
         B, H = keys.parts[0].shape[:2]
         self._k = self._pad(B, H, self.capacity, self.spec.head_dim)
-        self._v = self._pad(B, H, self.capacity, self.spec.v_head_dim or self.spec.head_dim)
+        self._v = self._pad(B, H, self.capacity, self.spec.value_dim)
         for part, new in zip(self._k.parts + self._v.parts, keys.parts + values.parts, strict=False):
             part[..., slots, :] = new
         self.positions = mx.full((self.capacity,), -1, mx.int32)
@@ -514,7 +514,7 @@ class RotatedRingKVCache(RingKVCache):
 
 def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | None:
     """The rotated class for ``spec``, or ``None`` when its head dims cannot be rotated."""
-    if not (kv_rotatable(spec.head_dim) and kv_rotatable(spec.v_head_dim or spec.head_dim)):
+    if not (kv_rotatable(spec.head_dim) and kv_rotatable(spec.value_dim)):
         return None
     return RotatedKVCache if spec.window is None else RotatedRingKVCache
 

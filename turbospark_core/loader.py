@@ -126,7 +126,8 @@ def _refuse_vision_sidecar(path: Path) -> None:
         if isinstance(raw, dict) and (raw.get("sidecar") == "vision" or "vision" in str(raw.get("format", ""))):
             msg = (
                 f"{path} is a vision sidecar, not a language model install; "
-                "open the text model's install (the sidecar is passed separately)"
+                "open the text model's install and attach the sidecar to it "
+                "(open(INSTALL, vision=SIDECAR), --vision SIDECAR)"
             )
             raise NotAnInstallError(msg)
     config = path / "config.json"

@@ -74,6 +74,18 @@ def _steering(value: object) -> Any:
     raise OptionError(msg)
 
 
+def _vision(value: object) -> Any:
+    """A vision sidecar directory (str or Path), or ``None``; read after the open."""
+    from pathlib import Path
+
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"vision={value!r} is invalid; pass a vision sidecar directory or None"
+    raise OptionError(msg)
+
+
 def _draft_model(value: object) -> Any:
     """A draft install's path (str or Path) or ``None``; opened at open step 12."""
     from pathlib import Path
@@ -155,6 +167,7 @@ class OpenOptions:
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
     kv_rotate: bool = True
+    vision: Any = attrs.field(default=None, converter=_vision)  # Path | None
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from turbospark_core.context import FamilyContext, FamilyModel
     from turbospark_core.convert.records import TensorTarget
     from turbospark_core.hadamard import ResidualMap
+    from turbospark_core.vision.tower import VisionContext, VisionSpec, VisionTower
 
 ALLOW_LIST_ENV = "TURBOSPARK_PLUGINS"
 
@@ -207,6 +208,22 @@ class FamilyHooks:
         """The family's model object."""
         model: FamilyModel | None = self._mine(pm.hook.build_family_state)(context=context)
         return model
+
+    # ------------------------------------------------------------ vision sidecar
+    def vision_arch_from_hf_config(self, hf_config: dict[str, Any]) -> VisionSpec | None:
+        """The sidecar's description of the checkpoint's vision tower, or ``None`` (no vision flow)."""
+        spec: VisionSpec | None = self._mine(pm.hook.vision_arch_from_hf_config)(hf_config=hf_config)
+        return spec
+
+    def vision_tensor_target(self, vision: dict[str, Any], name: str) -> TensorTarget | None:
+        """Where a Hugging Face tensor goes in the sidecar."""
+        target: TensorTarget | None = self._mine(pm.hook.vision_tensor_target)(vision=vision, name=name)
+        return target
+
+    def build_vision(self, context: VisionContext) -> VisionTower | None:
+        """The family's vision tower for an attached sidecar, or ``None`` (no vision flow)."""
+        tower: VisionTower | None = self._mine(pm.hook.build_vision)(context=context)
+        return tower
 
 
 def family_hooks(model_type: str, *, distribution: str | None = None) -> FamilyHooks:

@@ -24,15 +24,22 @@ from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
 from turbospark_core.tokenizer import Tokenizer
+from turbospark_core.vision.prompt import HeldImages, VisionPrompt
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from typing_extensions import Unpack
 
     from turbospark_core.batch import Batch
+    from turbospark_core.vision.attach import AttachedVision
+    from turbospark_core.vision.tower import VisionInputs
 
 PREFILL_CHUNK = 512
 # Per-request steering: a DirectionSet, None (the open's set, if any) or False (unsteered)
 Steering = DirectionSet | Literal[False] | None
+# A prompt: text, token ids, or a chat prompt with images (Runner.chat_input)
+Prompt = str | Sequence[int] | VisionPrompt
 
 
 def check_budget(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -106,6 +113,52 @@ class Runner:
         self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
         # id(state) -> (state, its drafter): a session keeps its drafter's state between requests
         self._drafters: dict[int, tuple[weakref.ref[SequenceState], Drafter]] = {}
+        self._held_images = HeldImages()  # which images each state's caches hold (prefix reuse)
+        self.vision: AttachedVision | None = None
+
+    # ------------------------------------------------------------- vision (issue 22)
+    def attach_vision(self, sidecar: str | Path) -> AttachedVision:
+        """Attach a vision sidecar (``turbospark convert SRC DST --vision SIDECAR``): images in chat messages.
+
+        Raises:
+            SidecarError: The sidecar is malformed or does not fit this model (family, hidden size,
+                placeholder ids), naming the mismatch.
+            FamilyRefusalError: The family serves no vision flow.
+            MemoryBudgetError: The tower does not fit the open's memory budget.
+        """
+        from turbospark_core.vision.attach import attach_vision
+
+        self.vision = attach_vision(sidecar, self._opened, self.tokenizer)
+        return self.vision
+
+    def chat_input(self, messages: list[dict[str, Any]]) -> list[int] | VisionPrompt:
+        """The prompt of ``messages``: token ids, or a :class:`VisionPrompt` when they hold images.
+
+        Image parts are ``{"type": "image", "image": X}`` (X: a path, bytes, a base64
+        ``data:`` URL, a PIL image or a numpy array) or OpenAI's
+        ``{"type": "image_url", "image_url": {"url": "data:..."}}``.
+
+        Raises:
+            ImageError: An image part on a runner without a vision sidecar, an undecodable or
+                too large image, a remote URL.
+            ContextOverflowError: The images do not fit ``max_context``.
+        """
+        from turbospark_core.vision.prompt import image_prompt, split_images
+
+        if not messages:
+            raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
+        rendered, images = split_images(messages)
+        if not images:
+            return self.chat_prompt(messages)
+        return image_prompt(rendered, images, self.tokenizer, self.vision, self.max_context)
+
+    def _image_reuse(self, state: SequenceState, prompt: VisionPrompt | None, common: int) -> int:
+        """The reusable prefix of a parked state: up to the first image its caches hold that the prompt lacks."""
+        return self._held_images.reusable(state, prompt, common)
+
+    def _remember_images(self, state: SequenceState, prompt: VisionPrompt | None) -> None:
+        """Record the images ``state``'s caches are filled with (``prompt``'s)."""
+        self._held_images.remember(state, prompt)
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:
@@ -172,14 +225,18 @@ class Runner:
         return self._opened.max_context
 
     # ------------------------------------------------------------- logits
-    def logits(self, token_ids: Sequence[int], *, steering: Steering = None) -> np.ndarray:
+    def logits(self, token_ids: Sequence[int] | VisionPrompt, *, steering: Steering = None) -> np.ndarray:
         """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context.
 
+        ``token_ids`` may be a :class:`VisionPrompt` (:meth:`chat_input` of messages with images).
         ``steering``: as in :meth:`generate`.
         """
-        ids = self._check_ids(token_ids)
+        ids = self._encode_prompt(token_ids) if isinstance(token_ids, VisionPrompt) else self._check_ids(token_ids)
+        vision = None
+        if isinstance(token_ids, VisionPrompt) and self.vision is not None:
+            vision = token_ids.chunk(self.vision.tower, 0, len(ids))
         cache = self._opened.new_cache()
-        out = self._forward(mx.array([ids]), cache, self.steering_edit(steering))[0].astype(mx.float32)
+        out = self._forward(mx.array([ids]), cache, self.steering_edit(steering), vision)[0].astype(mx.float32)
         return np.array(out)
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
@@ -202,27 +259,35 @@ class Runner:
         ids: list[int],
         cache: list[Cache],
         edit: Edit = Edit({}),  # noqa: B008 - frozen, never mutated
+        vision: VisionPrompt | None = None,
+        first: int = 0,
         drafter: Drafter | None = None,
-        offset: int = 0,
     ) -> mx.array:
         """Run the prompt through the model; returns last-position logits ``[1, V]``.
 
-        ``drafter``: observes each chunk's residuals (when it reads any);
-        ``offset``: the position of ``ids[0]`` (a session's reused prefix).
+        ``vision``: the prompt's images, ``ids`` being ``vision.ids[first:]``;
+        ``first``: the position of ``ids[0]`` (a session's reused prefix);
+        ``drafter``: observes each chunk's residuals (when it reads any).
         """
+
+        def part(a: int, b: int) -> VisionInputs | None:
+            if vision is None or self.vision is None:
+                return None
+            return vision.chunk(self.vision.tower, first + a, first + b)
+
         layers = frozenset(drafter.capture_layers) if drafter is not None and drafter.capture_layers else None
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
-            chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
+            end = min(start + PREFILL_CHUNK, len(ids) - 1)
             got: dict[int, mx.array] | None = {} if layers else None
-            self._forward(mx.array([chunk]), cache, edit, got, layers)
+            self._forward(mx.array([ids[start:end]]), cache, edit, part(start, end), got, layers)
             if drafter is not None:
-                observe(drafter, offset + start, got)
+                observe(drafter, first + start, got)
             mx.eval([c.state for c in cache])
         got = {} if layers else None
-        logits = self._forward(mx.array([ids[-1:]]), cache, edit, got, layers)[:, -1, :]
+        logits = self._forward(mx.array([ids[-1:]]), cache, edit, part(len(ids) - 1, len(ids)), got, layers)
         if drafter is not None:
-            observe(drafter, offset + len(ids) - 1, got)
-        return logits
+            observe(drafter, first + len(ids) - 1, got)
+        return logits[:, -1, :]
 
     def _drafter(self, state: SequenceState, reused: int) -> Drafter | None:
         """This sequence's drafter (made on first use), told what the run keeps of its state."""
@@ -249,11 +314,14 @@ class Runner:
         progress: _Progress,
         state: SequenceState,
         edit: Edit = Edit({}),  # noqa: B008 - a frozen Edit, never mutated
+        vision: VisionPrompt | None = None,
     ) -> Iterator[int]:
-        reused = common_prefix(state.tokens, ids)
+        reused = self._image_reuse(state, vision, common_prefix(state.tokens, ids))
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
+        self._remember_images(state, vision)
+        step_vision = None if vision is None else vision.decode_step()
         progress.reused_tokens = reused
-        drafter = self._drafter(state, reused)
+        drafter = self._drafter(state, reused) if vision is None else None  # image prompts decode plainly
         if drafter is not None:
             yield from self._speculative_stream(ids, sampler, max_tokens, progress, state, edit, drafter, reused)
             return
@@ -267,7 +335,7 @@ class Runner:
             return sampler(logits)
 
         try:
-            token = step(self._prefill(ids[reused:], state.caches, edit))
+            token = step(self._prefill(ids[reused:], state.caches, edit, vision, reused))
             fed = len(ids)
             mx.eval(token)
             state.tokens = list(ids)
@@ -278,7 +346,7 @@ class Runner:
                 current = token
                 if n + 1 < max_tokens:
                     history = mx.concatenate([history, current])[-sampler.params.repetition_context :]
-                    token = step(self._forward(current[:, None], state.caches, edit)[:, -1, :])
+                    token = step(self._forward(current[:, None], state.caches, edit, step_vision)[:, -1, :])
                     fed += 1
                     mx.async_eval(token)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
                 tok = int(cast(int, current.item()))
@@ -313,12 +381,13 @@ class Runner:
         layers = frozenset(drafter.capture_layers) or None
 
         def forward(tokens: list[int], caches: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
-            return self._forward(mx.array([tokens]), caches, edit, capture, layers if capture is not None else None)
+            wanted = layers if capture is not None else None
+            return self._forward(mx.array([tokens]), caches, edit, capture=capture, capture_layers=wanted)
 
         loop: SpeculativeLoop | None = None
         t0 = time.perf_counter()
         try:
-            logits = self._prefill(ids[reused:], state.caches, edit, drafter, reused)
+            logits = self._prefill(ids[reused:], state.caches, edit, first=reused, drafter=drafter)
             history = mx.array(ids[-sampler.params.repetition_context :])
             first = int(cast(int, sampler(sampler.penalize(logits.astype(mx.float32), history)).item()))
             state.tokens = list(ids)
@@ -345,14 +414,16 @@ class Runner:
                 state.tokens = loop.context[: loop.held]
                 state.checkpoint()
 
-    def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, VisionPrompt):
+            return self._check_ids(prompt.ids)
         if isinstance(prompt, str):
             return self._check_ids(self.tokenizer.encode(prompt))
         return self._check_ids(prompt)
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -368,7 +439,7 @@ class Runner:
 
     def _run(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int,
         sampling: SamplingOptions,
         progress: _Progress,
@@ -390,7 +461,8 @@ class Runner:
         matcher = StopMatcher(stop)
         state = state if state is not None else SequenceState(self._opened.new_cache)
         self._match_cache_steering(state, fingerprint(chosen))
-        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit):
+        vision = prompt if isinstance(prompt, VisionPrompt) else None
+        for tok in self._token_stream(ids, Sampler(params), max_tokens, progress, state, edit, vision):
             if tok in self.eos_token_ids:
                 progress.finish_reason = "stop"
                 break
@@ -407,7 +479,7 @@ class Runner:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -443,8 +515,11 @@ class Runner:
         steering: Steering = None,
         **sampling: Unpack[SamplingOptions],
     ) -> Generation:
-        """Generate the assistant's reply to ``messages`` through the install's chat template."""
-        return self.generate(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        """Generate the assistant's reply to ``messages`` through the install's chat template.
+
+        Messages may hold image parts when a vision sidecar is attached (see :meth:`chat_input`).
+        """
+        return self.generate(self.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
         self,
@@ -455,7 +530,7 @@ class Runner:
         **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`chat`, yielding text pieces."""
-        return self.stream(self.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        return self.stream(self.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def generate_many(
         self,
@@ -543,16 +618,20 @@ class Runner:
         inputs: mx.array,
         cache: list[Cache] | None,
         edit: Edit,
+        vision: VisionInputs | None = None,
         capture: dict[int, mx.array] | None = None,
         capture_layers: frozenset[int] | None = None,
     ) -> mx.array:
         """One forward of the family's model with ``edit`` active (nothing set up when it is empty).
 
+        ``vision``: the image part of this forward (only then is the ``vision`` keyword passed);
         ``capture``: filled with the output residuals of ``capture_layers``.
         """
         family = self._opened.capabilities.family
         with applying(edit, family=family, capture=capture, capture_layers=capture_layers):
-            return self.model(inputs, cache)
+            if vision is None:
+                return self.model(inputs, cache)
+            return self.model(inputs, cache, vision=vision)  # type: ignore[call-arg]
 
     def capture(
         self,
@@ -612,9 +691,14 @@ class Runner:
         return np.array(stacked)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template."""
+        """The token ids of ``messages`` rendered with the chat template (images expanded: :meth:`chat_input`)."""
         if not messages:
             raise OptionError("messages is empty; pass at least one {'role', 'content'} message")
+        from turbospark_core.vision.prompt import split_images
+
+        if split_images(messages)[1]:
+            prompt = self.chat_input(messages)
+            return prompt.ids if isinstance(prompt, VisionPrompt) else prompt
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -625,7 +709,7 @@ class TextStream:
     def __init__(
         self,
         runner: Runner,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int,
         sampling: SamplingOptions,
         state: SequenceState | None = None,
@@ -673,7 +757,7 @@ class Session:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -688,7 +772,7 @@ class Session:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         steering: Steering = None,
@@ -708,8 +792,8 @@ class Session:
         steering: Steering = None,
         **sampling: Unpack[SamplingOptions],
     ) -> Generation:
-        """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix is reused."""
-        return self.generate(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        """Like :meth:`Runner.chat`; pass the whole conversation, the shared prefix (images included) is reused."""
+        return self.generate(self.runner.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def chat_stream(
         self,
@@ -720,7 +804,7 @@ class Session:
         **sampling: Unpack[SamplingOptions],
     ) -> TextStream:
         """Like :meth:`Runner.chat_stream`, reusing the session's cached prefix."""
-        return self.stream(self.runner.chat_prompt(messages), max_tokens, steering=steering, **sampling)
+        return self.stream(self.runner.chat_input(messages), max_tokens, steering=steering, **sampling)
 
     def reset(self) -> None:
         """Forget this session's cached tokens."""

@@ -111,6 +111,53 @@ def turbospark_install(tmp_path_factory: pytest.TempPathFactory, request: pytest
 
 
 @pytest.fixture(scope="session")
+def turbospark_vision_install(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """``make(fixture_name, variant="float32")`` -> ``(trunk install, vision sidecar)``, converted once per session.
+
+    The trunk as ``turbospark convert SRC DST`` writes it, the sidecar as ``--vision SIDECAR`` does.
+    """
+    from turbospark_core.convert import convert
+    from turbospark_core.vision.convert import convert_sidecar
+
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+    root = find_fixtures_root(request.config)
+
+    def make(name: str, variant: str = "float32") -> tuple[Path, Path]:
+        if (name, variant) not in made:
+            src = root / name / ("bf16" if variant == "bf16" else "")
+            work = tmp_path_factory.mktemp(f"{name}-{variant}-vision")
+            convert(src, work / "install")
+            convert_sidecar(src, work / "sidecar")
+            made[name, variant] = (work / "install", work / "sidecar")
+        return made[name, variant]
+
+    return make
+
+
+def vision_messages(prompt: str, markup: str, images: Sequence[Any]) -> list[dict[str, Any]]:
+    """The one user message a ``references_vision.npz`` ``<case>_prompt`` renders from (fixtures README).
+
+    Args:
+        prompt: The stored prompt (``<|bos|><|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n``).
+        markup: What the template renders per image (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|image|>``).
+        images: The images, in order (paths, arrays...).
+    """
+    head, tail = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+    content = prompt[prompt.index(head) + len(head) : prompt.rindex(tail)]
+    texts = content.split(markup)
+    if len(texts) != len(images) + 1:
+        msg = f"the prompt holds {len(texts) - 1} image(s), {len(images)} given"
+        raise ValueError(msg)
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(texts):
+        if text:
+            parts.append({"type": "text", "text": text})
+        if i < len(images):
+            parts.append({"type": "image", "image": images[i]})
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="session")
 def turbospark_tiny_install(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``make(name, hf_config, tensors)`` -> path of a tiny random install, converted once per session.
 

@@ -16,6 +16,7 @@ import pickle
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from tests.fuzz.targets import TARGETS, EscapeError, Seeds, run_one, smollm2_path, temp_work
@@ -69,7 +70,8 @@ def _run_target(name: str, seeds: Seeds, args: argparse.Namespace) -> dict[str, 
             kind = str(e).split(":")[1].strip() if ":" in str(e) else str(e)
             if kinds[kind] < 3:  # keep a few inputs of each kind of escape
                 (args.out / f"{name}-{i}.pickle").write_bytes(pickle.dumps(data))
-                (args.out / f"{name}-{i}.txt").write_text(f"{e}\n{e.__cause__!r}\n")
+                trace = "".join(traceback.format_exception(e.__cause__)) if e.__cause__ else ""
+                (args.out / f"{name}-{i}.txt").write_text(f"{e}\n{trace}")
             kinds[kind] += 1
         slowest = max(slowest, time.perf_counter() - t0)
         if args.report_every and (i + 1) % args.report_every == 0:

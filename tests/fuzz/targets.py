@@ -103,6 +103,7 @@ class Seeds:
     installs: dict[str, Path]
     work: Path
     gguf: gguf_doc.GGUFDoc | None
+    fixtures: Path
 
     @classmethod
     def make(cls, fixtures: Path, work: Path, smollm2: Path | None) -> Seeds:
@@ -112,7 +113,7 @@ class Seeds:
                 installs[name] = work / f"seed-{name}"
                 convert(fixtures / src, installs[name], quantize=quantize)
         doc = gguf_doc.seed_from(smollm2) if smollm2 is not None and smollm2.is_file() else None
-        return cls(installs=installs, work=work, gguf=doc)
+        return cls(installs=installs, work=work, gguf=doc, fixtures=fixtures)
 
 
 def _scratch(seeds: Seeds, name: str) -> Path:
@@ -332,6 +333,95 @@ def template_target(seeds: Seeds) -> Target:
     return Target("template", mutate, run)
 
 
+# ------------------------------------------------------------------ steering direction sets
+def _direction_seeds(work: Path, hidden: int) -> tuple[dict[str, Any], bytes, gguf_doc.GGUFDoc, bytes]:
+    """A safetensors direction set (header, data) and a GGUF control vector (doc, data) of ``hidden`` wide rows."""
+    import numpy as np
+
+    from turbospark_core.steering import DirectionSet
+
+    rows = np.random.default_rng(0).standard_normal((2, hidden)).astype(np.float32)
+    blob = DirectionSet.from_arrays({0: rows[0], 1: rows[1]}, mode="add", scale=2.0).save(work / "seed.safetensors")
+    raw = blob.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    row_bytes = hidden * 4
+    doc = gguf_doc.GGUFDoc(
+        version=3,
+        kvs=[
+            gguf_doc.KV("general.architecture", [gguf_doc.STRING], "controlvector"),
+            gguf_doc.KV("controlvector.model_hint", [gguf_doc.STRING], "llama"),
+            gguf_doc.KV("controlvector.layer_count", [4], 2),
+        ],
+        tensors=[gguf_doc.TensorInfo(f"direction.{i + 1}", [hidden], 0, i * row_bytes) for i in range(2)],
+        data_size=2 * row_bytes,
+    )
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :], doc, rows.tobytes()
+
+
+def directions_target(seeds: Seeds) -> Target:
+    """``DirectionSet.load`` (safetensors and GGUF control vectors), then the fit check against a model."""
+    from turbospark_core.steering import DirectionSet
+
+    arch = json.loads((seeds.installs["dense"] / MANIFEST).read_text())["arch"]
+    header, data, doc, gguf_data = _direction_seeds(seeds.work, int(arch["hidden_size"]))
+
+    def mutate(rnd: random.Random) -> bytes:
+        if rnd.random() < 0.5:
+            return mutate_safetensors(rnd, header, data)
+        head, size = gguf_doc.mutate_gguf(rnd, doc)
+        start = -(-len(head) // 32) * 32
+        body = (head + bytes(start - len(head)) + gguf_data)[:size]
+        return body if rnd.random() < 0.9 else mutate_bytes(rnd, body)
+
+    def run(blob: bytes) -> None:
+        path = seeds.work / "directions.bin"
+        path.write_bytes(blob)
+        found = DirectionSet.load(path)
+        found.check(arch)
+        found.edit()
+
+    return Target("directions", mutate, run)
+
+
+# ------------------------------------------------------------------ vision sidecars
+def sidecar_target(seeds: Seeds) -> Target:
+    """Attach a mutated sidecar manifest to a Qwen3-VL trunk, then prepare an image with its processor config."""
+    import numpy as np
+
+    import turbospark_core
+    from turbospark_core.vision.convert import convert_sidecar
+
+    src = seeds.fixtures / "qwen3_vl"
+    if not (src / "config.json").is_file():
+        msg = "the sidecar target needs the qwen3_vl fixture"
+        raise RuntimeError(msg)
+    trunk, seed = seeds.work / "vl-trunk", seeds.work / "vl-sidecar"
+    if not trunk.exists():
+        convert(src, trunk)
+        convert_sidecar(src, seed)
+    runner = turbospark_core.open(trunk, memory_budget="8GB")
+    doc = json.loads((seed / MANIFEST).read_text())
+    scratch = seeds.work / "vl-scratch"
+    if not scratch.exists():
+        shutil.copytree(seed, scratch)
+    image = np.random.default_rng(0).integers(0, 255, (40, 56, 3), dtype=np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
+
+    def mutate(rnd: random.Random) -> bytes:
+        if rnd.random() < 0.6:
+            section = rnd.choice([k for k in ("vision", "processor", "tokens", "trunk", "files") if k in doc])
+            return json.dumps({**doc, section: mutate_section(rnd, doc[section])}, allow_nan=True).encode()
+        return mutate_document(rnd, doc)
+
+    def run(text: bytes) -> None:
+        (scratch / MANIFEST).write_bytes(text)
+        runner.vision = None
+        runner.attach_vision(scratch)
+        runner.chat_input(messages)
+
+    return Target("sidecar", mutate, run)
+
+
 TARGETS: dict[str, Callable[[Seeds], Target]] = {
     "manifest": manifest_target,
     "open": open_target,
@@ -340,6 +430,8 @@ TARGETS: dict[str, Callable[[Seeds], Target]] = {
     "gguf": gguf_target,
     "tokenizer": tokenizer_target,
     "template": template_target,
+    "directions": directions_target,
+    "sidecar": sidecar_target,
 }
 
 

@@ -23,6 +23,8 @@ EXAMPLES = {
     "gguf": 60,
     "tokenizer": 60,
     "template": 100,
+    "directions": 150,
+    "sidecar": 60,
 }
 
 

@@ -6,8 +6,7 @@ Decisions:
   response carries its id (``GET /v1/models`` lists it).
 * Unknown request fields are refused with 400, as OpenAI does. Standard
   fields the runtime cannot honour are refused by name when set to anything
-  but their neutral value: ``n``/``best_of`` > 1, ``logprobs``/``top_logprobs``
-  (log probabilities are not computed), ``frequency_penalty``/
+  but their neutral value: ``n``/``best_of`` > 1, ``frequency_penalty``/
   ``presence_penalty`` (use ``repetition_penalty``), ``logit_bias``, ``tools``,
   ``tool_choice``, ``suffix``, a ``response_format`` other than text.
   ``user``, ``metadata``, ``store``, ``service_tier`` and
@@ -23,6 +22,15 @@ Decisions:
 * ``max_tokens`` (or ``max_completion_tokens``) defaults to the rest of the
   context for chat and to 16 for completions; asking past ``max_context`` is a
   400 with code ``context_length_exceeded``.
+* Log probabilities: chat's ``logprobs: true`` with ``top_logprobs`` 0 to 20,
+  completions' ``logprobs`` 0 to 20 (the alternatives per token), in
+  OpenAI's shapes, streamed with each delta. They come from the distribution
+  the sampler draws from: the logits after ``repetition_penalty``, divided by
+  ``temperature`` (1 when greedy), log-softmaxed, before top-k/top-p/min-p
+  truncation (vLLM's "processed" log probabilities). A token's ``bytes`` are
+  the UTF-8 of its text (a token holding part of a character shows U+FFFD);
+  ``-inf`` is sent as -9999.0. Prompt log probabilities are not computed,
+  so ``echo`` with ``logprobs`` is refused.
 * ``usage.prompt_tokens_details.cached_tokens`` reports the prompt tokens
   served from a parked session's cache instead of being prefilled again.
 """
@@ -32,14 +40,16 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from turbospark_core.errors import OptionError, TokenizerError
+from turbospark_core.batch import MAX_TOP_LOGPROBS, TokenLogprob
+from turbospark_core.errors import OptionError, TurbosparkError
 from turbospark_core.sampling import SamplingParams
 from turbospark_core.stop import StopMatcher
+from turbospark_core.vision.prompt import VisionPrompt, is_image_part
 
 SEED_MODULUS = 2**64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -93,7 +103,8 @@ class ModelFacts:
     vocab_size: int
     encode: Callable[[str], list[int]] = attrs.field(eq=False)
     decode: Callable[[list[int]], str] = attrs.field(eq=False)
-    chat_prompt: Callable[[list[dict[str, Any]]], list[int]] = attrs.field(eq=False)
+    # the prompt of chat messages: token ids, or a VisionPrompt when they hold images (Runner.chat_input)
+    chat_prompt: Callable[[list[dict[str, Any]]], list[int] | VisionPrompt] = attrs.field(eq=False)
     steering_sets: dict[str, Any] = attrs.field(factory=dict, eq=False)  # name -> DirectionSet
     steering_refusal: str | None = None  # the family's steering_supported answer
     steering_default: str | None = None  # the name of the set applied when a request names none
@@ -112,6 +123,8 @@ class GenerationRequest:
     session_id: str | None = None
     steering: Any = attrs.field(default=None, eq=False)  # DirectionSet, None (the default) or False (none)
     echo: str | None = None  # completions: the prompt text to put before the completion
+    logprobs: int | None = None  # None: no log probabilities; k: each token's and its k best alternatives
+    vision: VisionPrompt | None = attrs.field(default=None, eq=False)  # chat: the prompt with its images
     request_id: str = attrs.Factory(lambda self: _new_id(self.kind), takes_self=True)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -190,10 +203,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name) not in (None, 0.0):
             raise _unsupported(name, "use the 'repetition_penalty' extension (e.g. 1.1) instead")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        name = "logprobs" if logprobs not in (None, False, 0) else "top_logprobs"
-        raise _unsupported(name, "log probabilities are not returned; omit it or pass null")
     for name in ("logit_bias", "tools", "functions", "suffix"):
         if body.get(name):
             raise _unsupported(name, "this runtime cannot honour it; omit it")
@@ -203,6 +212,32 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _unsupported("response_format", "only {'type': 'text'} is available")
+
+
+def _top_count(body: dict[str, Any], name: str) -> int | None:
+    value = _integer(body, name, low=0)
+    if value is not None and value > MAX_TOP_LOGPROBS:
+        msg = f"'{name}' must be at most {MAX_TOP_LOGPROBS} (got {value})"
+        raise APIError(400, msg, param=name, code="invalid_value")
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0 to 20, only with ``logprobs: true``)."""
+    wanted = _boolean(body, "logprobs")
+    top = _top_count(body, "top_logprobs")
+    if top is not None and not wanted:
+        msg = "'top_logprobs' requires 'logprobs' to be true"
+        raise APIError(400, msg, param="top_logprobs", code="invalid_value")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any], echo: bool) -> int | None:
+    """Completions: ``logprobs`` is the number of alternatives per token (0 to 20)."""
+    top = _top_count(body, "logprobs")
+    if top is not None and echo:
+        raise _unsupported("logprobs", "prompt log probabilities are not computed; drop 'echo' or 'logprobs'")
+    return top
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -300,11 +335,13 @@ def _max_tokens(body: dict[str, Any], names: tuple[str, ...], prompt_len: int, f
 
 
 # ------------------------------------------------------------------ chat
-def _message_text(content: Any, where: str) -> str:
+def _message_text(content: Any, where: str) -> str | list[dict[str, Any]]:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise _bad_type(where, "a string or a list of text parts", content)
+    if any(is_image_part(p) for p in content):
+        return _image_parts(content, where)
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -314,7 +351,25 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _image_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """Text and ``image_url`` parts, as the chat template and :meth:`Runner.chat_input` take them."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if is_image_part(part):
+            value = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str):
+                raise _bad_type(f"{where}[{j}].image_url.url", "a base64 data: URL string", url)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _unsupported(where, f"only text and image_url content parts are served (got a {kind!r} part)")
+    return parts
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         msg = "'messages' must be a non-empty list of {'role', 'content'} objects"
@@ -345,9 +400,11 @@ def parse_chat(body: dict[str, Any], facts: ModelFacts) -> GenerationRequest:
     _refuse_unsupported(body)
     messages = _messages(body)
     try:
-        prompt = facts.chat_prompt(messages)
-    except (TokenizerError, OptionError) as e:
+        got = facts.chat_prompt(messages)
+    except TurbosparkError as e:  # a template failure; images: undecodable, too large, too many for the context
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    vision = got if isinstance(got, VisionPrompt) else None
+    prompt = got.ids if isinstance(got, VisionPrompt) else got
     sampling = _sampling(body)
     stream, include_usage = _stream_flags(body)
     return GenerationRequest(
@@ -359,6 +416,8 @@ def parse_chat(body: dict[str, Any], facts: ModelFacts) -> GenerationRequest:
         include_usage=include_usage,
         session_id=_session_id(body),
         steering=_steering(body, facts),
+        logprobs=_chat_logprobs(body),
+        vision=vision,
     )
 
 
@@ -391,6 +450,7 @@ def parse_completion(body: dict[str, Any], facts: ModelFacts) -> GenerationReque
     ids, text = _prompt(body, facts)
     sampling = _sampling(body)
     stream, include_usage = _stream_flags(body)
+    echo = _boolean(body, "echo")
     return GenerationRequest(
         kind="completion",
         prompt=ids,
@@ -400,7 +460,8 @@ def parse_completion(body: dict[str, Any], facts: ModelFacts) -> GenerationReque
         include_usage=include_usage,
         session_id=_session_id(body),
         steering=_steering(body, facts),
-        echo=text if _boolean(body, "echo") else None,
+        echo=text if echo else None,
+        logprobs=_completion_logprobs(body, echo),
     )
 
 
@@ -423,23 +484,96 @@ def _envelope(req: GenerationRequest, model_id: str, *, chunk: bool) -> dict[str
     return {"id": req.request_id, "object": obj, "created": req.created, "model": model_id}
 
 
-def completion_body(req: GenerationRequest, model_id: str, gen: Any) -> dict[str, Any]:
+# ------------------------------------------------------------------ log probabilities
+NEG_INF_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity)
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def _token_object(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}``."""
+    content = []
+    for e in entries:
+        obj = _token_object(decode([e.token]), e.logprob)
+        obj["top_logprobs"] = [_token_object(decode([i]), lp) for i, lp in e.top]
+        content.append(obj)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], decode: Callable[[list[int]], str], offset: int = 0
+) -> dict[str, Any]:
+    """Completions' ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset``."""
+    texts = [decode([e.token]) for e in entries]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": [_top_dict(e, decode) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _top_dict(entry: TokenLogprob, decode: Callable[[list[int]], str]) -> dict[str, float]:
+    """``{token text: logprob}``, best first; tokens sharing a text keep the best one's value."""
+    out: dict[str, float] = {}
+    for i, lp in entry.top:
+        out.setdefault(decode([i]), _finite(lp))
+    return out
+
+
+class LogprobsWriter:
+    """Shapes a request's log probabilities, delta by delta (streamed) or all at once; ``None`` when not asked."""
+
+    def __init__(self, req: GenerationRequest, decode: Callable[[list[int]], str]) -> None:
+        self.req = req
+        self.decode = decode
+        self.offset = len(req.echo or "")  # completions' text_offset runs over the whole answer text
+        self.sent = 0
+
+    def __call__(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        self.sent += len(entries)
+        if self.req.kind == "chat":
+            return chat_logprobs(entries, self.decode)
+        out = completion_logprobs(entries, self.decode, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+
+# ------------------------------------------------------------------ responses
+def completion_body(
+    req: GenerationRequest, model_id: str, gen: Any, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The non-streamed response for a finished :class:`~turbospark_core.runner.Generation`."""
     body = _envelope(req, model_id, chunk=False)
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}}
     else:
         choice = {"index": 0, "text": (req.echo or "") + gen.text}
-    choice.update(logprobs=None, finish_reason=gen.finish_reason)
+    choice.update(logprobs=logprobs, finish_reason=gen.finish_reason)
     s = gen.stats
     body.update(choices=[choice], usage=usage(s.prompt_tokens, s.generation_tokens, s.reused_tokens))
     return body
 
 
 def chunk_body(
-    req: GenerationRequest, model_id: str, text: str | None = None, *, role: bool = False, finish: str | None = None
+    req: GenerationRequest,
+    model_id: str,
+    text: str | None = None,
+    *,
+    role: bool = False,
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk: a text delta, the opening role delta, or the closing finish reason."""
+    """One streamed chunk: a text delta (with its tokens' ``logprobs``), the opening role delta, or the finish."""
     body = _envelope(req, model_id, chunk=True)
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -448,7 +582,7 @@ def chunk_body(
         choice: dict[str, Any] = {"index": 0, "delta": delta}
     else:
         choice = {"index": 0, "text": text or ""}
-    choice.update(logprobs=None, finish_reason=finish)
+    choice.update(logprobs=logprobs, finish_reason=finish)
     body["choices"] = [choice]
     if req.include_usage:
         body["usage"] = None

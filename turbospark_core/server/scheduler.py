@@ -1,7 +1,8 @@
 """The server's one MLX thread: admits requests onto session slots and decodes them in one batch.
 
-HTTP threads call :meth:`Scheduler.submit` and read the returned
-:class:`Job`'s ``events`` queue; everything that touches MLX (opening the
+HTTP handlers call :meth:`Scheduler.submit` and read the returned
+:class:`Job`'s events (its ``events`` queue, or a ``sink`` callable the
+worker calls, e.g. one handing them to an event loop); everything that touches MLX (opening the
 install, prefill, decode, closing a generation) runs on the worker thread.
 Each admitted request owns one parked session slot until it finishes; its
 row in the :class:`~turbospark_core.batch.Batch` continues that session (the
@@ -22,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from turbospark_core.batch import Batch, BatchRow
+from turbospark_core.batch import Batch, BatchRow, TokenLogprob
 from turbospark_core.errors import OptionError, TurbosparkError
 from turbospark_core.runner import Runner
 from turbospark_core.server.metrics import NullMetrics
@@ -37,16 +38,46 @@ DEFAULT_MAX_QUEUE = 256
 PINNED, AUTO = "session:", "auto-"
 
 
+Event = tuple[str, Any]
+
+
+@attrs.frozen
+class Piece:
+    """A text piece of a generation and the log probabilities of the tokens sampled since the previous piece."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 @attrs.define(eq=False)
 class Job:
-    """One request in flight. ``events`` yields ``(PIECE, str)``... then ``(DONE, Generation)`` or ``(ERROR, exc)``."""
+    """One request in flight: ``(PIECE, Piece)``... then ``(DONE, Generation)`` or ``(ERROR, exc)``.
+
+    Events go to ``sink`` when one is given (called on the worker thread: it
+    must not block), else into the ``events`` queue. ``logprobs`` holds every
+    generated token's :class:`~turbospark_core.batch.TokenLogprob` once DONE
+    (when the request asked for them).
+    """
 
     request: GenerationRequest
-    events: queue.SimpleQueue[tuple[str, Any]] = attrs.Factory(queue.SimpleQueue)
+    events: queue.SimpleQueue[Event] = attrs.Factory(queue.SimpleQueue)
+    sink: Callable[[Event], None] | None = None
     submitted: float = attrs.Factory(time.perf_counter)
     slot: str | None = None
+    logprobs: list[TokenLogprob] = attrs.Factory(list)
     _cancelled: threading.Event = attrs.Factory(threading.Event)
     _row: BatchRow | None = None
+    _sent: int = 0  # log probabilities already handed out with pieces
+
+    def emit(self, kind: str, value: Any) -> None:
+        """Hand one event to the client side (worker thread)."""
+        if self.sink is None:
+            self.events.put((kind, value))
+            return
+        try:
+            self.sink((kind, value))
+        except RuntimeError:  # the client side's event loop is gone (server closing)
+            self.cancel()
 
     def cancel(self) -> None:
         """Ask the worker to drop this request (the client went away); safe from any thread."""
@@ -192,13 +223,13 @@ class Scheduler:
         assert self.runner is not None  # set before _ready when the open succeeded
         return self.runner
 
-    def submit(self, request: GenerationRequest) -> Job:
-        """Queue ``request``; read the answer from the returned job's ``events``.
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None] | None = None) -> Job:
+        """Queue ``request``; read the answer from the returned job's ``events`` (or ``sink``: see :class:`Job`).
 
         Raises:
             APIError: 429 (``Retry-After``) when the queue is full; 503 when the server is stopping.
         """
-        job = Job(request)
+        job = Job(request, sink=sink)
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -275,7 +306,10 @@ class Scheduler:
         req = job.request
         try:
             state = self.runner.sessions.acquire(job.slot)
-            job._row = self._batch.add(req.prompt, req.max_tokens, state=state, steering=req.steering, **req.sampling)
+            prompt = req.prompt if req.vision is None else req.vision  # a chat with images: the VisionPrompt
+            job._row = self._batch.add(
+                prompt, req.max_tokens, state=state, steering=req.steering, logprobs=req.logprobs, **req.sampling
+            )
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
         else:
@@ -286,8 +320,9 @@ class Scheduler:
         assert self._batch is not None
         for job in list(self._active):
             if job.cancelled:
+                with self._cond:  # counted before the job leaves `active`: a snapshot never misses it
+                    self.counters.cancelled += 1
                 self._close(job)
-                self.counters.cancelled += 1
         by_row = {id(job._row): job for job in self._active if job._row is not None}
         try:
             pieces = self._batch.step()
@@ -303,21 +338,26 @@ class Scheduler:
             owner = by_row.get(id(row))
             if owner is not None:
                 self.observer.piece(owner)
-                owner.events.put((PIECE, piece))
+                scores = tuple(row.logprobs[owner._sent :])
+                owner._sent += len(scores)
+                owner.emit(PIECE, Piece(piece, scores))
         for job in list(self._active):
             if job._row is not None and job._row.done and job._row.result is not None:
                 self._finish(job, DONE, job._row.result)
 
     def _finish(self, job: Job, kind: str, value: Any) -> None:
+        if job._row is not None:
+            job.logprobs = list(job._row.logprobs)
+        with self._cond:  # counted before the job leaves `active`: a snapshot never misses it
+            if kind == DONE:
+                self.counters.completed += 1
+            else:
+                self.counters.failed += 1
         self._close(job)
-        if kind == DONE:
-            self.counters.completed += 1
-        else:
-            self.counters.failed += 1
-            if not isinstance(value, (APIError, TurbosparkError)):
-                log.error("request %s failed", job.request.request_id, exc_info=value)
+        if kind != DONE and not isinstance(value, (APIError, TurbosparkError)):
+            log.error("request %s failed", job.request.request_id, exc_info=value)
         self.observer.finished(job, kind, value)  # before the client hears of it: a scrape then sees it
-        job.events.put((kind, value))
+        job.emit(kind, value)
 
     def _close(self, job: Job) -> None:
         """End ``job``'s generation here, on the worker, so its session is saved before the slot is reused."""
@@ -338,4 +378,4 @@ class Scheduler:
             self._pending.clear()
         for job in waiting:
             self._close(job)
-            job.events.put((ERROR, gone))
+            job.emit(ERROR, gone)

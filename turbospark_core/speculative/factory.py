@@ -158,6 +158,7 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
         steering=None,
         router_histogram=False,
         ffn_histogram=False,
+        vision=None,
     )
     draft = open_install(path, draft_options, ring_slack=k + 1)
     model, new_cache = draft.model, draft.new_cache

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core.family import ArchConfigError, CacheSpec
+from turbospark_core.family import ArchConfigError, CacheSpec, VisionInputs
 
 from turbospark_gemma4.family import Args, RopeArgs, make_rope
 
@@ -107,3 +109,47 @@ def test_kv_shared_layers_compute_no_keys(turbospark_install: Any) -> None:
     assert len(runner.opened.new_cache()) == 3
     # double-wide MLP on the KV-shared layers
     assert runner.model.layers[4].mlp.gate_proj.out_features == 2 * runner.model.layers[0].mlp.gate_proj.out_features
+
+
+def _vision(ref: Any, case: str) -> tuple[mx.array, VisionInputs]:
+    ids = mx.array(ref[f"{case}_input_ids"])[None]
+    return ids, VisionInputs(mask=ids == 11, embeds=mx.array(ref[f"{case}_image_embeds"]))
+
+
+@pytest.mark.parametrize("name", ["gemma4_e", "gemma4_moe"])
+@pytest.mark.parametrize("case", ["one", "two"])
+def test_image_rows_enter_unscaled_and_logits_match(
+    turbospark_install: Any, turbospark_fixtures: Path, name: str, case: str
+) -> None:
+    """From the stored expanded ids and image embeddings: layer-0 input, logits, greedy steps with the cache."""
+    ref = np.load(turbospark_fixtures / name / "references_vision.npz")
+    runner = turbospark_core.open(turbospark_install(name))
+    model = runner.model
+    ids, vision = _vision(ref, case)
+    h, _ = model.embed(ids, vision)
+    assert np.abs(np.array(h[0]) - ref[f"{case}_inputs_embeds"]).max() <= 1e-5
+    assert np.abs(np.array(model(ids, None, vision=vision)[0]) - ref[f"{case}_logits"]).max() <= 1e-4
+    cache = runner.opened.new_cache()
+    logits = model(ids, cache, vision=vision)[0, -1]
+    for step, want in enumerate(ref[f"{case}_greedy_tokens"]):
+        assert np.abs(np.array(logits) - ref[f"{case}_greedy_step_logits"][step]).max() <= 1e-4
+        assert int(mx.argmax(logits).item()) == want
+        logits = model(mx.array([[int(want)]]), cache, vision=VisionInputs())[0, -1]
+
+
+def test_image_rows_per_layer_inputs_read_the_pad_id(turbospark_install: Any, turbospark_fixtures: Path) -> None:
+    """The reference match above depends on it: the image id in the per-layer token part moves the logits."""
+    ref = np.load(turbospark_fixtures / "gemma4_e" / "references_vision.npz")
+    model = turbospark_core.open(turbospark_install("gemma4_e")).model
+    assert model.args.pad_token_id == 0
+    ids, vision = _vision(ref, "one")
+    model.args = attrs.evolve(model.args, pad_token_id=11)
+    assert np.abs(np.array(model(ids, None, vision=vision)[0]) - ref["one_logits"]).max() > 0.1
+
+
+def test_arch_without_a_pad_id_reads_zero() -> None:
+    arch = {k: v for k, v in BASE.items() if k != "pad_token_id"}
+    assert Args.from_arch(arch).pad_token_id == 0
+    assert Args.from_arch({**arch, "pad_token_id": 3}).pad_token_id == 3
+    with pytest.raises(ArchConfigError, match="pad_token_id"):
+        Args.from_arch({**arch, "pad_token_id": -1})

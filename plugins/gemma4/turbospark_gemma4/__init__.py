@@ -1,4 +1,4 @@
-"""turbospark family plugin for Gemma 4 (the text decoder of ``gemma4`` checkpoints)."""
+"""turbospark family plugin for Gemma 4: the text decoder of ``gemma4`` checkpoints, its vision tower as a sidecar."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hugging Face config and tensor-name mapping for Gemma 4 (text decoder only)."""
+"""Hugging Face config and tensor-name mapping for the Gemma 4 text decoder (the tower: see vision_config)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "use_double_wide_mlp": bool(cfg["use_double_wide_mlp"]),
         "moe": _moe(cfg),
         "tie_word_embeddings": tied_embeddings(hf_config, default=True),
+        "pad_token_id": cfg.get("pad_token_id") or 0,  # image soft tokens read it in the per-layer inputs
     }
 
 

@@ -26,6 +26,7 @@ from turbospark_core.family import (
     KVCache,
     RingKVCache,
     Rope,
+    VisionInputs,
     WeightStore,
     bool_problem,
     causal_mask,
@@ -49,6 +50,7 @@ _INTS = {
 _COUNTS = {"hidden_size_per_layer_input": MAX_HIDDEN, "vocab_size_per_layer_input": MAX_VOCAB,
            "num_kv_shared_layers": MAX_LAYERS}  # may be 0
 _BOOLS = ("attention_k_eq_v", "use_double_wide_mlp", "tie_word_embeddings")
+_OPTIONAL = ("pad_token_id",)  # keys an install may lack (the field's default applies)
 _MOE_INTS = {"num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "moe_intermediate_size": MAX_INTERMEDIATE}
 _ROPE_FLOATS = {"rope_theta": MAX_FLOAT, "partial_rotary_factor": 1.0, "factor": MAX_FLOAT}
 
@@ -93,6 +95,7 @@ class Args:
     use_double_wide_mlp: bool
     moe: MoEArgs | None
     tie_word_embeddings: bool
+    pad_token_id: int = 0  # what image soft tokens read in the per-layer inputs (older installs: absent, 0)
 
     @classmethod
     def from_arch(cls, arch: dict[str, Any]) -> Args:
@@ -107,7 +110,7 @@ class Args:
         fields = {a.name for a in attrs.fields(cls)} - {"rope", "moe"}
         moe = arch.get("moe")
         return cls(
-            **{k: arch[k] for k in fields},
+            **{k: arch[k] for k in fields if k in arch},
             rope={kind: RopeArgs(**arch["rope_parameters"][kind]) for kind in LAYER_TYPES},
             moe=MoEArgs(**moe) if moe else None,
         )
@@ -184,10 +187,11 @@ def _brief(value: object) -> str:
 
 def _typed_problems(arch: dict[str, Any]) -> list[str]:
     """The type and range of every scalar key and of the ``moe`` section :meth:`Args.from_arch` reads."""
-    missing = sorted({a.name for a in attrs.fields(Args)} - {"rope", "moe"} - set(arch))
+    missing = sorted({a.name for a in attrs.fields(Args)} - {"rope", "moe", *_OPTIONAL} - set(arch))
     out = [f"{key!r} is missing (null where the model has none)" for key in missing]
     out += int_problems(arch, _INTS) + int_problems(arch, _COUNTS, low=0)
     out += [p for p in (int_problem(arch, "num_global_key_value_heads", MAX_HEADS, optional=True),
+                        int_problem(arch, "pad_token_id", MAX_VOCAB, low=0, optional=True),
                         float_problem(arch, "rms_norm_eps", 1.0),
                         float_problem(arch, "final_logit_softcapping", optional=True)) if p]  # fmt: skip
     out += [p for key in _BOOLS if (p := bool_problem(arch, key))]
@@ -420,9 +424,33 @@ class Model:
         context = mx.fast.rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
         return (context + token.astype(context.dtype)) * 2**-0.5
 
-    def __call__(self, inputs: mx.array, cache: list[KVCache | RingKVCache] | None = None) -> mx.array:
-        h = self.embed_tokens(inputs) * self.embed_scale
-        per_layer = self._per_layer_inputs(inputs, h) if self.ple_dim else None
+    def embed(self, inputs: mx.array, vision: VisionInputs | None = None) -> tuple[mx.array, mx.array | None]:
+        """The sequence entering layer 0, and the per-layer inputs (None without PLE).
+
+        Token rows are scaled by ``sqrt(hidden)``. Image soft-token rows
+        (``vision.mask``) take ``vision.embeds`` unscaled; there the per-layer
+        token part reads the pad id instead of the placeholder, while the
+        per-layer context part reads the merged rows.
+        """
+        if vision is None or vision.mask is None or vision.embeds is None:
+            h = self.embed_tokens(inputs) * self.embed_scale
+            return h, self._per_layer_inputs(inputs, h) if self.ple_dim else None
+        mask = vision.mask
+        ids = mx.where(mask, self.args.pad_token_id, inputs)
+        h = self.embed_tokens(ids) * self.embed_scale
+        # row k of the embeds goes to the k-th masked position (row-major)
+        index = mx.maximum(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(mask.shape)
+        h = mx.where(mask[..., None], vision.embeds.astype(h.dtype)[index], h)
+        return h, self._per_layer_inputs(ids, h) if self.ple_dim else None
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[KVCache | RingKVCache] | None = None,
+        vision: VisionInputs | None = None,
+    ) -> mx.array:
+        """Logits for ``inputs``; ``vision`` carries the image soft tokens of this chunk (see :meth:`embed`)."""
+        h, per_layer = self.embed(inputs, vision)
         offset = cache[0].offset if cache else 0
         # K/V (and mask) of the layers that KV-shared layers read, from this same pass:
         # a ring may already have dropped rows an earlier query of a long chunk needs

@@ -5,10 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+from turbospark_core.family import (
+    CacheSpec,
+    FamilyContext,
+    FamilySpec,
+    TensorTarget,
+    VisionContext,
+    VisionSpec,
+    hookimpl,
+)
 
-from turbospark_gemma4 import DISTRIBUTION, FAMILY, MODEL_TYPES, convert
+from turbospark_gemma4 import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, vision_config
 from turbospark_gemma4.family import Args, Model
+from turbospark_gemma4.tower import Gemma4Tower
 
 
 @hookimpl
@@ -59,3 +68,20 @@ def cache_layout(arch: dict[str, Any]) -> list[CacheSpec]:
 @hookimpl
 def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)
+
+
+@hookimpl
+def vision_arch_from_hf_config(hf_config: dict[str, Any]) -> VisionSpec | None:
+    return vision_config.vision_spec(hf_config)
+
+
+@hookimpl
+def vision_tensor_target(vision: dict[str, Any], name: str) -> TensorTarget:
+    return vision_config.vision_target(name)
+
+
+@hookimpl
+def build_vision(context: VisionContext) -> Gemma4Tower | None:
+    if context.vision.get("model_type") != "gemma4":
+        return None
+    return Gemma4Tower(context)

@@ -78,7 +78,17 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": tied_embeddings(hf_config),
         "qk_norm": _qk_norm(cfg, model_type),
         "moe": _moe(cfg, model_type, layers),
+        **_mrope(cfg),
     }
+
+
+def _mrope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen-VL's multimodal rope sections (``{"mrope": {...}}``), used only for image positions; else ``{}``."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    section = params.get("mrope_section") if isinstance(params, Mapping) else None
+    if not section:
+        return {}
+    return {"mrope": {"section": list(section), "interleaved": bool(params.get("mrope_interleaved", False))}}
 
 
 _DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)

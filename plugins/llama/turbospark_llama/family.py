@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from turbospark_core.family import (
     MAX_EXPERTS,
@@ -21,6 +22,7 @@ from turbospark_core.family import (
     CacheSpec,
     KVCache,
     Rope,
+    VisionInputs,
     WeightStore,
     bool_problem,
     float_problems,
@@ -46,6 +48,25 @@ class MoEArgs:
 
 
 @attrs.frozen(kw_only=True)
+class MRopeArgs:
+    """Multimodal rope (Qwen-VL): frequency j rotates by the t, h or w position (image positions only)."""
+
+    section: tuple[int, ...] = attrs.field(converter=tuple)
+    interleaved: bool = False
+
+    def axes(self) -> np.ndarray:
+        """The position axis (0 = t, 1 = h, 2 = w) each rotary frequency reads."""
+        n = sum(self.section)
+        if self.interleaved:
+            j = np.arange(n)
+            axes = np.zeros(n, dtype=np.int64)
+            axes[(j % 3 == 1) & (j < 3 * self.section[1])] = 1
+            axes[(j % 3 == 2) & (j < 3 * self.section[2])] = 2
+            return axes
+        return np.concatenate([np.full(k, a, dtype=np.int64) for a, k in enumerate(self.section)])
+
+
+@attrs.frozen(kw_only=True)
 class Args:
     model_type: str
     hidden_size: int
@@ -61,6 +82,7 @@ class Args:
     max_position_embeddings: int
     qk_norm: str | None
     moe: MoEArgs | None
+    mrope: MRopeArgs | None = None
 
     @classmethod
     def from_arch(cls, arch: dict[str, Any]) -> Args:
@@ -83,6 +105,7 @@ class Args:
             max_position_embeddings=arch.get("max_position_embeddings") or 4096,
             qk_norm=arch.get("qk_norm"),
             moe=MoEArgs(**moe) if moe else None,
+            mrope=MRopeArgs(**arch["mrope"]) if arch.get("mrope") else None,
         )
 
     @staticmethod
@@ -106,6 +129,7 @@ class Args:
         moe = arch.get("moe")
         if moe and moe.get("scoring", "softmax") not in SCORINGS:
             out.append(f"moe scoring {moe.get('scoring')!r} is not one of {SCORINGS}")
+        out += _mrope_problems(arch.get("mrope"), rotary)
         if moe and not moe["top_k"] <= moe["num_experts"]:
             out.append(f"moe top_k={moe['top_k']!r} must be in [1, num_experts={moe['num_experts']!r}]")
         return out
@@ -122,6 +146,24 @@ _INTS = {
 _OPTIONAL_INTS = {"rotary_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_POSITIONS}
 _FLOATS = {"rms_norm_eps": 1.0}
 _MOE_INTS = {"num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS}
+
+
+def _mrope_problems(mrope: Any, rotary: int) -> list[str]:
+    if mrope is None:
+        return []
+    if not isinstance(mrope, dict) or set(mrope) - {"section", "interleaved"}:
+        return [f"'mrope' must be an object with 'section' and 'interleaved' (got {mrope!r:.80})"]
+    section = mrope.get("section")
+    if (
+        not isinstance(section, list)
+        or len(section) != 3
+        or not all(is_int(k) and k >= 0 for k in section)
+        or sum(section) != rotary // 2
+    ):
+        return [f"mrope.section={section!r:.80} must be 3 counts summing to rotary_dim/2={rotary // 2}"]
+    if not isinstance(mrope.get("interleaved", False), bool):
+        return ["mrope.interleaved must be true or false"]
+    return []
 
 
 def _typed_problems(arch: dict[str, Any]) -> list[str]:
@@ -166,8 +208,30 @@ class Attention:
             scaling=args.rope_scaling,
             max_positions=args.max_position_embeddings,
         )
+        self.rotary_dim = args.rotary_dim
+        self.mrope_axes = None if args.mrope is None else mx.array(args.mrope.axes())
+        inv = 1.0 / (args.rope_theta ** (np.arange(0, args.rotary_dim, 2, dtype=np.float64) / args.rotary_dim))
+        self.inv_freq = mx.array(inv.astype(np.float32))
 
-    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def rope_at(self, x: mx.array, positions: mx.array) -> mx.array:
+        """Rotate ``x`` ``[B, heads, L, D]`` by explicit M-RoPE ``positions`` ``[3, B, L]`` (image prompts)."""
+        if self.mrope_axes is None:
+            msg = "explicit image positions need the install's 'mrope' section; re-convert the trunk"
+            raise ArchConfigError(msg)
+        pos = mx.take(positions.astype(mx.float32), self.mrope_axes, axis=0)  # [F, B, L]
+        angles = pos.transpose(1, 2, 0) * self.inv_freq  # [B, L, F]
+        emb = mx.concatenate([angles, angles], axis=-1)[:, None]  # [B, 1, L, rotary]
+        cos, sin = mx.cos(emb).astype(x.dtype), mx.sin(emb).astype(x.dtype)
+        r = self.rotary_dim
+        head, tail = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = mx.concatenate([-head[..., half:], head[..., :half]], axis=-1)
+        out = head * cos + rotated * sin
+        return out if tail.shape[-1] == 0 else mx.concatenate([out, tail], axis=-1)
+
+    def project(
+        self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
+    ) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -179,6 +243,8 @@ class Attention:
         if self.qk_norm == "head":
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        if positions is not None:
+            return self.rope_at(q, positions), self.rope_at(k, positions), v
         return self.rope(q, offset), self.rope(k, offset), v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
@@ -190,8 +256,10 @@ class Attention:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
-        q, k, v = self.project(x, 0 if cache is None else cache.offset)
+    def __call__(
+        self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
+    ) -> mx.array:
+        q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions)
         return self.o_proj(self.attend(q, k, v, cache))
 
 
@@ -255,11 +323,14 @@ class Block:
         h = x + self.self_attn.o_proj(attended)
         return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
-        if x.shape[1] == 1 and cache is not None:
-            q, k, v = self._decode_qkv(x, mx.array(cache.offset))
+    def __call__(
+        self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
+    ) -> mx.array:
+        if x.shape[1] == 1 and cache is not None and positions is None:
+            offset = mx.array(cache.offset)
+            q, k, v = self._decode_qkv(x, offset if isinstance(shift, int) and not shift else offset + shift)
             return self._decode_rest(x, self.self_attn.attend(q, k, v, cache))
-        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
+        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
         return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
@@ -272,10 +343,31 @@ class Model:
         # Tied head unless the install carries its own lm_head
         self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None
 
-    def __call__(self, inputs: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: list[KVCache] | None = None, vision: VisionInputs | None = None
+    ) -> mx.array:
         h = self.embed_tokens(inputs)
+        if vision is None:
+            for i, block in enumerate(self.blocks):
+                h = steer(block(h, None if cache is None else cache[i]), i)
+            return self._head(h)
+        # Images (Qwen3-VL): tower rows replace the soft-token embeddings; DeepStack features are added
+        # after the early layers; explicit M-RoPE positions in the prompt, shifted positions after it
+        extra: list[mx.array] = []
+        mask = vision.mask
+        if mask is not None and vision.embeds is not None:
+            take = mx.maximum(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(mask.shape)
+            where = mask[..., None]
+            h = mx.where(where, vision.embeds[take].astype(h.dtype), h)
+            extra = [mx.where(where, f[take].astype(h.dtype), 0) for f in vision.layer_features]
         for i, block in enumerate(self.blocks):
-            h = steer(block(h, None if cache is None else cache[i]), i)
+            h = block(h, None if cache is None else cache[i], vision.shift, vision.positions)
+            if i < len(extra):
+                h = h + extra[i]
+            h = steer(h, i)
+        return self._head(h)
+
+    def _head(self, h: mx.array) -> mx.array:
         h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)

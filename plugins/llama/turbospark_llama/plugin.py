@@ -5,9 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, ResidualMap, TensorTarget, hookimpl
+from turbospark_core.family import (
+    CacheSpec,
+    FamilyContext,
+    FamilySpec,
+    ResidualMap,
+    TensorTarget,
+    VisionContext,
+    VisionSpec,
+    hookimpl,
+)
 
-from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert, rotation
+from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert, rotation, vision
 from turbospark_llama.family import Args, Model
 
 
@@ -76,3 +85,22 @@ def cache_layout(arch: dict[str, Any]) -> list[CacheSpec]:
 @hookimpl
 def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)
+
+
+@hookimpl
+def vision_arch_from_hf_config(hf_config: dict[str, Any]) -> VisionSpec | None:
+    return vision.vision_spec(hf_config)  # Qwen3-VL only; None for the text-only model types
+
+
+@hookimpl
+def vision_tensor_target(vision: dict[str, Any], name: str) -> TensorTarget:
+    from turbospark_llama.vision import vision_target
+
+    return vision_target(name)
+
+
+@hookimpl
+def build_vision(context: VisionContext) -> vision.Qwen3VLTower | None:
+    if context.arch.get("model_type") != "qwen3_vl" or context.vision.get("model_type") != "qwen3_vl":
+        return None
+    return vision.Qwen3VLTower(context)
