@@ -55,3 +55,19 @@ def test_a_session_row_parks_exactly_what_its_caches_hold(fixture: tuple[Path, l
     again = runner.session("s").generate(follow, 10)
     assert again.stats.reused_tokens >= len(prompt)
     assert again.tokens == plain.generate(follow, 10).tokens
+
+
+def test_a_row_asking_for_logprobs_decodes_plainly_with_its_logprobs(fixture: tuple[Path, list[int]]) -> None:
+    path, prompt = fixture
+    runner = turbospark_core.open(path, draft_model=path, num_draft_tokens=3)
+    plain = turbospark_core.open(path).batch()
+    want = plain.add(prompt, 12, logprobs=2)
+    plain.run()
+    batch = runner.batch()
+    row = batch.add(prompt, 12, logprobs=2)
+    batch.run()
+    assert row.result is not None and want.result is not None
+    assert row.result.tokens == want.result.tokens
+    assert row.result.stats.draft_tokens == 0  # not drafted for: every token's logprobs come from a plain step
+    assert len(row.logprobs) == len(want.logprobs) == 12
+    assert [lp.token for lp in row.logprobs] == [lp.token for lp in want.logprobs]
