@@ -174,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     edit = plain.chat_prompt([{"role": "user", "content": EDIT}])
     chat = plain.chat_prompt([{"role": "user", "content": CHAT}])
     lookup = turbospark_core.open(target, ngram=args.ngram)
+    fixed = turbospark_core.open(target, ngram=args.ngram, num_draft_tokens=3)
     rows = [
-        compare("edit / ngram", plain, lookup, edit, args.tokens, args.repeats),
-        compare("chat / ngram", plain, lookup, chat, args.tokens, args.repeats),
+        compare(f"edit / ngram={args.ngram} adaptive", plain, lookup, edit, args.tokens, args.repeats),
+        compare("edit / ngram fixed k=3", plain, fixed, edit, args.tokens, args.repeats),
+        compare(f"chat / ngram={args.ngram} adaptive", plain, lookup, chat, args.tokens, args.repeats),
     ]
     report: dict[str, Any] = {"rows": rows}
     if not args.skip_draft:
