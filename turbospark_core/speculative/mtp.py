@@ -1,0 +1,245 @@
+"""The ``mtp`` drafter: the install's own multi-token-prediction head, built only when asked.
+
+An install with a head carries it in ``mtp.safetensors`` (manifest section
+``mtp``); a plain open never reads that file. :func:`load_head` builds the head
+through the family's ``build_mtp_head`` hook over a weight store of its own.
+:class:`MtpDrafter` keeps the head's KV cache in step with the target: it
+reads the residual after the target's last decoder layer (``capture_layers``),
+turns it into ``h_t`` with the trunk's final norm, and appends slot ``t``
+(``h_t`` with token ``x_{t+1}``) once ``x_{t+1}`` is committed. A draft of
+``k`` tokens chains the head: the first from the last committed slot, each
+next one from the previous slot's output hidden and drafted token; the
+chained slots are dropped again, so the cache only ever holds committed slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from turbospark_core.context import DraftHead, HeadContext
+from turbospark_core.errors import FamilyRefusalError, InstallError, OptionError
+from turbospark_core.kv_cache import Cache, KVCache, make_caches
+from turbospark_core.manifest import MTP_HEAD
+from turbospark_core.steering import Edit, applying
+from turbospark_core.tensor_index import build_index
+from turbospark_core.weights import WeightStore
+
+if TYPE_CHECKING:
+    from turbospark_core.loader import OpenedModel
+
+#: ``mtp="auto"``: draft this many tokens per step when the install has a head
+AUTO_DEPTH = 1
+
+
+def has_head(opened: OpenedModel) -> bool:
+    """Whether the install carries a multi-token-prediction head (``mtp.safetensors``)."""
+    return opened.manifest.mtp is not None and MTP_HEAD in opened.manifest.files
+
+
+def refusal(opened: OpenedModel) -> str | None:
+    """Why ``mtp=DEPTH`` cannot be served on this install (``None`` when it can)."""
+    hooks, manifest = opened.hooks, opened.manifest
+    if not has_head(opened):
+        return (
+            f"{manifest.root} has no multi-token-prediction head (no 'mtp' section and no {MTP_HEAD!r} in its "
+            f"file table); convert a checkpoint that carries mtp.* tensors, or open without mtp "
+            f"(mtp='auto' decodes plainly when there is no head)"
+        )
+    if not hooks.has_mtp_head_flow():
+        return (
+            f"family {hooks.spec.name!r} ({hooks.spec.distribution}) has no flow for multi-token-prediction heads "
+            f"(its plugin does not implement the build_mtp_head hook); open without mtp"
+        )
+    return None
+
+
+def load_head(opened: OpenedModel) -> DraftHead:
+    """Read ``mtp.safetensors`` and build the head with the family's ``build_mtp_head`` hook.
+
+    Raises:
+        OptionError: The install has no head.
+        FamilyRefusalError: The family has no head flow.
+        InstallError: The head's tensors do not fit its flow.
+    """
+    why = refusal(opened)
+    if why is not None:
+        raise (OptionError if not has_head(opened) else FamilyRefusalError)(f"mtp refused: {why}")
+    manifest = opened.manifest
+    assert manifest.mtp is not None
+    path = manifest.path(MTP_HEAD)
+    quantization = manifest.mtp.get("quantization") or {}
+    if not isinstance(quantization, dict):
+        msg = f"{manifest.root}: the 'mtp' section's 'quantization' must be an object; re-run `turbospark convert`"
+        raise InstallError(msg)
+    index = build_index(path, manifest.files[MTP_HEAD].size, quantization)
+    weights = WeightStore(path, index, opened.policy)
+    context = HeadContext(
+        arch=manifest.arch, trunk=opened.model, weights=weights, compute_dtype=opened.policy.compute_dtype
+    )
+    head = opened.hooks.build_mtp_head(context)
+    if head is None:
+        msg = f"plugin {opened.hooks.spec.distribution!r} returned no MTP head for {manifest.root}; reinstall it"
+        raise InstallError(msg)
+    unused = weights.unused()
+    if unused:
+        msg = (
+            f"{manifest.root}: {len(unused)} tensor(s) of {MTP_HEAD} are not used by family "
+            f"{opened.hooks.spec.name!r}'s MTP head, first {unused[0]!r}; re-run `turbospark convert`"
+        )
+        raise InstallError(msg)
+    weights.materialize()
+    return head
+
+
+def last_layer(opened: OpenedModel) -> int:
+    """The target decoder layer whose output residual the head reads (the last)."""
+    return int(opened.manifest.arch["num_hidden_layers"]) - 1
+
+
+def trunk_residual(opened: OpenedModel, ids: Sequence[int], cache: list[Cache] | None = None) -> mx.array:
+    """The residual after the last decoder layer ``[1, T, H]`` for ``ids`` (one target forward)."""
+    got: dict[int, mx.array] = {}
+    layer = last_layer(opened)
+    with applying(Edit({}), family=opened.capabilities.family, capture=got, capture_layers=frozenset([layer])):
+        opened.model(mx.array([list(ids)]), cache if cache is not None else opened.new_cache())
+    return got[layer]
+
+
+def draft_logits(opened: OpenedModel, head: DraftHead, ids: Sequence[int]) -> np.ndarray:
+    """The head's logits ``(T-1, vocab)`` float32 over ``ids`` on a fresh context: row ``t`` is slot ``t``
+    (``h_t`` with ``x_{t+1}``, predicting ``x_{t+2}``)."""
+    if len(ids) < 2:
+        raise OptionError(f"draft_logits needs at least two token ids (got {len(ids)})")
+    hidden = head.trunk_hidden(trunk_residual(opened, ids))
+    cache = new_head_cache(opened, head)
+    logits, _ = head(hidden[:, :-1], mx.array([list(ids[1:])]), cache)
+    return np.array(logits[0].astype(mx.float32))
+
+
+def new_head_cache(opened: OpenedModel, head: DraftHead) -> list[Cache]:
+    """Fresh KV caches for the head (unquantized; one per MTP layer)."""
+    return make_caches(list(head.cache_layout()), opened.max_context, opened.policy.compute_dtype)
+
+
+class MtpDrafter:
+    """Drafts with the install's MTP head, keeping the head's own KV cache in step with the target.
+
+    Args:
+        opened: The target's opened model.
+        head: The head (:func:`load_head`).
+        depth: Tokens drafted per step (chained head calls).
+    """
+
+    name = "mtp"
+
+    def __init__(self, opened: OpenedModel, head: DraftHead, depth: int) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise OptionError(f"mtp={depth!r}: the draft depth must be a positive integer (or 'auto')")
+        self.head = head
+        self.depth = depth
+        self.capture_layers: tuple[int, ...] = (last_layer(opened),)
+        self._opened = opened
+        self._cache = new_head_cache(opened, head)
+        self._base = 0  # the position of the first slot the cache holds
+        self._hidden: mx.array | None = None  # h_t [1, n, H] for positions hbase .. hbase + n - 1
+        self._hbase = 0
+
+    # ------------------------------------------------------------- state
+    @property
+    def slots(self) -> int:
+        """Committed slots: the next slot the head computes is ``slots`` (reads ``h_slots``, ``x_{slots+1}``)."""
+        return self._base + self._offset()
+
+    def _offset(self) -> int:
+        first = self._cache[0]
+        assert isinstance(first, KVCache)
+        return first.offset
+
+    def _hidden_end(self) -> int:
+        return self._hbase + (0 if self._hidden is None else int(self._hidden.shape[1]))
+
+    def reset(self, start: int = 0) -> None:
+        """Forget every slot and hidden; the next slot is ``start``."""
+        self._cache = new_head_cache(self._opened, self.head)
+        self._base = start
+        self._hidden, self._hbase = None, start
+
+    def _trim_slots(self, keep: int) -> None:
+        """Keep slots ``< keep`` (a reset when that is before the first slot held)."""
+        if keep >= self.slots:
+            return
+        if keep < self._base:
+            self.reset(keep)
+            return
+        drop = self.slots - keep
+        for cache in self._cache:
+            assert isinstance(cache, KVCache)
+            cache.trim(drop)
+
+    def observe(self, start: int, hidden: mx.array) -> None:
+        """The target forwarded positions ``start ..``: ``hidden`` is its last layer's residual there
+        (``[1, L, H]`` or ``[L, H]``); earlier hiddens and slots from ``start`` on are replaced."""
+        h = self.head.trunk_hidden(hidden if hidden.ndim == 3 else hidden[None])
+        if start < self._hbase or start > self._hidden_end():
+            self._trim_slots(start)
+            self._hidden, self._hbase = h, start
+            if self.slots < start:  # a gap: the slots before it can never be computed
+                self.reset(start)
+                self._hidden = h
+            return
+        self._trim_slots(start)
+        kept = None if self._hidden is None else self._hidden[:, : start - self._hbase]
+        self._hidden = h if kept is None or kept.shape[1] == 0 else mx.concatenate([kept, h], axis=1)
+
+    def rewind(self, length: int) -> None:
+        """The target keeps positions ``< length``: later hiddens go, and slots that read a later token."""
+        self._trim_slots(max(length - 1, 0))
+        if self._hidden is not None and length < self._hidden_end():
+            keep = length - self._hbase
+            self._hidden = self._hidden[:, :keep] if keep > 0 else None
+            if keep <= 0:
+                self._hbase = length
+
+    # ------------------------------------------------------------- drafting
+    def _commit(self, context: Sequence[int]) -> tuple[mx.array, mx.array] | None:
+        """Append the committed slots ``slots .. n-2``; the last one's (logits, hidden), or ``None``
+        when the hidden of position ``n-2`` has not been observed."""
+        n = len(context)
+        first, last = self.slots, n - 2
+        if last < first or last >= self._hidden_end() or first < self._hbase:
+            return None
+        hidden = self._hidden
+        assert hidden is not None
+        h = hidden[:, first - self._hbase : last + 1 - self._hbase]
+        logits, out = self.head(h, mx.array([list(context[first + 1 : n])]), self._cache)
+        # hiddens before the next slot are no longer needed
+        self._hidden, self._hbase = hidden[:, last + 1 - self._hbase :], last + 1
+        return logits[:, -1:], out[:, -1:]
+
+    def draft(self, context: Sequence[int], k: int | None = None) -> tuple[list[int], np.ndarray]:
+        """Up to ``k`` (default: the depth) greedy draft tokens after ``context`` and their logits ``(k, vocab)``.
+
+        ``context`` is every committed token; its last one has not been forwarded
+        by the target yet. Empty when the head has not seen the hidden it needs.
+        """
+        k = self.depth if k is None else k
+        step = self._commit(context)
+        if step is None or k < 1:
+            return [], np.zeros((0, 0), np.float32)
+        logits, hidden = step
+        rows = [logits[0, -1]]
+        tokens = [int(mx.argmax(rows[-1]).item())]
+        for _ in range(k - 1):
+            logits, hidden = self.head(hidden, mx.array([[tokens[-1]]]), self._cache)
+            rows.append(logits[0, -1])
+            tokens.append(int(mx.argmax(rows[-1]).item()))
+        chained = len(tokens) - 1
+        if chained:
+            for cache in self._cache:
+                assert isinstance(cache, KVCache)
+                cache.trim(chained)
+        return tokens, np.array(mx.stack(rows).astype(mx.float32))
