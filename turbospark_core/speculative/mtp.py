@@ -14,8 +14,8 @@ chained slots are dropped again, so the cache only ever holds committed slots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
@@ -24,13 +24,17 @@ from turbospark_core.context import DraftHead, HeadContext
 from turbospark_core.errors import FamilyRefusalError, InstallError, OptionError
 from turbospark_core.kv_cache import Cache, KVCache, make_caches
 from turbospark_core.manifest import MTP_HEAD
+from turbospark_core.speculative.drafter import Draft
 from turbospark_core.steering import Edit, applying
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import WeightStore
 
 if TYPE_CHECKING:
     from turbospark_core.loader import OpenedModel
+    from turbospark_core.sampling import Sampler
 
+#: Hiddens kept before the next slot (a rewind deeper than this restarts the head's cache)
+HIDDEN_TAIL = 32
 #: ``mtp="auto"``: draft this many tokens per step when the install has a head
 AUTO_DEPTH = 1
 
@@ -120,6 +124,11 @@ def draft_logits(opened: OpenedModel, head: DraftHead, ids: Sequence[int]) -> np
     return np.array(logits[0].astype(mx.float32))
 
 
+def runner_draft_logits(opened: OpenedModel, ids: Sequence[int]) -> np.ndarray:
+    """:meth:`Runner.draft_logits`: the head is built for the call (refused as ``mtp=DEPTH`` would be)."""
+    return draft_logits(opened, load_head(opened), ids)
+
+
 def new_head_cache(opened: OpenedModel, head: DraftHead) -> list[Cache]:
     """Fresh KV caches for the head (unquantized; one per MTP layer)."""
     return make_caches(list(head.cache_layout()), opened.max_context, opened.policy.compute_dtype)
@@ -162,84 +171,114 @@ class MtpDrafter:
     def _hidden_end(self) -> int:
         return self._hbase + (0 if self._hidden is None else int(self._hidden.shape[1]))
 
-    def reset(self, start: int = 0) -> None:
-        """Forget every slot and hidden; the next slot is ``start``."""
+    def reset(self) -> None:
+        """A new sequence: forget every slot and hidden."""
+        self._restart(0)
+        self._hidden, self._hbase = None, 0
+
+    def _restart(self, start: int) -> None:
+        """An empty head cache whose first slot will be ``start`` (the hiddens are kept)."""
         self._cache = new_head_cache(self._opened, self.head)
         self._base = start
-        self._hidden, self._hbase = None, start
 
     def _trim_slots(self, keep: int) -> None:
-        """Keep slots ``< keep`` (a reset when that is before the first slot held)."""
+        """Keep slots ``< keep``."""
+        keep = max(keep, 0)
         if keep >= self.slots:
             return
-        if keep < self._base:
-            self.reset(keep)
+        if keep <= self._base:
+            self._restart(keep)
             return
         drop = self.slots - keep
         for cache in self._cache:
             assert isinstance(cache, KVCache)
             cache.trim(drop)
 
-    def observe(self, start: int, hidden: mx.array) -> None:
-        """The target forwarded positions ``start ..``: ``hidden`` is its last layer's residual there
-        (``[1, L, H]`` or ``[L, H]``); earlier hiddens and slots from ``start`` on are replaced."""
-        h = self.head.trunk_hidden(hidden if hidden.ndim == 3 else hidden[None])
-        if start < self._hbase or start > self._hidden_end():
-            self._trim_slots(start)
-            self._hidden, self._hbase = h, start
-            if self.slots < start:  # a gap: the slots before it can never be computed
-                self.reset(start)
-                self._hidden = h
-            return
+    def observe(self, start: int, hidden: Mapping[int, mx.array]) -> None:
+        """The target ran positions ``start ..``: ``hidden[last layer]`` (``[T, H]``) is its residual there.
+
+        Hiddens and slots from ``start`` on are replaced. Positions never
+        observed (a session's reused prefix) leave a gap: the head's cache then
+        starts at the first slot it can compute (lossless, perhaps less accepted).
+        """
+        residual = hidden[self.capture_layers[0]]
+        h = self.head.trunk_hidden(residual if residual.ndim == 3 else residual[None])
         self._trim_slots(start)
-        kept = None if self._hidden is None else self._hidden[:, : start - self._hbase]
-        self._hidden = h if kept is None or kept.shape[1] == 0 else mx.concatenate([kept, h], axis=1)
+        if self._hidden is None or not self._hbase <= start <= self._hidden_end():
+            self._hidden, self._hbase = h, start
+            return
+        kept = self._hidden[:, : start - self._hbase]
+        self._hidden = h if kept.shape[1] == 0 else mx.concatenate([kept, h], axis=1)
 
     def rewind(self, length: int) -> None:
-        """The target keeps positions ``< length``: later hiddens go, and slots that read a later token."""
-        self._trim_slots(max(length - 1, 0))
-        if self._hidden is not None and length < self._hidden_end():
-            keep = length - self._hbase
-            self._hidden = self._hidden[:, :keep] if keep > 0 else None
-            if keep <= 0:
-                self._hbase = length
+        """The committed context is ``length`` tokens: hiddens stay valid for positions ``< length - 1``.
+
+        Slots up to ``length - 3`` are kept; slot ``length - 2`` (the one the next
+        draft starts from) is recomputed when it exists, from its kept hidden.
+        """
+        self._trim_slots(length - 2)
+        end = max(length - 1, 0)
+        if self._hidden is not None and end < self._hidden_end():
+            keep = end - self._hbase
+            if keep > 0:
+                self._hidden = self._hidden[:, :keep]
+            else:
+                self._hidden, self._hbase = None, end
 
     # ------------------------------------------------------------- drafting
     def _commit(self, context: Sequence[int]) -> tuple[mx.array, mx.array] | None:
         """Append the committed slots ``slots .. n-2``; the last one's (logits, hidden), or ``None``
         when the hidden of position ``n-2`` has not been observed."""
-        n = len(context)
-        first, last = self.slots, n - 2
-        if last < first or last >= self._hidden_end() or first < self._hbase:
+        last = len(context) - 2
+        if self.slots > last:  # the slot the draft starts from was committed: recompute it
+            self._trim_slots(last)
+        if self.slots < self._hbase:  # hiddens never observed: start the head where they begin
+            self._restart(self._hbase)
+        first = self.slots
+        if last < first or last >= self._hidden_end():
             return None
         hidden = self._hidden
         assert hidden is not None
         h = hidden[:, first - self._hbase : last + 1 - self._hbase]
-        logits, out = self.head(h, mx.array([list(context[first + 1 : n])]), self._cache)
-        # hiddens before the next slot are no longer needed
-        self._hidden, self._hbase = hidden[:, last + 1 - self._hbase :], last + 1
+        logits, out = self.head(h, mx.array([list(context[first + 1 : last + 2])]), self._cache)
+        # keep a short tail of hiddens, so a rewind a few tokens back recomputes without a gap
+        drop = max(0, last + 1 - HIDDEN_TAIL - self._hbase)
+        if drop:
+            self._hidden, self._hbase = hidden[:, drop:], self._hbase + drop
         return logits[:, -1:], out[:, -1:]
 
-    def draft(self, context: Sequence[int], k: int | None = None) -> tuple[list[int], np.ndarray]:
-        """Up to ``k`` (default: the depth) greedy draft tokens after ``context`` and their logits ``(k, vocab)``.
+    def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:
+        """Up to ``k`` tokens after ``context`` (its last token not yet run by the target), chaining the head.
 
-        ``context`` is every committed token; its last one has not been forwarded
-        by the target yet. Empty when the head has not seen the hidden it needs.
+        Greedy: argmax tokens. Sampling: each token drawn from the head's
+        distribution after the request's transforms (``q`` in :class:`Draft`).
+        Nothing when the head has not seen the hidden it needs.
         """
-        k = self.depth if k is None else k
         step = self._commit(context)
         if step is None or k < 1:
-            return [], np.zeros((0, 0), np.float32)
+            return Draft(tokens=())
         logits, hidden = step
-        rows = [logits[0, -1]]
-        tokens = [int(mx.argmax(rows[-1]).item())]
-        for _ in range(k - 1):
-            logits, hidden = self.head(hidden, mx.array([[tokens[-1]]]), self._cache)
-            rows.append(logits[0, -1])
-            tokens.append(int(mx.argmax(rows[-1]).item()))
+        greedy = sampler.params.greedy
+        history = list(context)
+        tokens: list[int] = []
+        rows: list[mx.array] = []
+        while True:
+            last = logits[:, -1]  # [1, V]
+            if greedy:
+                token = int(cast(int, mx.argmax(last, axis=-1).item()))
+            else:
+                penalized = sampler.penalize(last, mx.array(history[-sampler.params.repetition_context :]))
+                logprobs = sampler.logprobs(penalized)
+                token = int(cast(int, mx.random.categorical(logprobs, axis=-1, key=sampler.next_key()).item()))
+                rows.append(mx.exp(logprobs[0]))
+            tokens.append(token)
+            history.append(token)
+            if len(tokens) == k:
+                break
+            logits, hidden = self.head(hidden, mx.array([[token]]), self._cache)
         chained = len(tokens) - 1
         if chained:
             for cache in self._cache:
                 assert isinstance(cache, KVCache)
                 cache.trim(chained)
-        return tokens, np.array(mx.stack(rows).astype(mx.float32))
+        return Draft(tokens=tokens, probs=None if greedy else mx.stack(rows))
