@@ -60,3 +60,30 @@ def test_depth_must_be_positive(install: Path) -> None:
     runner = turbospark_core.open(install)
     with pytest.raises(OptionError, match="positive"):
         mtp.MtpDrafter(runner.opened, object(), depth=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, -1, 17, 2.0, True, "3", "AUTO"])
+def test_bad_depth_option_is_refused_naming_it(value: object) -> None:
+    with pytest.raises(OptionError, match=r"mtp=.*draft depth in \[1, 16\]"):
+        mtp.check_depth(value)
+
+
+@pytest.mark.parametrize("value", [None, "auto", 1, 16])
+def test_depth_option_values(value: object) -> None:
+    assert mtp.check_depth(value) == value
+
+
+def test_auto_without_a_head_decodes_plainly(install: Path) -> None:
+    opened = turbospark_core.open(install).opened
+    assert mtp.open_mtp(opened, "auto") is None
+    assert mtp.head_bytes(opened) == 0
+    with pytest.raises(OptionError, match="no multi-token-prediction head"):
+        mtp.open_mtp(opened, 2)
+
+
+def test_auto_on_a_family_without_a_head_flow_decodes_plainly(install: Path) -> None:
+    _add_head(install)
+    opened = turbospark_core.open(install).opened
+    assert mtp.open_mtp(opened, "auto") is None
+    with pytest.raises(FamilyRefusalError, match="build_mtp_head"):
+        mtp.open_mtp(opened, 1)

@@ -14,6 +14,7 @@ chained slots are dropped again, so the cache only ever holds committed slots.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -24,7 +25,7 @@ from turbospark_core.context import DraftHead, HeadContext
 from turbospark_core.errors import FamilyRefusalError, InstallError, OptionError
 from turbospark_core.kv_cache import Cache, KVCache, make_caches
 from turbospark_core.manifest import MTP_HEAD
-from turbospark_core.speculative.drafter import Draft
+from turbospark_core.speculative.drafter import Draft, DrafterFactory
 from turbospark_core.steering import Edit, applying
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import WeightStore
@@ -37,6 +38,55 @@ if TYPE_CHECKING:
 HIDDEN_TAIL = 32
 #: ``mtp="auto"``: draft this many tokens per step when the install has a head
 AUTO_DEPTH = 1
+#: The deepest chain ``mtp=DEPTH`` accepts (each chained token is one more head call)
+MAX_DEPTH = 16
+AUTO = "auto"
+
+
+def check_depth(value: object) -> int | str | None:
+    """The ``mtp`` open option: ``None`` (off), ``"auto"``, or a draft depth in ``[1, MAX_DEPTH]``.
+
+    Raises:
+        OptionError: Anything else, naming the value.
+    """
+    if value is None:
+        return None
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DEPTH:
+        return value
+    msg = f"mtp={value!r} is invalid; pass a draft depth in [1, {MAX_DEPTH}], 'auto', or None"
+    raise OptionError(msg)
+
+
+def open_mtp(opened: OpenedModel, requested: int | str) -> DrafterFactory | None:
+    """Open step 12 for ``mtp=requested``: build the head once; each sequence gets its own drafter.
+
+    ``"auto"`` on an install without a head (or a family without a head flow)
+    decodes plainly (``None``); a depth there is refused naming what is missing.
+
+    Raises:
+        OptionError: A depth on an install without a head.
+        FamilyRefusalError: A depth on a family whose plugin has no head flow.
+    """
+    if requested == AUTO:
+        if refusal(opened) is not None:
+            return None
+        depth = AUTO_DEPTH
+    else:
+        depth = int(requested)
+    head = load_head(opened)
+    return functools.partial(MtpDrafter, opened, head, depth)
+
+
+def head_bytes(opened: OpenedModel) -> int:
+    """What the head's tensors add to the memory estimate when ``mtp`` is open (0 without a head)."""
+    if not has_head(opened):
+        return 0
+    manifest = opened.manifest
+    assert manifest.mtp is not None
+    index = build_index(manifest.path(MTP_HEAD), manifest.files[MTP_HEAD].size, manifest.mtp.get("quantization") or {})
+    return index.float_bytes(4) if opened.policy.unpack else index.stored_bytes()
 
 
 def has_head(opened: OpenedModel) -> bool:
@@ -258,27 +308,31 @@ class MtpDrafter:
         if step is None or k < 1:
             return Draft(tokens=())
         logits, hidden = step
-        greedy = sampler.params.greedy
-        history = list(context)
-        tokens: list[int] = []
+        params = sampler.params
+        penalized = not params.greedy and params.repetition_penalty != 1.0
+        history = mx.array(list(context[-params.repetition_context :])) if penalized else None
+        drawn: list[mx.array] = []  # [1] each, left lazy: one evaluation for the whole chain
         rows: list[mx.array] = []
         while True:
             last = logits[:, -1]  # [1, V]
-            if greedy:
-                token = int(cast(int, mx.argmax(last, axis=-1).item()))
+            if params.greedy:
+                token = mx.argmax(last, axis=-1)
             else:
-                penalized = sampler.penalize(last, mx.array(history[-sampler.params.repetition_context :]))
-                logprobs = sampler.logprobs(penalized)
-                token = int(cast(int, mx.random.categorical(logprobs, axis=-1, key=sampler.next_key()).item()))
+                if history is not None and drawn:
+                    history = mx.concatenate([history, drawn[-1]])[-params.repetition_context :]
+                logprobs = sampler.logprobs(sampler.penalize(last, history))
+                token = mx.random.categorical(logprobs, axis=-1, key=sampler.next_key())
                 rows.append(mx.exp(logprobs[0]))
-            tokens.append(token)
-            history.append(token)
-            if len(tokens) == k:
+            drawn.append(token.astype(mx.int32))
+            if len(drawn) == k:
                 break
-            logits, hidden = self.head(hidden, mx.array([[token]]), self._cache)
+            logits, hidden = self.head(hidden, drawn[-1][None], self._cache)
+        chain = mx.concatenate(drawn)
+        mx.eval(chain, *rows)
+        tokens = [int(t) for t in cast(list[int], chain.tolist())]
         chained = len(tokens) - 1
         if chained:
             for cache in self._cache:
                 assert isinstance(cache, KVCache)
                 cache.trim(chained)
-        return Draft(tokens=tokens, probs=None if greedy else mx.stack(rows))
+        return Draft(tokens=tokens, probs=None if params.greedy else mx.stack(rows))

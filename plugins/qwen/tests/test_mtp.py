@@ -124,13 +124,19 @@ def test_propose_chains_and_keeps_only_committed_slots(runner: turbospark_core.R
 
 def test_sampled_draft_gives_its_distribution(runner: turbospark_core.Runner, refs: Any) -> None:
     ids = refs["prompt_ids"].tolist()
+    context = [*ids, int(refs["mtp_draft_token"][0])]
     drafter = _prefilled(runner, ids)
-    sampler = Sampler(SamplingParams(temperature=0.8, top_k=20, seed=3))
-    draft = drafter.propose([*ids, int(refs["mtp_draft_token"][0])], 2, sampler)
+    params = SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.3, seed=3)
+    draft = drafter.propose(context, 2, Sampler(params))
     assert draft.probs is not None and draft.probs.shape == (2, refs["mtp_logits"].shape[1])
     probs = np.array(draft.probs)
     assert np.allclose(probs.sum(-1), 1.0, atol=1e-5) and (np.count_nonzero(probs, axis=-1) <= 20).all()
     assert all(probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+    # row 0 is q = the request's transforms over the head's logits for the first slot
+    sampler = Sampler(params)
+    first = mx.array(refs["mtp_draft_logits"])[None]
+    want = mx.exp(sampler.logprobs(sampler.penalize(first, mx.array(context[-params.repetition_context :]))))
+    assert np.abs(probs[0] - np.array(want[0])).max() <= 1e-5
 
 
 def test_rewind_after_rejected_drafts_equals_fresh(
@@ -249,3 +255,47 @@ def test_hook_build_mtp_head(runner: turbospark_core.Runner, refs: Any) -> None:
     logits, out = head(hidden, mx.array([[1, 2, 3]]), mtp.new_head_cache(opened, head))
     assert logits.shape == (1, 3, refs["mtp_logits"].shape[1]) and logits.dtype == mx.float32
     assert out.shape == (1, 3, 64)
+
+
+def test_drafter_state_through_a_greedy_verify_loop(runner: turbospark_core.Runner, refs: Any) -> None:
+    """A verify loop (the target re-run from scratch each step): at every step the slot the draft starts
+    from equals a fresh computation, and the output is plain greedy's."""
+    opened = runner.opened
+    prompt = refs["prompt_ids"].tolist()
+    drafter = mtp.MtpDrafter(opened, mtp.load_head(opened), depth=3)
+    layer = drafter.capture_layers[0]
+    drafter.observe(0, {layer: mtp.trunk_residual(opened, prompt)[0]})
+    context = [*prompt, int(runner.logits(prompt)[-1].argmax())]
+    greedy, drafted, accepted = Sampler(SamplingParams()), 0, 0
+    while len(context) - len(prompt) < 24:
+        slot = drafter._commit(context)
+        assert slot is not None
+        assert np.abs(np.array(slot[0][0, -1]) - runner.draft_logits(context)[-1]).max() <= 1e-5
+        draft = drafter.propose(context, 3, greedy)
+        n, seq = len(context), [*context, *draft.tokens]
+        target = runner.logits(seq)[n - 1 :].argmax(-1)
+        drafter.observe(n - 1, {layer: mtp.trunk_residual(opened, seq)[0, n - 1 :]})
+        j = 0
+        while j < len(draft.tokens) and draft.tokens[j] == int(target[j]):
+            j += 1
+        context = [*context, *draft.tokens[:j], int(target[j])]
+        drafter.rewind(len(context))
+        drafted, accepted = drafted + len(draft.tokens), accepted + j
+    plain = runner.generate(prompt, max_tokens=24).tokens
+    assert context[len(prompt) : len(prompt) + len(plain)] == plain
+    assert drafted >= 3 * 8 and 0 <= accepted <= drafted
+
+
+def test_open_mtp_makes_one_drafter_per_sequence(runner: turbospark_core.Runner) -> None:
+    factory = mtp.open_mtp(runner.opened, "auto")
+    assert factory is not None
+    first, second = factory(), factory()
+    assert isinstance(first, mtp.MtpDrafter) and first.depth == mtp.AUTO_DEPTH and first.name == "mtp"
+    assert first.head is second.head and first._cache is not second._cache  # one head, a cache per sequence
+    assert first.capture_layers == (runner.manifest.arch["num_hidden_layers"] - 1,)
+    assert mtp.head_bytes(runner.opened) == (runner.manifest.root / MTP_HEAD).stat().st_size - _header(runner)
+
+
+def _header(runner: turbospark_core.Runner) -> int:
+    with (runner.manifest.root / MTP_HEAD).open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
