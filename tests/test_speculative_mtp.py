@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 import turbospark_core
-from turbospark_core.errors import FamilyRefusalError, ManifestError, OptionError
+from turbospark_core.errors import DrafterError, ManifestError, OptionError
 from turbospark_core.manifest import MTP_HEAD, sha256_file
 from turbospark_core.speculative import mtp
 
@@ -29,9 +29,9 @@ def _add_head(install: Path, *, section: bool = True, file: bool = True) -> None
 def test_install_without_a_head_is_refused_naming_it(install: Path) -> None:
     runner = turbospark_core.open(install)
     assert not mtp.has_head(runner.opened)
-    with pytest.raises(OptionError, match="no multi-token-prediction head"):
+    with pytest.raises(DrafterError, match="no multi-token-prediction head"):
         mtp.load_head(runner.opened)
-    with pytest.raises(OptionError, match=r"mtp\.safetensors"):
+    with pytest.raises(DrafterError, match=r"mtp\.safetensors"):
         runner.draft_logits([1, 2, 3])
 
 
@@ -39,7 +39,7 @@ def test_family_without_a_head_flow_is_refused_naming_the_hook(install: Path) ->
     _add_head(install)
     runner = turbospark_core.open(install)  # a plain open never reads the head
     assert mtp.has_head(runner.opened)
-    with pytest.raises(FamilyRefusalError, match="build_mtp_head"):
+    with pytest.raises(DrafterError, match="build_mtp_head"):
         runner.draft_logits([1, 2, 3])
 
 
@@ -62,28 +62,32 @@ def test_depth_must_be_positive(install: Path) -> None:
         mtp.MtpDrafter(runner.opened, object(), depth=0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [0, -1, 17, 2.0, True, "3", "AUTO"])
-def test_bad_depth_option_is_refused_naming_it(value: object) -> None:
-    with pytest.raises(OptionError, match=r"mtp=.*draft depth in \[1, 16\]"):
-        mtp.check_depth(value)
+@pytest.mark.parametrize("value", [0, -1, 33, 2.0, True, "3", "AUTO"])
+def test_bad_depth_option_is_refused_naming_it(install: Path, value: object) -> None:
+    with pytest.raises(OptionError, match=r"mtp=.*draft depth in \[1, 32\]"):
+        turbospark_core.open(install, mtp=value)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [None, "auto", 1, 16])
-def test_depth_option_values(value: object) -> None:
-    assert mtp.check_depth(value) == value
+def test_mtp_with_another_drafter_is_refused_naming_both(install: Path) -> None:
+    with pytest.raises(OptionError, match=r"ngram=2 and mtp='auto'"):
+        turbospark_core.open(install, ngram=2, mtp="auto")
 
 
 def test_auto_without_a_head_decodes_plainly(install: Path) -> None:
-    opened = turbospark_core.open(install).opened
-    assert mtp.open_mtp(opened, "auto") is None
-    assert mtp.head_bytes(opened) == 0
-    with pytest.raises(OptionError, match="no multi-token-prediction head"):
-        mtp.open_mtp(opened, 2)
+    runner = turbospark_core.open(install, mtp="auto")
+    assert runner.opened.drafter is None
+    plain = turbospark_core.open(install).generate([1, 2, 3], max_tokens=8)
+    out = runner.generate([1, 2, 3], max_tokens=8)
+    assert out.tokens == plain.tokens and out.stats.draft_tokens == 0
 
 
-def test_auto_on_a_family_without_a_head_flow_decodes_plainly(install: Path) -> None:
+def test_depth_without_a_head_is_refused_naming_it(install: Path) -> None:
+    with pytest.raises(DrafterError, match="no multi-token-prediction head"):
+        turbospark_core.open(install, mtp=2)
+
+
+def test_depth_on_a_family_without_a_head_flow_is_refused_naming_the_hook(install: Path) -> None:
     _add_head(install)
-    opened = turbospark_core.open(install).opened
-    assert mtp.open_mtp(opened, "auto") is None
-    with pytest.raises(FamilyRefusalError, match="build_mtp_head"):
-        mtp.open_mtp(opened, 1)
+    assert turbospark_core.open(install, mtp="auto").opened.drafter is None
+    with pytest.raises(DrafterError, match="build_mtp_head"):
+        turbospark_core.open(install, mtp=1)

@@ -14,7 +14,6 @@ chained slots are dropped again, so the cache only ever holds committed slots.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -22,10 +21,10 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.context import DraftHead, HeadContext
-from turbospark_core.errors import FamilyRefusalError, InstallError, OptionError
+from turbospark_core.errors import DrafterError, InstallError, OptionError
 from turbospark_core.kv_cache import Cache, KVCache, make_caches
 from turbospark_core.manifest import MTP_HEAD
-from turbospark_core.speculative.drafter import Draft, DrafterFactory
+from turbospark_core.speculative.drafter import Draft
 from turbospark_core.steering import Edit, applying
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import WeightStore
@@ -33,41 +32,33 @@ from turbospark_core.weights import WeightStore
 if TYPE_CHECKING:
     from turbospark_core.loader import OpenedModel
     from turbospark_core.sampling import Sampler
+    from turbospark_core.speculative.factory import DrafterSetup
 
 #: Hiddens kept before the next slot (a rewind deeper than this restarts the head's cache)
 HIDDEN_TAIL = 32
 #: ``mtp="auto"``: draft this many tokens per step when the install has a head
 AUTO_DEPTH = 1
-#: The deepest chain ``mtp=DEPTH`` accepts (each chained token is one more head call)
-MAX_DEPTH = 16
 AUTO = "auto"
 
 
-def check_depth(value: object) -> int | str | None:
-    """The ``mtp`` open option: ``None`` (off), ``"auto"``, or a draft depth in ``[1, MAX_DEPTH]``.
+class MtpFactory:
+    """Makes one :class:`MtpDrafter` per sequence over the one head built at open."""
 
-    Raises:
-        OptionError: Anything else, naming the value.
-    """
-    if value is None:
-        return None
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DEPTH:
-        return value
-    msg = f"mtp={value!r} is invalid; pass a draft depth in [1, {MAX_DEPTH}], 'auto', or None"
-    raise OptionError(msg)
+    def __init__(self, opened: OpenedModel, head: DraftHead, depth: int) -> None:
+        self.opened, self.head, self.depth = opened, head, depth
+
+    def __call__(self) -> MtpDrafter:
+        return MtpDrafter(self.opened, self.head, self.depth)
 
 
-def open_mtp(opened: OpenedModel, requested: int | str) -> DrafterFactory | None:
-    """Open step 12 for ``mtp=requested``: build the head once; each sequence gets its own drafter.
+def open_mtp(opened: OpenedModel, requested: int | str) -> MtpFactory | None:
+    """Build the head once for ``mtp=requested`` (a depth, or ``"auto"``).
 
     ``"auto"`` on an install without a head (or a family without a head flow)
     decodes plainly (``None``); a depth there is refused naming what is missing.
 
     Raises:
-        OptionError: A depth on an install without a head.
-        FamilyRefusalError: A depth on a family whose plugin has no head flow.
+        DrafterError: A depth on an install without a head, or on a family whose plugin has no head flow.
     """
     if requested == AUTO:
         if refusal(opened) is not None:
@@ -75,8 +66,34 @@ def open_mtp(opened: OpenedModel, requested: int | str) -> DrafterFactory | None
         depth = AUTO_DEPTH
     else:
         depth = int(requested)
-    head = load_head(opened)
-    return functools.partial(MtpDrafter, opened, head, depth)
+    return MtpFactory(opened, load_head(opened), depth)
+
+
+def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | None:
+    """Open step 12 for ``mtp=``: the :class:`DrafterSetup` (``None``: decode plainly)."""
+    from turbospark_core.speculative.factory import DrafterSetup, draft_length
+
+    factory = open_mtp(opened, requested)
+    if factory is None:
+        return None
+    k = draft_length(opened.options)
+    cost = head_bytes(opened) / max(opened.estimate.weights, 1)
+    return DrafterSetup(
+        name="mtp",
+        new=factory,
+        num_draft_tokens=k,
+        draft_cost=cost,
+        adaptive=opened.options.num_draft_tokens is None,
+        description=(
+            f"mtp (the install's multi-token-prediction head, up to {k} tokens per verify, "
+            f"{cost:.2f}x the target's weights)"
+        ),
+    )
+
+
+def default_length(requested: int | str) -> int:
+    """``num_draft_tokens`` when not given: the depth, or :data:`AUTO_DEPTH` for ``"auto"``."""
+    return AUTO_DEPTH if requested == AUTO else int(requested)
 
 
 def head_bytes(opened: OpenedModel) -> int:
@@ -115,13 +132,12 @@ def load_head(opened: OpenedModel) -> DraftHead:
     """Read ``mtp.safetensors`` and build the head with the family's ``build_mtp_head`` hook.
 
     Raises:
-        OptionError: The install has no head.
-        FamilyRefusalError: The family has no head flow.
+        DrafterError: The install has no head, or the family has no head flow.
         InstallError: The head's tensors do not fit its flow.
     """
     why = refusal(opened)
     if why is not None:
-        raise (OptionError if not has_head(opened) else FamilyRefusalError)(f"mtp refused: {why}")
+        raise DrafterError(f"mtp refused: {why}")
     manifest = opened.manifest
     assert manifest.mtp is not None
     path = manifest.path(MTP_HEAD)
@@ -175,8 +191,11 @@ def draft_logits(opened: OpenedModel, head: DraftHead, ids: Sequence[int]) -> np
 
 
 def runner_draft_logits(opened: OpenedModel, ids: Sequence[int]) -> np.ndarray:
-    """:meth:`Runner.draft_logits`: the head is built for the call (refused as ``mtp=DEPTH`` would be)."""
-    return draft_logits(opened, load_head(opened), ids)
+    """:meth:`Runner.draft_logits`: the open's head when ``mtp`` is open, else one built for the call
+    (refused as ``mtp=DEPTH`` would be)."""
+    setup = opened.drafter
+    head = setup.new.head if setup is not None and isinstance(setup.new, MtpFactory) else load_head(opened)
+    return draft_logits(opened, head, ids)
 
 
 def new_head_cache(opened: OpenedModel, head: DraftHead) -> list[Cache]:

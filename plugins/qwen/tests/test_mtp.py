@@ -14,7 +14,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.convert import convert as convert_checkpoint
-from turbospark_core.errors import ArchConfigError
+from turbospark_core.errors import ArchConfigError, DrafterError
 from turbospark_core.manifest import MTP_HEAD, WEIGHTS, load_manifest
 from turbospark_core.sampling import Sampler, SamplingParams
 from turbospark_core.speculative import mtp
@@ -219,10 +219,13 @@ def test_quantized_head(turbospark_fixtures: Path, tmp_path: Path) -> None:
     assert (got.argmax(-1) == refs["mtp_logits"].argmax(-1)).mean() > 0.9
 
 
-def test_rotated_install_drops_the_head(turbospark_fixtures: Path, tmp_path: Path) -> None:
+def test_rotated_install_drops_the_head_and_refuses_mtp(turbospark_fixtures: Path, tmp_path: Path) -> None:
     convert_checkpoint(turbospark_fixtures / "qwen3_5_mtp", tmp_path / "rot", rotate=True)
     manifest = load_manifest(tmp_path / "rot")
     assert manifest.mtp is None and MTP_HEAD not in manifest.files
+    for value in ("auto", 2):
+        with pytest.raises(DrafterError, match=r"hadamard-folded .*mtp="):
+            turbospark_core.open(tmp_path / "rot", mtp=value)
 
 
 def _open_measured(path: Path) -> tuple[turbospark_core.Runner, int]:
@@ -288,7 +291,7 @@ def test_drafter_state_through_a_greedy_verify_loop(runner: turbospark_core.Runn
 
 def test_open_mtp_makes_one_drafter_per_sequence(runner: turbospark_core.Runner) -> None:
     factory = mtp.open_mtp(runner.opened, "auto")
-    assert factory is not None
+    assert isinstance(factory, mtp.MtpFactory)
     first, second = factory(), factory()
     assert isinstance(first, mtp.MtpDrafter) and first.depth == mtp.AUTO_DEPTH and first.name == "mtp"
     assert first.head is second.head and first._cache is not second._cache  # one head, a cache per sequence
@@ -299,3 +302,20 @@ def test_open_mtp_makes_one_drafter_per_sequence(runner: turbospark_core.Runner)
 def _header(runner: turbospark_core.Runner) -> int:
     with (runner.manifest.root / MTP_HEAD).open("rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_with_mtp_is_plain_greedy(
+    turbospark_install: Any, name: str, refs: Any, greedy: list[int], depth: int
+) -> None:
+    """64 greedy tokens through the speculative loop (recurrent state rewound after rejected drafts)."""
+    install = turbospark_install(name)
+    runner = turbospark_core.open(install, mtp=depth, num_draft_tokens=depth)
+    assert runner.opened.drafter is not None and runner.opened.drafter.name == "mtp"
+    ids = refs["prompt_ids"].tolist()
+    plain = turbospark_core.open(install).generate(ids, max_tokens=64)
+    out = runner.generate(ids, max_tokens=64)
+    assert len(plain.tokens) == 64 and out.tokens == plain.tokens and out.tokens[:16] == greedy
+    assert out.stats.draft_tokens >= 64 // (depth + 1) and 0 <= out.stats.accepted_tokens <= out.stats.draft_tokens
+    # draft_logits uses the open's head
+    assert np.abs(runner.draft_logits(ids) - refs["mtp_logits"]).max() <= TOL
