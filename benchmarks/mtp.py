@@ -8,7 +8,8 @@ Measures, on the float32 installs of ``qwen3_5_mtp`` and ``qwen3_5_moe_mtp``:
 * propose(k): ms for one ``MtpDrafter.propose`` of ``k`` tokens after the
   committed slot (k = 1, 2, 3), the drafter's whole per-step overhead;
 * overhead: propose(k) as a fraction of a plain decode step;
-* acceptance: drafted / accepted tokens of a greedy verify loop of ``--gen-tokens``.
+* end to end: greedy ``generate`` tok/s with ``mtp=1`` vs plain, in the same run,
+  and the acceptance (``stats.accepted_tokens / stats.draft_tokens``).
 
 Usage: ``python benchmarks/mtp.py [--fixtures DIR] [--gen-tokens 64] [--repeats 20]``.
 Timings on a shared CPU are noisy: the table says what machine state it saw.
@@ -52,27 +53,6 @@ def _prefilled(runner: turbospark_core.Runner, prompt: list[int], depth: int) ->
     return drafter
 
 
-def _acceptance(runner: turbospark_core.Runner, prompt: list[int], gen: int, k: int) -> tuple[int, int]:
-    opened = runner.opened
-    drafter = _prefilled(runner, prompt, k)
-    layer = drafter.capture_layers[0]
-    context = [*prompt, int(runner.logits(prompt)[-1].argmax())]
-    drafted = accepted = 0
-    greedy = Sampler(SamplingParams())
-    while len(context) - len(prompt) < gen:
-        draft = drafter.propose(context, k, greedy)
-        n, seq = len(context), [*context, *draft.tokens]
-        target = runner.logits(seq)[n - 1 :].argmax(-1)
-        drafter.observe(n - 1, {layer: mtp.trunk_residual(opened, seq)[0, n - 1 :]})
-        j = 0
-        while j < len(draft.tokens) and draft.tokens[j] == int(target[j]):
-            j += 1
-        context = [*context, *draft.tokens[:j], int(target[j])]
-        drafter.rewind(len(context))
-        drafted, accepted = drafted + len(draft.tokens), accepted + j
-    return drafted, accepted
-
-
 def measure(install: Path, refs: Any, gen: int, repeats: int) -> dict[str, float]:
     runner = turbospark_core.open(install)
     prompt = refs["prompt_ids"].tolist()
@@ -98,8 +78,21 @@ def measure(install: Path, refs: Any, gen: int, repeats: int) -> dict[str, float
             drafter.propose(context, k, greedy)
 
         out[f"propose{k}_ms"] = _median_ms(propose, repeats)
-    drafted, accepted = _acceptance(runner, prompt, gen, 1)
+    speculative = turbospark_core.open(install, mtp=1, num_draft_tokens=1)
+    speculative.generate(prompt, max_tokens=8)  # warm
+    runs = [speculative.generate(prompt, max_tokens=gen) for _ in range(3)]
+    plain = [runner.generate(prompt, max_tokens=gen) for _ in range(3)]
+    assert all(r.tokens == plain[0].tokens for r in runs)  # lossless
+    out["plain_tps"] = statistics.median(r.stats.generation_tps for r in plain)
+    out["mtp_tps"] = statistics.median(r.stats.generation_tps for r in runs)
+    drafted, accepted = runs[0].stats.draft_tokens, runs[0].stats.accepted_tokens
     out["acceptance_k1"] = accepted / drafted if drafted else 0.0
+    adaptive = turbospark_core.open(install, mtp="auto")  # the draft length adapts to acceptance and cost
+    adaptive.generate(prompt, max_tokens=8)
+    auto = [adaptive.generate(prompt, max_tokens=gen) for _ in range(3)]
+    assert all(r.tokens == plain[0].tokens for r in auto)
+    out["auto_tps"] = statistics.median(r.stats.generation_tps for r in auto)
+    out["auto_drafted"] = auto[0].stats.draft_tokens
     return out
 
 
@@ -111,8 +104,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     print(f"loadavg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a loaded machine inflates every number)")
-    print("| fixture | decode ms/token | head ms/call | propose k=1 / 2 / 3 ms | overhead k=1 | acceptance k=1 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| fixture | decode ms/token | head ms/call | propose k=1 / 2 / 3 ms | propose k=1 / decode step "
+        "| plain tok/s | mtp=1 tok/s | acceptance | mtp='auto' tok/s (drafted) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in FIXTURES:
             install = Path(tmp) / name
@@ -121,7 +117,9 @@ def main() -> None:
             print(
                 f"| {name} | {r['decode_ms']:.2f} | {r['head_ms']:.2f} | "
                 f"{r['propose1_ms']:.2f} / {r['propose2_ms']:.2f} / {r['propose3_ms']:.2f} | "
-                f"{r['propose1_ms'] / r['decode_ms']:.0%} | {r['acceptance_k1']:.0%} |"
+                f"{r['propose1_ms'] / r['decode_ms']:.0%} | {r['plain_tps']:.1f} | {r['mtp_tps']:.1f} "
+                f"({r['mtp_tps'] / r['plain_tps']:.2f}x) | {r['acceptance_k1']:.0%} | "
+                f"{r['auto_tps']:.1f} ({r['auto_tps'] / r['plain_tps']:.2f}x, {r['auto_drafted']:.0f}) |"
             )
 
 
