@@ -319,3 +319,16 @@ def test_greedy_with_mtp_is_plain_greedy(
     assert out.stats.draft_tokens >= 64 // (depth + 1) and 0 <= out.stats.accepted_tokens <= out.stats.draft_tokens
     # draft_logits uses the open's head
     assert np.abs(runner.draft_logits(ids) - refs["mtp_logits"]).max() <= TOL
+
+
+def test_session_prefix_reuse_with_mtp(turbospark_install: Any, name: str, refs: Any) -> None:
+    """A second turn reuses the session's cache; the head starts again after the reused prefix, losslessly."""
+    install = turbospark_install(name)
+    ids = refs["prompt_ids"].tolist()
+    runner = turbospark_core.open(install, mtp=2, num_draft_tokens=2)
+    session = runner.session("s")
+    first = session.generate(ids[:30], max_tokens=8)
+    turn = [*ids[:30], *first.tokens, *ids[30:40]]
+    second = session.generate(turn, max_tokens=24)
+    assert second.stats.reused_tokens > 0 and second.stats.draft_tokens > 0
+    assert second.tokens == turbospark_core.open(install).generate(turn, max_tokens=24).tokens
