@@ -332,3 +332,28 @@ def test_session_prefix_reuse_with_mtp(turbospark_install: Any, name: str, refs:
     second = session.generate(turn, max_tokens=24)
     assert second.stats.reused_tokens > 0 and second.stats.draft_tokens > 0
     assert second.tokens == turbospark_core.open(install).generate(turn, max_tokens=24).tokens
+
+
+def test_dedicated_head_embedding(turbospark_fixtures: Path, tmp_path: Path) -> None:
+    """``mtp_use_dedicated_embeddings``: the head reads its own ``mtp.embed_tokens`` (here a shifted copy)."""
+    src = tmp_path / "hf"
+    shutil.copytree(turbospark_fixtures / "qwen3_5_mtp", src, ignore=shutil.ignore_patterns("bf16", "*.npz"))
+    tensors = mx.load(str(src / "model.safetensors"))
+    assert isinstance(tensors, dict)
+    trunk = tensors["model.language_model.embed_tokens.weight"]
+    tensors["mtp.embed_tokens.weight"] = mx.roll(trunk, 1, axis=0)  # head row t = trunk row t - 1
+    mx.save_safetensors(str(src / "model.safetensors"), tensors)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["mtp_use_dedicated_embeddings"] = True
+    (src / "config.json").write_text(json.dumps(config))
+    convert_checkpoint(src, tmp_path / "install")
+    refs = np.load(turbospark_fixtures / "qwen3_5_mtp" / "references_mtp.npz")
+    ids = refs["prompt_ids"].tolist()
+    runner = turbospark_core.open(tmp_path / "install")
+    assert runner.manifest.arch["mtp_use_dedicated_embeddings"] is True
+    # the head embeds x + 1 as the trunk's table embeds x: slot logits equal the reference's for shifted tokens
+    trunk_h = mtp.trunk_residual(runner.opened, ids)
+    head = mtp.load_head(runner.opened)
+    shifted = [(t + 1) % trunk.shape[0] for t in ids[1:]]
+    logits, _ = head(head.trunk_hidden(trunk_h)[:, :-1], mx.array([shifted]), mtp.new_head_cache(runner.opened, head))
+    assert np.abs(np.array(logits[0]) - refs["mtp_logits"]).max() <= TOL
