@@ -22,7 +22,7 @@ from turbospark_core.speculative import mtp
 from turbospark_qwen import convert
 
 FIXTURES = ("qwen3_5_mtp", "qwen3_5_moe_mtp")
-TOL = 1e-4  # the fixtures README: as for `logits` (max abs)
+TOL = 2e-5  # max abs; measured 5e-6 (the fixtures README allows 1e-4, as for `logits`)
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
