@@ -65,6 +65,8 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
+    if getattr(args, "mtp", None) is not None:
+        options["mtp"] = args.mtp
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
@@ -99,6 +101,27 @@ def _add_steering_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steering-scale", type=float, default=None, metavar="X", help="override the set's scale")
     p.add_argument(
         "--steering-layers", default=None, metavar="A:B", help="keep only the set's layers A..B-1 (0-based)"
+    )
+
+
+def _mtp_value(text: str) -> int | str:
+    """``--mtp``: ``auto`` or a draft depth (the open checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a draft depth (an integer)") from None
+
+
+def _add_mtp_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mtp",
+        type=_mtp_value,
+        default=None,
+        metavar="DEPTH|auto",
+        help="speculative decoding with the install's multi-token-prediction head: draft up to DEPTH tokens "
+        "per verify, or 'auto' (the head when the install has one, else plain decoding)",
     )
 
 
@@ -399,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_diagnostic_flags(p)
     _add_steering_options(p)
+    _add_mtp_option(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -406,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system")
     _add_sampling(p)
     _add_steering_options(p)
+    _add_mtp_option(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -431,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
+    _add_mtp_option(p)
     p.add_argument(
         "--steering-set",
         action="append",

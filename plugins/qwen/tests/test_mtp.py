@@ -357,3 +357,13 @@ def test_dedicated_head_embedding(turbospark_fixtures: Path, tmp_path: Path) -> 
     shifted = [(t + 1) % trunk.shape[0] for t in ids[1:]]
     logits, _ = head(head.trunk_hidden(trunk_h)[:, :-1], mx.array([shifted]), mtp.new_head_cache(runner.opened, head))
     assert np.abs(np.array(logits[0]) - refs["mtp_logits"]).max() <= TOL
+
+
+def test_cli_generate_with_mtp(turbospark_install: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from turbospark_core.cli import main
+
+    install = str(turbospark_install("qwen3_5_mtp"))
+    assert main(["generate", install, "hello", "--max-tokens", "12", "--mtp", "2"]) == 0
+    with_mtp = capsys.readouterr().out
+    assert main(["generate", install, "hello", "--max-tokens", "12"]) == 0
+    assert capsys.readouterr().out == with_mtp
