@@ -65,8 +65,9 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
-    if getattr(args, "mtp", None) is not None:
-        options["mtp"] = args.mtp
+    for name in ("draft_model", "ngram", "mtp", "num_draft_tokens"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
@@ -114,17 +115,6 @@ def _mtp_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a draft depth (an integer)") from None
 
 
-def _add_mtp_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mtp",
-        type=_mtp_value,
-        default=None,
-        metavar="DEPTH|auto",
-        help="speculative decoding with the install's multi-token-prediction head: draft up to DEPTH tokens "
-        "per verify, or 'auto' (the head when the install has one, else plain decoding)",
-    )
-
-
 def _named_sets(args: argparse.Namespace, default: Any) -> dict[str, Any]:
     """``serve``: the sets requests may name.
 
@@ -154,6 +144,36 @@ def _print_stats(stats: Any, file: Any = None) -> None:
     )
     if getattr(stats, "experts", None) is not None:
         print(stats.experts.summary(), file=file or sys.stderr)
+    if getattr(stats, "draft_tokens", 0):
+        rate = stats.accepted_tokens / stats.draft_tokens
+        print(
+            f"speculative: {stats.accepted_tokens} of {stats.draft_tokens} drafted tokens accepted ({rate:.0%})",
+            file=file or sys.stderr,
+        )
+
+
+def _add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (open step 12): at most one drafter."""
+    g = p.add_argument_group("speculative decoding (at most one drafter; output equals plain decoding's)")
+    g.add_argument(
+        "--draft-model", default=None, metavar="INSTALL", help="a smaller install with the same vocabulary drafts"
+    )
+    g.add_argument("--ngram", type=int, default=None, metavar="N", help="prompt lookup: draft up to N tokens")
+    g.add_argument(
+        "--mtp",
+        type=_mtp_value,
+        default=None,
+        metavar="DEPTH|auto",
+        help="the install's multi-token-prediction head drafts up to DEPTH tokens; 'auto': the head when the "
+        "install has one, else plain decoding",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="draft K tokens every verify (default: adapt to the acceptance, up to 4, --ngram's N or --mtp's DEPTH)",
+    )
 
 
 def _expert_slots(value: str) -> int | str:
@@ -268,6 +288,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"steering     {steer}")
     folded = "folded" if m.hadamard is not None else "not folded"
     print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
+    print(f"drafter      {opened.drafter.description if opened.drafter is not None else 'none (plain decoding)'}")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
@@ -422,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_diagnostic_flags(p)
     _add_steering_options(p)
-    _add_mtp_option(p)
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -430,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system")
     _add_sampling(p)
     _add_steering_options(p)
-    _add_mtp_option(p)
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -440,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_expert_options(p)
     p.add_argument("--stats", action="store_true", help="decode a short probe; print throughput and MoE expert stats")
     p.add_argument("--stats-tokens", type=int, default=16, help="tokens the --stats probe decodes")
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("families", help="installed family plugins and the model types they serve")
     p.set_defaults(func=cmd_families)
@@ -456,7 +478,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
-    _add_mtp_option(p)
     p.add_argument(
         "--steering-set",
         action="append",
@@ -464,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE",
         help="register a direction set requests may name in their 'steering' field (repeatable)",
     )
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_serve)
     _add_plot_parser(sub)
     _add_bench_parser(sub)
