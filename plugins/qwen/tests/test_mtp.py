@@ -367,3 +367,10 @@ def test_cli_generate_with_mtp(turbospark_install: Any, capsys: pytest.CaptureFi
     with_mtp = capsys.readouterr().out
     assert main(["generate", install, "hello", "--max-tokens", "12"]) == 0
     assert capsys.readouterr().out == with_mtp
+
+
+def test_draft_cost_counts_the_head_and_the_output_head_it_reuses(runner: turbospark_core.Runner) -> None:
+    opened = runner.opened
+    arch = opened.manifest.arch
+    output_head = arch["vocab_size"] * arch["hidden_size"] * 4  # float32 install
+    assert mtp.draft_cost(opened) == pytest.approx((mtp.head_bytes(opened) + output_head) / opened.estimate.weights)
