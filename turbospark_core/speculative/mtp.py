@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 #: Hiddens kept before the next slot (a rewind deeper than this restarts the head's cache)
 HIDDEN_TAIL = 32
+#: Observed hidden parts held between drafts before they are merged into one
+MAX_PARTS = 64
+#: Positions of hiddens held for slots not yet computed (drafting paused longer: the head restarts after a gap)
+MAX_PENDING = 1024
 #: ``mtp="auto"``: draft this many tokens per step when the install has a head
 AUTO_DEPTH = 1
 AUTO = "auto"
@@ -233,8 +237,8 @@ class MtpDrafter:
         self._opened = opened
         self._cache = new_head_cache(opened, head)
         self._base = 0  # the position of the first slot the cache holds
-        self._hidden: mx.array | None = None  # h_t [1, n, H] for positions hbase .. hbase + n - 1
-        self._hbase = 0
+        # h_t for consecutive positions, as observed ([1, T, H] parts left lazy: concatenated once, at a draft)
+        self._parts: list[tuple[int, mx.array]] = []
 
     # ------------------------------------------------------------- state
     @property
@@ -247,13 +251,37 @@ class MtpDrafter:
         assert isinstance(first, KVCache)
         return first.offset
 
+    @property
+    def _hbase(self) -> int:
+        return self._parts[0][0] if self._parts else 0
+
     def _hidden_end(self) -> int:
-        return self._hbase + (0 if self._hidden is None else int(self._hidden.shape[1]))
+        if not self._parts:
+            return 0
+        start, last = self._parts[-1]
+        return start + int(last.shape[1])
+
+    def _cut(self, end: int) -> None:
+        """Keep the hiddens of positions ``< end``."""
+        while self._parts and self._parts[-1][0] >= end:
+            self._parts.pop()
+        if self._parts and self._hidden_end() > end:
+            start, last = self._parts[-1]
+            self._parts[-1] = (start, last[:, : end - start])
+
+    def _span(self, first: int, stop: int) -> mx.array:
+        """The hiddens of positions ``first .. stop-1`` (observed)."""
+        pieces = [
+            arr[:, max(first - start, 0) : stop - start]
+            for start, arr in self._parts
+            if start < stop and start + arr.shape[1] > first
+        ]
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
     def reset(self) -> None:
         """A new sequence: forget every slot and hidden."""
         self._restart(0)
-        self._hidden, self._hbase = None, 0
+        self._parts = []
 
     def _restart(self, start: int) -> None:
         """An empty head cache whose first slot will be ``start`` (the hiddens are kept)."""
@@ -283,11 +311,16 @@ class MtpDrafter:
         residual = hidden[self.capture_layers[0]]
         h = self.head.trunk_hidden(residual if residual.ndim == 3 else residual[None])
         self._trim_slots(start)
-        if self._hidden is None or not self._hbase <= start <= self._hidden_end():
-            self._hidden, self._hbase = h, start
-            return
-        kept = self._hidden[:, : start - self._hbase]
-        self._hidden = h if kept.shape[1] == 0 else mx.concatenate([kept, h], axis=1)
+        if not self._parts or not self._hbase <= start <= self._hidden_end():
+            self._parts = [(start, h)]
+        else:
+            self._cut(start)
+            self._parts.append((start, h))
+        if len(self._parts) > MAX_PARTS:  # drafting paused for a while: one part, the pending slots' hiddens
+            end = self._hidden_end()
+            begin = max(self._hbase, min(self.slots - HIDDEN_TAIL, end - MAX_PENDING))
+            merged = self._span(begin, end)
+            self._parts = [(begin, merged)]
 
     def rewind(self, length: int) -> None:
         """The committed context is ``length`` tokens: hiddens stay valid for positions ``< length - 1``.
@@ -296,13 +329,7 @@ class MtpDrafter:
         draft starts from) is recomputed when it exists, from its kept hidden.
         """
         self._trim_slots(length - 2)
-        end = max(length - 1, 0)
-        if self._hidden is not None and end < self._hidden_end():
-            keep = end - self._hbase
-            if keep > 0:
-                self._hidden = self._hidden[:, :keep]
-            else:
-                self._hidden, self._hbase = None, end
+        self._cut(max(length - 1, 0))
 
     # ------------------------------------------------------------- drafting
     def _commit(self, context: Sequence[int]) -> tuple[mx.array, mx.array] | None:
@@ -316,14 +343,14 @@ class MtpDrafter:
         first = self.slots
         if last < first or last >= self._hidden_end():
             return None
-        hidden = self._hidden
-        assert hidden is not None
-        h = hidden[:, first - self._hbase : last + 1 - self._hbase]
+        end = self._hidden_end()
+        begin = max(self._hbase, min(first, last + 1 - HIDDEN_TAIL))
+        hidden = self._span(begin, end)
+        h = hidden[:, first - begin : last + 1 - begin]
         logits, out = self.head(h, mx.array([list(context[first + 1 : last + 2])]), self._cache)
-        # keep a short tail of hiddens, so a rewind a few tokens back recomputes without a gap
-        drop = max(0, last + 1 - HIDDEN_TAIL - self._hbase)
-        if drop:
-            self._hidden, self._hbase = hidden[:, drop:], self._hbase + drop
+        # keep a short tail of hiddens (one part), so a rewind a few tokens back recomputes without a gap
+        keep = max(begin, last + 1 - HIDDEN_TAIL)
+        self._parts = [(keep, hidden[:, keep - begin :])]
         return logits[:, -1:], out[:, -1:]
 
     def propose(self, context: Sequence[int], k: int, sampler: Sampler) -> Draft:

@@ -374,3 +374,20 @@ def test_draft_cost_counts_the_head_and_the_output_head_it_reuses(runner: turbos
     arch = opened.manifest.arch
     output_head = arch["vocab_size"] * arch["hidden_size"] * 4  # float32 install
     assert mtp.draft_cost(opened) == pytest.approx((mtp.head_bytes(opened) + output_head) / opened.estimate.weights)
+
+
+def test_long_pause_in_drafting_merges_hiddens(
+    runner: turbospark_core.Runner, refs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Observed one position at a time (drafting paused), the drafter still drafts exactly afterwards."""
+    monkeypatch.setattr(mtp, "MAX_PARTS", 8)
+    opened = runner.opened
+    ids = refs["prompt_ids"].tolist()
+    drafter = mtp.MtpDrafter(opened, mtp.load_head(opened), depth=1)
+    residual = mtp.trunk_residual(opened, ids)[0]
+    for t in range(len(ids)):
+        drafter.observe(t, {drafter.capture_layers[0]: residual[t : t + 1]})
+        assert len(drafter._parts) <= 8
+    slot = drafter._commit([*ids, int(refs["mtp_draft_token"][0])])
+    assert slot is not None
+    assert np.abs(np.array(slot[0][0, -1]) - refs["mtp_draft_logits"]).max() <= TOL
