@@ -16,6 +16,7 @@ PHASES = (
     "session_state",
     "steering",
     "warmup",
+    "drafter",
 )
 
 
