@@ -391,3 +391,12 @@ def test_long_pause_in_drafting_merges_hiddens(
     slot = drafter._commit([*ids, int(refs["mtp_draft_token"][0])])
     assert slot is not None
     assert np.abs(np.array(slot[0][0, -1]) - refs["mtp_draft_logits"]).max() <= TOL
+
+
+def test_cli_inspect_names_the_mtp_drafter(turbospark_install: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from turbospark_core.cli import main
+
+    install = str(turbospark_install("qwen3_5_mtp"))
+    assert main(["inspect", install, "--mtp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "multi-token-prediction head, up to 2 tokens per verify" in out and "mtp.safetensors" in out
