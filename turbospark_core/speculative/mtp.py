@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.context import DraftHead, HeadContext
-from turbospark_core.errors import DrafterError, InstallError, OptionError
+from turbospark_core.errors import DrafterError, InstallError, MemoryBudgetError, OptionError
 from turbospark_core.kv_cache import Cache, KVCache, make_caches
 from turbospark_core.manifest import MTP_HEAD
 from turbospark_core.speculative.drafter import Draft
@@ -63,6 +63,7 @@ def open_mtp(opened: OpenedModel, requested: int | str) -> MtpFactory | None:
 
     Raises:
         DrafterError: A depth on an install without a head, or on a family whose plugin has no head flow.
+        MemoryBudgetError: The head (weights, KV cache at ``max_context``) does not fit ``memory_budget``.
     """
     if requested == AUTO:
         if refusal(opened) is not None:
@@ -70,7 +71,30 @@ def open_mtp(opened: OpenedModel, requested: int | str) -> MtpFactory | None:
         depth = AUTO_DEPTH
     else:
         depth = int(requested)
-    return MtpFactory(opened, load_head(opened), depth)
+    if refusal(opened) is None:
+        _check_budget(opened, head_bytes(opened))  # before the head is read
+    head = load_head(opened)
+    kv = sum(spec.bytes_at(opened.max_context, 4) for spec in head.cache_layout())
+    _check_budget(opened, head_bytes(opened) + kv * opened.options.session_slots)
+    return MtpFactory(opened, head, depth)
+
+
+def _check_budget(opened: OpenedModel, extra: int) -> None:
+    """The open's estimate plus what the head adds must fit ``memory_budget``.
+
+    Raises:
+        MemoryBudgetError: Naming the head's share and the knobs.
+    """
+    estimate, budget = opened.estimate, opened.options.memory_budget
+    if estimate.total + extra <= budget:
+        return
+    msg = (
+        f"mtp needs ~{extra / 1e9:.3f} GB for the MTP head (its weights, and its KV cache at "
+        f"max_context={opened.max_context} x {opened.options.session_slots} slot(s)) on top of the "
+        f"~{estimate.total / 1e9:.2f} GB the open needs, but memory_budget is {budget / 1e9:.2f} GB; "
+        f"open without mtp, lower max_context or session_slots, or raise memory_budget"
+    )
+    raise MemoryBudgetError(msg)
 
 
 def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | None:

@@ -14,7 +14,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.convert import convert as convert_checkpoint
-from turbospark_core.errors import ArchConfigError, DrafterError
+from turbospark_core.errors import ArchConfigError, DrafterError, MemoryBudgetError
 from turbospark_core.manifest import MTP_HEAD, WEIGHTS, load_manifest
 from turbospark_core.sampling import Sampler, SamplingParams
 from turbospark_core.speculative import mtp
@@ -400,3 +400,11 @@ def test_cli_inspect_names_the_mtp_drafter(turbospark_install: Any, capsys: pyte
     assert main(["inspect", install, "--mtp", "2"]) == 0
     out = capsys.readouterr().out
     assert "multi-token-prediction head, up to 2 tokens per verify" in out and "mtp.safetensors" in out
+
+
+def test_mtp_over_the_memory_budget_is_refused_naming_the_head(turbospark_install: Any) -> None:
+    install = turbospark_install("qwen3_5_mtp")
+    need = turbospark_core.open(install, max_context=256).opened.estimate.total
+    turbospark_core.open(install, max_context=256, memory_budget=need)  # plain: fits exactly
+    with pytest.raises(MemoryBudgetError, match=r"mtp needs .* MTP head"):
+        turbospark_core.open(install, max_context=256, memory_budget=need, mtp=1)
