@@ -408,3 +408,14 @@ def test_mtp_over_the_memory_budget_is_refused_naming_the_head(turbospark_instal
     turbospark_core.open(install, max_context=256, memory_budget=need)  # plain: fits exactly
     with pytest.raises(MemoryBudgetError, match=r"mtp needs .* MTP head"):
         turbospark_core.open(install, max_context=256, memory_budget=need, mtp=1)
+
+
+def test_sampled_generation_with_mtp_is_seeded(turbospark_install: Any, refs: Any, name: str) -> None:
+    """Speculative sampling with the head's q: drafts are proposed and verified, and a seed reproduces the run."""
+    runner = turbospark_core.open(turbospark_install(name), mtp=2, num_draft_tokens=2)
+    ids = refs["prompt_ids"].tolist()
+    options = {"temperature": 0.9, "top_p": 0.95, "repetition_penalty": 1.1, "seed": 11}
+    first = runner.generate(ids, max_tokens=24, **options)
+    again = runner.generate(ids, max_tokens=24, **options)
+    assert first.tokens == again.tokens and len(first.tokens) == 24
+    assert first.stats.draft_tokens > 0
