@@ -54,3 +54,15 @@ def test_the_cost_per_drafted_token_is_measured_from_step_times() -> None:
         control.timed(4, 0.090)  # drafting got expensive (a slow drafter): k shrinks
     assert control.unit > 1.5
     assert control.next_k() < 8
+
+
+def test_failed_probes_back_off() -> None:
+    control = AdaptiveK(4, rate=0.0, draft_cost=2.0)
+    gaps = []
+    for _ in range(4):
+        n = 1
+        while control.next_k() == 0:
+            n += 1
+        gaps.append(n)
+        control.update(1, 0)
+    assert gaps[-1] > gaps[1] >= PROBE_EVERY

@@ -7,8 +7,8 @@ of what recent verifies accepted; ``unit`` (a verify's extra cost per drafted
 token plus the drafting itself) is measured from the steps' wall time: plain
 steps give the base, drafting steps the slope. Until measured it is
 ``verify_cost + draft_cost``. When no ``k >= 1`` pays, the sequence decodes
-plainly and probes with one draft every few steps, so a drafter that stops
-matching (open-ended chat under prompt lookup) costs little.
+plainly and probes with one draft every few steps (twice as long after each
+failed probe, up to 64), so a drafter that stops matching (open-ended chat under prompt lookup) costs little.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import attrs
 # a verify's extra cost per drafted token, in plain decode steps, until measured (CPU: benchmarks/speculative.py)
 VERIFY_COST = 0.25
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 64
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -48,6 +49,8 @@ class AdaptiveK:
     _base: float | None = None  # seconds of a plain step (moving average)
     _slope: float | None = None  # extra seconds per drafted token (moving average)
     _steps: int = 0
+    _probe_every: int = PROBE_EVERY
+    _probing: bool = False
 
     @property
     def unit(self) -> float:
@@ -75,8 +78,9 @@ class AdaptiveK:
         best = max(range(self.k_max + 1), key=lambda k: expected_tokens(self.rate, k) / (1.0 + unit * k))
         if best == 0:
             self._idle += 1
-            if self._idle >= PROBE_EVERY:
+            if self._idle >= self._probe_every:
                 self._idle = 0
+                self._probing = True
                 return 1
         return best
 
@@ -84,6 +88,9 @@ class AdaptiveK:
         """Record a verify: ``accepted`` of ``drafted`` kept (nothing drafted: nothing learnt)."""
         if drafted <= 0:
             return
+        if self._probing:  # a failed probe waits twice as long for the next (up to MAX_PROBE_EVERY)
+            self._probing = False
+            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, MAX_PROBE_EVERY)
         # per-token acceptance of a truncated geometric run: accepted successes, one failure unless all kept
         observed = 1.0 if accepted == drafted else accepted / (accepted + 1.0)
         self.rate = self.decay * self.rate + (1.0 - self.decay) * observed

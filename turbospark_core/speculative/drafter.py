@@ -71,7 +71,7 @@ class Draft:
     """
 
     tokens: tuple[int, ...] = attrs.field(converter=_tokens)
-    probs: mx.array | None = None
+    probs: mx.array | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self.tokens)):
