@@ -10,7 +10,12 @@ machine load hits both alike:
   Q4_1 weights) drafting for the Q4_1 install, on both tasks;
 * ``cost``: the target's forward time for ``T`` tokens vs one token (what a
   verify of ``T - 1`` drafts costs in plain steps), the draft model's step
-  cost, and the break-even acceptance rate they imply.
+  cost, and the break-even acceptance rate they imply;
+* ``mtp``: the Qwen 3.5 multi-token-prediction head on the ``qwen3_5_mtp`` /
+  ``qwen3_5_moe_mtp`` fixtures (random weights: acceptance is near zero, so
+  this measures the head's overhead, not a speedup): ms per head call, per
+  ``propose`` of k = 1..3 tokens, its share of a plain decode step, and
+  ``mtp=1`` / ``mtp="auto"`` (adaptive) decode tok/s vs plain.
 
 Every drafted output is checked equal to plain greedy's. Decode tok/s are the
 runtime's own ``Generation.stats`` (prompt excluded).
@@ -157,6 +162,69 @@ def break_even(verify: dict[int, float], step: float, draft_step: float) -> dict
     return out
 
 
+def _median_ms(fn: Any, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def mtp_overhead(fixtures: Path, work: Path, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Per MTP fixture: the head's per-call and per-propose cost vs a plain decode step, and mtp vs plain tok/s."""
+    from turbospark_core.convert import convert
+
+    rows = []
+    for name in ("qwen3_5_mtp", "qwen3_5_moe_mtp"):
+        install = work / name
+        if not install.exists():
+            convert(fixtures / name, install)
+        rows.append(_mtp_row(name, install, np.load(fixtures / name / "references_mtp.npz"), tokens, repeats))
+    return rows
+
+
+def _mtp_row(name: str, install: Path, refs: Any, tokens: int, repeats: int) -> dict[str, Any]:
+    import mlx.core as mx
+
+    import turbospark_core
+    from turbospark_core.sampling import Sampler, SamplingParams
+    from turbospark_core.speculative import mtp
+
+    prompt = refs["prompt_ids"].tolist()
+    plain = turbospark_core.open(install)
+    step_ms = _median_ms(lambda: plain.generate(prompt, tokens), repeats) / tokens
+    opened = plain.opened
+    drafter = mtp.MtpDrafter(opened, mtp.load_head(opened), depth=3)
+    drafter.observe(0, {drafter.capture_layers[0]: mtp.trunk_residual(opened, prompt)[0]})
+    context = [*prompt, int(refs["mtp_draft_token"][0])]
+    committed = drafter._commit(context)  # the slot a draft starts from; each chained token is one head call
+    assert committed is not None
+    head, caches = drafter.head, drafter._cache
+
+    def head_call() -> None:
+        mx.eval(head(committed[1], mx.array([[1]]), caches)[0])
+        for cache in caches:
+            cache.trim(1)  # type: ignore[union-attr]
+
+    greedy = Sampler(SamplingParams())
+    propose = {k: _median_ms(lambda k=k: drafter.propose(context, k, greedy), 5 * repeats) for k in (1, 2, 3)}
+    row: dict[str, Any] = {
+        "fixture": name,
+        "plain_step_ms": round(step_ms, 3),
+        "head_call_ms": _median_ms(head_call, 5 * repeats),
+        "propose_ms": propose,
+        "propose_1_in_plain_steps": round(propose[1] / step_ms, 3),
+    }
+    forced = turbospark_core.open(install, mtp=1, num_draft_tokens=1)
+    row["mtp=1"] = compare(f"{name} / mtp=1", plain, forced, prompt, tokens, repeats)
+    adaptive = turbospark_core.open(install, mtp="auto")
+    row["mtp=auto"] = compare(f"{name} / mtp=auto", plain, adaptive, prompt, tokens, repeats)
+    _log(row)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/turbospark-speculative"))
@@ -165,10 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngram", type=int, default=8, help="prompt lookup's most drafted tokens")
     ap.add_argument("--draft-tokens", type=int, default=3, help="the draft model's tokens per verify")
     ap.add_argument("--skip-draft", action="store_true", help="prompt lookup only")
+    ap.add_argument(
+        "--fixtures",
+        type=Path,
+        default=Path(__file__).resolve().parents[2] / "shared" / "fixtures",
+        help="reference fixtures (for the MTP head section)",
+    )
+    ap.add_argument("--only-mtp", action="store_true", help="only the MTP head section (no SmolLM2 needed)")
+    ap.add_argument("--skip-mtp", action="store_true", help="no MTP head section")
     args = ap.parse_args(argv)
 
     import turbospark_core
 
+    if args.only_mtp:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"mtp": mtp_overhead(args.fixtures, args.workdir, args.tokens, args.repeats)}, indent=1))
+        return 0
     target, draft = build(args.workdir)
     plain = turbospark_core.open(target)
     edit = plain.chat_prompt([{"role": "user", "content": EDIT}])
@@ -199,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             "break_even_acceptance": break_even(verify, verify[1], draft_step),
             "break_even_acceptance_ngram": break_even(verify, verify[1], 0.0),
         }
+    if not args.skip_mtp and args.fixtures.is_dir():
+        report["mtp"] = mtp_overhead(args.fixtures, args.workdir, args.tokens, args.repeats)
     print(json.dumps(report, indent=1))
     return 0
 

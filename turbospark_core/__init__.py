@@ -8,7 +8,7 @@ blas.activate()  # before anything imports mlx: MLX's CPU matmuls then use OpenB
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, TypeVar  # noqa: E402
+from typing import TYPE_CHECKING, Any, Literal, TypeVar  # noqa: E402
 
 import pluggy  # noqa: E402
 
@@ -46,6 +46,7 @@ def open(  # noqa: A001 - the API's name
     vision: str | Path | None = None,
     draft_model: str | Path | None = None,
     ngram: int | None = None,
+    mtp: int | Literal["auto"] | None = None,
     num_draft_tokens: int | None = None,
     **unknown: Never,
 ) -> Runner:
@@ -114,8 +115,17 @@ def open(  # noqa: A001 - the API's name
         ngram: Speculative decoding by prompt lookup: propose up to ``ngram``
             tokens (at most 32) copied from where the context's latest tokens
             occurred before (the prompt and the output so far). No extra model.
+        mtp: Speculative decoding with the install's own multi-token-prediction
+            head (Qwen 3.5 / 3.6 checkpoints carry one): draft up to ``mtp``
+            tokens (at most 32) per verify by chaining the head, or ``"auto"``:
+            use the head when the install has one (1 token per verify by
+            default), else decode plainly. The head is read and built only
+            when asked: without ``mtp`` an install with a head opens exactly
+            as one without. A depth on an install without a head, or on a
+            family whose plugin has no head flow, is refused naming what is
+            missing. ``mtp`` with another drafter is refused.
         num_draft_tokens: The most tokens drafted per verify (at most 32;
-            default: ``ngram``'s value, 4 for a draft model). Left out, the
+            default: ``ngram``'s or ``mtp``'s value, 4 for a draft model). Left out, the
             drafted count adapts to the measured acceptance and cost (fewer,
             or none for a while, when drafts do not pay); given, every step
             drafts that many. Needs a drafter.
@@ -154,6 +164,7 @@ def open(  # noqa: A001 - the API's name
             "vision": vision,
             "draft_model": draft_model,
             "ngram": ngram,
+            "mtp": mtp,
             "num_draft_tokens": num_draft_tokens,
         }
     )

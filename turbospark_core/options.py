@@ -110,6 +110,18 @@ def _ngram(value: object) -> int | None:
     return n
 
 
+def _mtp(value: object) -> int | str | None:
+    """``None`` (off), ``"auto"`` (the install's MTP head if it has one), or a draft depth; opened at step 12."""
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DRAFT_TOKENS:
+        return value
+    msg = f"mtp={value!r} is invalid; pass a draft depth in [1, {MAX_DRAFT_TOKENS}], 'auto', or None"
+    raise OptionError(msg)
+
+
 def _num_draft_tokens(value: object) -> int | None:
     if value is None:
         return None
@@ -120,7 +132,7 @@ def _num_draft_tokens(value: object) -> int | None:
 
 
 # The open options that each choose a speculative drafter (open step 12): at most one may be set.
-DRAFTER_OPTIONS: tuple[str, ...] = ("draft_model", "ngram")
+DRAFTER_OPTIONS: tuple[str, ...] = ("draft_model", "ngram", "mtp")
 
 
 def _residency(value: object) -> Residency:
@@ -170,6 +182,7 @@ class OpenOptions:
     vision: Any = attrs.field(default=None, converter=_vision)  # Path | None
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
+    mtp: int | str | None = attrs.field(default=None, converter=_mtp)  # depth | "auto" | None
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
 
     def __attrs_post_init__(self) -> None:
