@@ -111,9 +111,30 @@ class Sampler:
 
     def __call__(self, logits: mx.array) -> mx.array:
         """Next token ids ``[B]`` from last-position logits ``[B, V]`` (float32)."""
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(self._filtered(logits), axis=-1, key=self._next_key())
+
+    def next_key(self) -> mx.array | None:
+        """A fresh subkey of this sampler's seeded stream (``None`` unseeded: MLX's global generator)."""
+        return self._next_key()
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """The normalized log-distribution ``[B, V]`` sampling draws from (temperature > 0).
+
+        Temperature, then top-k, min-p and top-p, exactly as :meth:`__call__`
+        samples; the repetition penalty is :meth:`penalize`'s, applied before.
+        Speculative decoding builds both the target's ``p`` and a drafter's
+        ``q`` with it, so accepted output is distributed as plain sampling.
+        Removed tokens hold ``-inf``.
+        """
+        filtered = self._filtered(logits)
+        return filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+
+    def _filtered(self, logits: mx.array) -> mx.array:
         p = self.params
         if p.greedy:
-            return mx.argmax(logits, axis=-1)
+            raise ValueError("logprobs() is the sampled distribution; greedy decoding takes the argmax")
         logprobs = logits.astype(mx.float32) / p.temperature
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         if p.top_k > 0 and p.top_k < logprobs.shape[-1]:
@@ -124,7 +145,7 @@ class Sampler:
             logprobs = mx.where(logprobs < top + mx.log(mx.array(p.min_p)), -mx.inf, logprobs)
         if p.top_p < 1.0:
             logprobs = _top_p(logprobs, p.top_p)
-        return mx.random.categorical(logprobs, axis=-1, key=self._next_key())
+        return logprobs
 
 
 def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
