@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import mlx.core as mx
@@ -330,7 +330,7 @@ def _sample(logits: mx.array, context: Sequence[int], sampler: Sampler) -> Draft
     for i in range(logits.shape[0]):
         row = sampler.penalize(logits[i : i + 1], mx.array(history[-window:]))
         logq = sampler.logprobs(row)
-        token = int(mx.random.categorical(logq, axis=-1, key=sampler.next_key()).tolist()[0])  # type: ignore[index]
+        token = cast(int, mx.random.categorical(logq, axis=-1, key=sampler.next_key())[0].item())
         tokens.append(token)
         probs.append(mx.exp(logq)[0])
         history.append(token)
