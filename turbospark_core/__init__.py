@@ -43,6 +43,9 @@ def open(  # noqa: A001 - the API's name
     verify: bool = False,
     steering: str | Path | DirectionSet | None = None,
     kv_rotate: bool = True,
+    draft_model: str | Path | None = None,
+    ngram: int | None = None,
+    num_draft_tokens: int | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -91,6 +94,25 @@ def open(  # noqa: A001 - the API's name
             a normalized Hadamard transform (rotated back when read, so the
             attention is unchanged in exact math; 4-bit KV loses far less).
             Applies to head dims that are powers of two; ``False`` turns it off.
+        draft_model: Speculative decoding with a draft model (open step 12):
+            the path of another install with the same vocabulary (checked:
+            a mismatch is refused naming it), opened with this open's
+            ``max_context``, ``kv_quant``, ``kv_rotate``, ``residency``,
+            ``expert_slots``, ``memory_budget``, ``ring_capacity``,
+            ``verify`` and ``warmup``; it runs unsteered. It proposes tokens,
+            the model checks them in one forward: greedy output is identical
+            to plain decoding's, sampled output is distributed as plain
+            sampling's (speculative sampling). At most one drafter:
+            ``draft_model`` and ``ngram`` together are refused; an install
+            with a ``hadamard`` section refuses every drafter.
+        ngram: Speculative decoding by prompt lookup: propose up to ``ngram``
+            tokens (at most 32) copied from where the context's latest tokens
+            occurred before (the prompt and the output so far). No extra model.
+        num_draft_tokens: The most tokens drafted per verify (at most 32;
+            default: ``ngram``'s value, 4 for a draft model). Left out, the
+            drafted count adapts to the measured acceptance and cost (fewer,
+            or none for a while, when drafts do not pay); given, every step
+            drafts that many. Needs a drafter.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -123,6 +145,9 @@ def open(  # noqa: A001 - the API's name
             "verify": verify,
             "steering": steering,
             "kv_rotate": kv_rotate,
+            "draft_model": draft_model,
+            "ngram": ngram,
+            "num_draft_tokens": num_draft_tokens,
         }
     )
     opened = open_install(path, options)  # steps 3-15

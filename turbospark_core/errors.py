@@ -76,3 +76,7 @@ def refuse_unknown(given: object, known: set[str], what: str) -> None:
     if unknown:
         msg = f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         raise OptionError(msg)
+
+
+class DrafterError(TurbosparkError, ValueError):
+    """A speculative drafter cannot be opened for this install (hadamard folding, vocabulary, missing head)."""

@@ -203,9 +203,12 @@ class RingKVCache(_KVBuffers):
     Memory stays flat as the context grows: at most ``capacity`` (default: the
     window) tokens are kept. A multi-token update returns the kept tokens plus
     the new ones in order (so a prefill chunk sees its whole window), then
-    keeps only the last ``capacity``. Each slot remembers its absolute position,
-    so :meth:`mask` is exact for any capacity >= window. ``kv_bits`` stores
-    the ring quantized, as for :class:`KVCache`.
+    keeps only the last ``capacity``. Each slot remembers its absolute position
+    (position ``p`` lives in slot ``p % capacity``), so :meth:`mask` is exact
+    for any capacity >= window. ``kv_bits`` stores the ring quantized, as for
+    :class:`KVCache`. ``slack`` extra slots let :meth:`trim` drop up to
+    ``slack`` tokens (a speculative verify's rejected drafts) without losing
+    any of the window.
     """
 
     def __init__(
@@ -215,12 +218,14 @@ class RingKVCache(_KVBuffers):
         dtype: mx.Dtype,
         capacity: int | None = None,
         kv_bits: int | None = None,
+        slack: int = 0,
     ) -> None:
         if spec.window is None or spec.window <= 0:
             raise ValueError("RingKVCache needs a CacheSpec with a positive window")
         self.spec = spec
         self.window = spec.window
-        self.capacity = max(capacity or spec.window, spec.window)
+        self.slack = slack
+        self.capacity = max(capacity or spec.window, spec.window + slack)
         self.max_context = max_context
         self.dtype = dtype
         self.kv_bits = kv_bits
@@ -275,9 +280,40 @@ class RingKVCache(_KVBuffers):
             return
         pad = self.capacity - total
         B, H, _, _ = k_all.parts[0].shape
-        self._k = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
-        self._v = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
-        self.positions = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
+        k_pad = k_all.concat(self._pad(B, H, pad, self.spec.head_dim))
+        v_pad = v_all.concat(self._pad(B, H, pad, self.spec.v_head_dim or self.spec.head_dim))
+        p_pad = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
+        first = int(np.array(p_all[:1]).sum()) if total else 0
+        if first % self.capacity == 0:  # already slot == position % capacity (a ring filled from 0)
+            self._k, self._v, self.positions = k_pad, v_pad, p_pad
+            return
+        # after a trim the kept tokens need not start at slot 0: put each at position % capacity
+        slots = (np.arange(total) + first) % self.capacity
+        src = np.full(self.capacity, -1, np.int64)
+        src[slots] = np.arange(total)
+        free = np.flatnonzero(src < 0)
+        src[free] = total + np.arange(free.size)
+        order = mx.array(src.astype(np.int32))
+        self._k = k_pad.map(lambda a: a[..., order, :])
+        self._v = v_pad.map(lambda a: a[..., order, :])
+        self.positions = p_pad[order]
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (at most ``slack`` lose nothing of the window); returns how many.
+
+        The dropped slots are marked empty: the next tokens are written into
+        them, and the window of the kept tokens is intact while ``n`` is at
+        most the tokens added since the ring last held ``window`` older ones
+        (``slack`` slots guarantee it for a verify of ``slack`` tokens).
+        """
+        n = min(self.offset, n)
+        if n <= 0:
+            return 0
+        self.offset -= n
+        if self.positions is not None:
+            self.positions = mx.where(self.positions >= self.offset, -1, self.positions)
+            self._fetched_positions = self.positions
+        return n
 
     def _pad(self, batch: int, heads: int, rows: int, dim: int) -> _Rows:
         return _Rows.encode(mx.zeros((batch, heads, rows, dim), self.dtype), self.kv_bits, self.dtype)
@@ -510,8 +546,13 @@ def make_cache(
     ring_capacity: int | None = None,
     kv_bits: int | None = None,
     kv_rotate: bool = False,
+    ring_slack: int = 0,
 ) -> Cache:
-    """The cache object a layer's spec asks for (``kv_rotate``: quantized KV stored Hadamard-rotated)."""
+    """The cache object a layer's spec asks for (``kv_rotate``: quantized KV stored Hadamard-rotated).
+
+    ``ring_slack``: extra ring slots so a speculative verify of that many
+    tokens can be trimmed without losing the window (see :meth:`RingKVCache.trim`).
+    """
     if isinstance(spec, StateSpec):
         return RecurrentState(spec, max_context)
     rotated = _rotated_kv_class(spec) if kv_rotate and kv_bits is not None else None
@@ -519,7 +560,7 @@ def make_cache(
         full = KVCache if rotated is None else RotatedKVCache
         return full(spec, max_context, dtype, kv_bits=kv_bits)
     ring = RingKVCache if rotated is None else RotatedRingKVCache
-    return ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits)
+    return ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits, slack=ring_slack)
 
 
 def make_caches(
@@ -529,9 +570,22 @@ def make_caches(
     ring_capacity: int | None = None,
     kv_bits: int | None = None,
     kv_rotate: bool = False,
+    ring_slack: int = 0,
 ) -> list[Cache]:
     """One cache per layer, as the family's layout asks."""
-    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate) for spec in specs]
+    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate, ring_slack) for spec in specs]
+
+
+def trimmable(caches: list[Cache]) -> bool:
+    """Whether every cache can drop its last tokens in place (KV and rings; recurrent state cannot)."""
+    return not any(isinstance(c, RecurrentState) for c in caches)
+
+
+def trim_caches(caches: list[Cache], n: int) -> None:
+    """Drop the last ``n`` tokens of every KV cache and ring (recurrent state is restored, not trimmed)."""
+    for cache in caches:
+        if not isinstance(cache, RecurrentState):
+            cache.trim(n)
 
 
 def snapshot_caches(caches: list[Cache]) -> list[dict[str, Any]]:

@@ -54,6 +54,7 @@ from turbospark_core.manifest import (
 from turbospark_core.memory import MemoryEstimate
 from turbospark_core.options import OpenOptions
 from turbospark_core.sessions import SessionPool
+from turbospark_core.speculative.factory import DrafterSetup, draft_length, make_drafter, refuse_hadamard
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.steering import DirectionSet
 from turbospark_core.tensor_index import TensorIndex, build_index
@@ -90,6 +91,8 @@ class OpenedModel:
     experts: ExpertStore | None = attrs.field(default=None, eq=False)
     diagnostics: Diagnostics | None = attrs.field(default=None, eq=False, repr=False)
     steering: DirectionSet | None = attrs.field(default=None, eq=False)
+    weights: WeightStore | None = attrs.field(default=None, eq=False, repr=False)
+    drafter: DrafterSetup | None = attrs.field(default=None, eq=False)
 
 
 def refuse_non_install(path: Path) -> None:
@@ -239,7 +242,7 @@ def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
+def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | None = None) -> OpenedModel:
     """Open an install: the design's open sequence, each step a named refusal.
 
     :func:`turbospark_core.open` does steps 1 and 2 first: it refuses what is
@@ -264,7 +267,10 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         with a diagnostic on (``router_histogram``, ``ffn_histogram``), the
         weight store of step 8 hands out recording objects, and one that
         observes nothing is refused here (:mod:`turbospark_core.diagnostics`);
-    12. drafters: not implemented yet;
+    12. drafters (:mod:`turbospark_core.speculative.factory`): at most one
+        (``OpenOptions`` refused two); a hadamard-folded install refuses any
+        (checked with step 6); the named drafter is built last, from the
+        opened target (a draft model is another install opened here);
     13. build the session pool (``session_slots`` parked sequences);
     14. steering (``options.steering``): read the direction set (bounded
         reads, or the in-memory :class:`DirectionSet`), check it against the
@@ -275,7 +281,11 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
     estimate), expert_setup (the experts section, 10), weights_mapping (8, and
     materializing after 11), family_state (11), session_state (13), steering
-    (14, when asked), warmup (15), and total_open (all of this function).
+    (14, when asked), warmup (15), drafter (12), and total_open (all of this function).
+
+    ``ring_slack``: spare sliding-window ring slots (default: the drafted
+    tokens per verify + 1 when a drafter is named, so rejected drafts are
+    trimmed without losing the window).
     """
     root = Path(path)
     timer = PhaseTimer()
@@ -290,6 +300,7 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         if options.verify:
             _verify(manifest)
         _check_hadamard(manifest, hooks, capabilities)  # 6
+        refuse_hadamard(manifest, options)  # 12's refusal, before anything is mapped
         index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)  # 7
         layout = hooks.cache_layout(manifest.arch) or ()
         _check_kv_groups(layout, options.kv_quant)
@@ -312,7 +323,8 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
             model = diagnostics.attach(model, manifest.model_type, experts)
     with timer.phase("weights_mapping"):
         weights.materialize()
-    new_cache = _cache_maker(layout, max_context, policy, options)
+    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
+    new_cache = _cache_maker(layout, max_context, policy, options, slack)
     if not options.warmup and (plan is None or plan.residency != STREAMED):
         with timer.phase("family_state"):
             _forward_one(model, new_cache, manifest, hooks, evaluate=False)  # 11: shapes checked, nothing computed
@@ -327,7 +339,7 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
             _forward_one(model, new_cache, manifest, hooks, evaluate=True)  # 15
     if diagnostics is not None:
         diagnostics.reset()  # neither the shape check nor the warm-up token is counted
-    return OpenedModel(
+    opened = OpenedModel(
         manifest=manifest,
         hooks=hooks,
         index=index,
@@ -345,7 +357,13 @@ def open_install(path: str | Path, options: OpenOptions) -> OpenedModel:
         experts=experts,
         diagnostics=diagnostics,
         steering=steering,
+        weights=weights,
     )
+    if not options.drafters_named():
+        return opened
+    with timer.phase("drafter"):
+        drafter = make_drafter(opened)  # 12
+    return attrs.evolve(opened, drafter=drafter, startup_stats=timer.finish())
 
 
 def _forward_one(
@@ -414,12 +432,23 @@ def refuse_steering(arch: dict[str, Any], capabilities: Capabilities) -> None:
 
 
 def _cache_maker(
-    layout: tuple[CacheSpec | StateSpec, ...], max_context: int, policy: ComputePolicy, opts: OpenOptions
+    layout: tuple[CacheSpec | StateSpec, ...],
+    max_context: int,
+    policy: ComputePolicy,
+    opts: OpenOptions,
+    ring_slack: int = 0,
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
     kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
     return functools.partial(
-        make_caches, list(layout), max_context, policy.compute_dtype, opts.ring_capacity, kv_bits, opts.kv_rotate
+        make_caches,
+        list(layout),
+        max_context,
+        policy.compute_dtype,
+        opts.ring_capacity,
+        kv_bits,
+        opts.kv_rotate,
+        ring_slack,
     )
 
 

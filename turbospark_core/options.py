@@ -74,6 +74,43 @@ def _steering(value: object) -> Any:
     raise OptionError(msg)
 
 
+def _draft_model(value: object) -> Any:
+    """A draft install's path (str or Path) or ``None``; opened at open step 12."""
+    from pathlib import Path
+
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"draft_model={value!r} is invalid; pass the path of an install with the same vocabulary, or None"
+    raise OptionError(msg)
+
+
+MAX_DRAFT_TOKENS = 32
+
+
+def _ngram(value: object) -> int | None:
+    if value is None:
+        return None
+    n = _count("ngram", value, "tokens to draft by prompt lookup")
+    if n > MAX_DRAFT_TOKENS:
+        raise OptionError(f"ngram={n} is too large; draft at most {MAX_DRAFT_TOKENS} tokens per step")
+    return n
+
+
+def _num_draft_tokens(value: object) -> int | None:
+    if value is None:
+        return None
+    n = _count("num_draft_tokens", value, "tokens per verify")
+    if n > MAX_DRAFT_TOKENS:
+        raise OptionError(f"num_draft_tokens={n} is too large; use at most {MAX_DRAFT_TOKENS}")
+    return n
+
+
+# The open options that each choose a speculative drafter (open step 12): at most one may be set.
+DRAFTER_OPTIONS: tuple[str, ...] = ("draft_model", "ngram")
+
+
 def _residency(value: object) -> Residency:
     return _choice("residency", value, RESIDENCY)
 
@@ -118,6 +155,26 @@ class OpenOptions:
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
     kv_rotate: bool = True
+    draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
+    ngram: int | None = attrs.field(default=None, converter=_ngram)
+    num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
+
+    def __attrs_post_init__(self) -> None:
+        named = self.drafters_named()
+        if len(named) > 1:
+            given = " and ".join(f"{n}={getattr(self, n)!r}" for n in named)
+            msg = f"{given} name two speculative drafters; at most one drafter is open: keep one of them"
+            raise OptionError(msg)
+        if self.num_draft_tokens is not None and not named:
+            msg = (
+                f"num_draft_tokens={self.num_draft_tokens} names no drafter; "
+                f"also pass one of {', '.join(DRAFTER_OPTIONS)}"
+            )
+            raise OptionError(msg)
+
+    def drafters_named(self) -> list[str]:
+        """The drafter options that are set (:data:`DRAFTER_OPTIONS` order)."""
+        return [n for n in DRAFTER_OPTIONS if getattr(self, n, None) is not None]
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

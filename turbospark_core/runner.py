@@ -18,6 +18,8 @@ from turbospark_core.loader import OpenedModel
 from turbospark_core.manifest import Manifest
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, SessionPool, common_prefix
+from turbospark_core.speculative.decode import DraftCounts, SpeculativeLoop, observe
+from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
@@ -69,6 +71,7 @@ class _Progress:
     finish_reason: str = "length"
     expert_source: Callable[[], ExpertStats | None] = lambda: None
     experts_before: ExpertStats | None = None
+    drafts: DraftCounts = attrs.Factory(DraftCounts)
 
     def stats(self) -> GenerationStats:
         n = len(self.tokens)
@@ -83,6 +86,8 @@ class _Progress:
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=self.finish_reason,
             reused_tokens=self.reused_tokens,
+            draft_tokens=self.drafts.drafted,
+            accepted_tokens=self.drafts.accepted,
         )
 
 
@@ -99,6 +104,8 @@ class Runner:
         self.eos_token_ids = frozenset([*tokenizer.eos_token_ids, *extra])
         # id(state) -> (state, fingerprint of the steering its caches were computed under)
         self._cache_steering: dict[int, tuple[weakref.ref[SequenceState], str | None]] = {}
+        # id(state) -> (state, its drafter): a session keeps its drafter's state between requests
+        self._drafters: dict[int, tuple[weakref.ref[SequenceState], Drafter]] = {}
 
     # ------------------------------------------------------------- facts
     def expert_stats(self) -> ExpertStats | None:
@@ -190,13 +197,49 @@ class Runner:
         return ids
 
     # ------------------------------------------------------------- decoding
-    def _prefill(self, ids: list[int], cache: list[Cache], edit: Edit = Edit({})) -> mx.array:  # noqa: B008 - frozen, never mutated
-        """Run the prompt through the model; returns last-position logits ``[1, V]``."""
+    def _prefill(
+        self,
+        ids: list[int],
+        cache: list[Cache],
+        edit: Edit = Edit({}),  # noqa: B008 - frozen, never mutated
+        drafter: Drafter | None = None,
+        offset: int = 0,
+    ) -> mx.array:
+        """Run the prompt through the model; returns last-position logits ``[1, V]``.
+
+        ``drafter``: observes each chunk's residuals (when it reads any);
+        ``offset``: the position of ``ids[0]`` (a session's reused prefix).
+        """
+        layers = frozenset(drafter.capture_layers) if drafter is not None and drafter.capture_layers else None
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[start : min(start + PREFILL_CHUNK, len(ids) - 1)]
-            self._forward(mx.array([chunk]), cache, edit)
+            got: dict[int, mx.array] | None = {} if layers else None
+            self._forward(mx.array([chunk]), cache, edit, got, layers)
+            if drafter is not None:
+                observe(drafter, offset + start, got)
             mx.eval([c.state for c in cache])
-        return self._forward(mx.array([ids[-1:]]), cache, edit)[:, -1, :]
+        got = {} if layers else None
+        logits = self._forward(mx.array([ids[-1:]]), cache, edit, got, layers)[:, -1, :]
+        if drafter is not None:
+            observe(drafter, offset + len(ids) - 1, got)
+        return logits
+
+    def _drafter(self, state: SequenceState, reused: int) -> Drafter | None:
+        """This sequence's drafter (made on first use), told what the run keeps of its state."""
+        setup = self._opened.drafter
+        if setup is None:
+            return None
+        entry = self._drafters.get(id(state))
+        drafter = entry[1] if entry is not None and entry[0]() is state else None
+        if drafter is None:
+            drafter = setup.new()
+            self._drafters = {k: v for k, v in self._drafters.items() if v[0]() is not None}
+            self._drafters[id(state)] = (weakref.ref(state), drafter)
+        if reused == 0:
+            drafter.reset()
+        else:
+            drafter.rewind(reused)
+        return drafter
 
     def _token_stream(
         self,
@@ -210,6 +253,10 @@ class Runner:
         reused = common_prefix(state.tokens, ids)
         reused = state.rewind(min(reused, len(ids) - 1))  # the last prompt token is always run
         progress.reused_tokens = reused
+        drafter = self._drafter(state, reused)
+        if drafter is not None:
+            yield from self._speculative_stream(ids, sampler, max_tokens, progress, state, edit, drafter, reused)
+            return
         history = mx.array(ids[-sampler.params.repetition_context :])
         produced: list[int] = []
         fed = reused
@@ -247,6 +294,55 @@ class Runner:
             if fed > len(ids):
                 mx.eval([c.state for c in state.caches])
                 state.tokens = (list(ids) + produced)[:fed]
+                state.checkpoint()
+
+    def _speculative_stream(
+        self,
+        ids: list[int],
+        sampler: Sampler,
+        max_tokens: int,
+        progress: _Progress,
+        state: SequenceState,
+        edit: Edit,
+        drafter: Drafter,
+        reused: int,
+    ) -> Iterator[int]:
+        """As :meth:`_token_stream`, drafting and verifying (:mod:`turbospark_core.speculative`)."""
+        setup = self._opened.drafter
+        assert setup is not None
+        layers = frozenset(drafter.capture_layers) or None
+
+        def forward(tokens: list[int], caches: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
+            return self._forward(mx.array([tokens]), caches, edit, capture, layers if capture is not None else None)
+
+        loop: SpeculativeLoop | None = None
+        t0 = time.perf_counter()
+        try:
+            logits = self._prefill(ids[reused:], state.caches, edit, drafter, reused)
+            history = mx.array(ids[-sampler.params.repetition_context :])
+            first = int(cast(int, sampler(sampler.penalize(logits.astype(mx.float32), history)).item()))
+            state.tokens = list(ids)
+            state.checkpoint()
+            progress.prompt_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            drafter.rewind(len(ids) + 1)
+            loop = SpeculativeLoop(
+                forward, state.caches, drafter, setup, sampler, [*ids, first], len(ids), progress.drafts
+            )
+            progress.decode_s = time.perf_counter() - t0
+            yield first
+            for tok in loop.tokens(max_tokens - 1):
+                progress.decode_s = time.perf_counter() - t0
+                yield tok
+        except GeneratorExit:
+            raise
+        except BaseException:
+            state.reset()  # a failed step leaves the caches unknown: start the session afresh
+            raise
+        finally:
+            if loop is not None and loop.held > len(ids):
+                mx.eval([c.state for c in state.caches])
+                state.tokens = loop.context[: loop.held]
                 state.checkpoint()
 
     def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -442,9 +538,20 @@ class Runner:
         self._cache_steering = {k: v for k, v in self._cache_steering.items() if v[0]() is not None}
         self._cache_steering[id(state)] = (weakref.ref(state), key)
 
-    def _forward(self, inputs: mx.array, cache: list[Cache] | None, edit: Edit) -> mx.array:
-        """One forward of the family's model with ``edit`` active (nothing set up when it is empty)."""
-        with applying(edit, family=self._opened.capabilities.family):
+    def _forward(
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None,
+        edit: Edit,
+        capture: dict[int, mx.array] | None = None,
+        capture_layers: frozenset[int] | None = None,
+    ) -> mx.array:
+        """One forward of the family's model with ``edit`` active (nothing set up when it is empty).
+
+        ``capture``: filled with the output residuals of ``capture_layers``.
+        """
+        family = self._opened.capabilities.family
+        with applying(edit, family=family, capture=capture, capture_layers=capture_layers):
             return self.model(inputs, cache)
 
     def capture(

@@ -34,6 +34,7 @@ class StartupStats:
     session_state: float = 0.0
     steering: float = 0.0
     warmup: float = 0.0
+    drafter: float = 0.0
     total_open: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -130,3 +131,5 @@ class GenerationStats:
     finish_reason: str = "stop"
     reused_tokens: int = 0  # prompt tokens served from a session's cache
     experts: ExpertStats | None = None  # MoE installs: expert counters over this generation
+    draft_tokens: int = 0  # speculative decoding: tokens the drafter proposed
+    accepted_tokens: int = 0  # ... and the target kept

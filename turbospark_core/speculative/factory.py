@@ -1,0 +1,180 @@
+"""Open step 12: the drafter an open asks for, its refusals, and where each drafter kind plugs in.
+
+Each drafter option of :class:`~turbospark_core.options.OpenOptions` (listed
+in ``DRAFTER_OPTIONS``) has a *builder* in :data:`BUILDERS`: given the opened
+target and the option's value, it returns a :class:`DrafterSetup` (or
+``None``: decode plainly, e.g. ``mtp="auto"`` on an install without a head)
+or raises :class:`~turbospark_core.errors.DrafterError` naming what is
+missing. :data:`DEFAULT_LENGTH` gives each kind's default
+``num_draft_tokens``. A new drafter kind adds its option name to
+``DRAFTER_OPTIONS``, a field to ``OpenOptions`` (and ``open``), and an entry
+to both dicts here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from turbospark_core.errors import DrafterError
+from turbospark_core.speculative.drafter import DrafterFactory
+
+if TYPE_CHECKING:
+    from turbospark_core.loader import OpenedModel
+    from turbospark_core.manifest import Manifest
+    from turbospark_core.options import OpenOptions
+
+DEFAULT_DRAFT_MODEL_TOKENS = 4
+
+
+@attrs.frozen(kw_only=True)
+class DrafterSetup:
+    """The drafter open step 12 chose (``OpenedModel.drafter``).
+
+    Attributes:
+        name: The drafter kind (the option that chose it).
+        new: Makes a fresh per-sequence :class:`~.drafter.Drafter`.
+        num_draft_tokens: The most tokens drafted per verify.
+        draft_cost: One drafted token's cost in plain target decode steps (0
+            for prompt lookup; the weight-size ratio for a draft model); the
+            adaptive draft length weighs it.
+        adaptive: Adapt the draft length to the measured acceptance (the
+            default); an explicit ``num_draft_tokens`` drafts that many every step.
+        description: What ``turbospark inspect`` prints.
+        draft: A draft model's own opened install (``None`` for other kinds).
+    """
+
+    name: str
+    new: DrafterFactory = attrs.field(eq=False, repr=False)
+    num_draft_tokens: int
+    draft_cost: float = 0.0
+    adaptive: bool = True
+    description: str = ""
+    draft: OpenedModel | None = attrs.field(default=None, eq=False, repr=False)
+
+
+Builder = Callable[["OpenedModel", Any], "DrafterSetup | None"]
+
+
+def draft_length(options: OpenOptions) -> int:
+    """The most tokens drafted per verify under ``options`` (0: no drafter named)."""
+    named = options.drafters_named()
+    if not named:
+        return 0
+    if options.num_draft_tokens is not None:
+        return int(options.num_draft_tokens)
+    return DEFAULT_LENGTH[named[0]](getattr(options, named[0]))
+
+
+def refuse_hadamard(manifest: Manifest, options: OpenOptions, role: str = "") -> None:
+    """An install with a ``hadamard`` section refuses every drafter (a drafter's inputs would need the transforms)."""
+    named = options.drafters_named()
+    if named and manifest.hadamard is not None:
+        msg = (
+            f"{role}{manifest.root} is hadamard-folded and cannot serve a speculative drafter "
+            f"({named[0]}={getattr(options, named[0])!r}): the drafter's inputs would need the same "
+            f"rotation; drop {named[0]} or re-convert without hadamard folding"
+        )
+        raise DrafterError(msg)
+
+
+def make_drafter(opened: OpenedModel) -> DrafterSetup | None:
+    """Open step 12: build the drafter ``opened.options`` names (``None``: decode plainly)."""
+    options = opened.options
+    named = options.drafters_named()
+    if not named:
+        return None
+    refuse_hadamard(opened.manifest, options)
+    return BUILDERS[named[0]](opened, getattr(options, named[0]))
+
+
+# ------------------------------------------------------------------ ngram
+def _build_ngram(opened: OpenedModel, n: int) -> DrafterSetup:
+    from turbospark_core.speculative.ngram import NgramDrafter
+
+    k = draft_length(opened.options)
+    return DrafterSetup(
+        name="ngram",
+        new=NgramDrafter,
+        num_draft_tokens=k,
+        adaptive=opened.options.num_draft_tokens is None,
+        description=f"ngram (prompt lookup, up to {k} tokens per verify)",
+    )
+
+
+# ------------------------------------------------------------------ draft model
+def _vocab(root: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab: dict[str, int] = HFTokenizer.from_file(str(root / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    return vocab
+
+
+def refuse_vocab_mismatch(target: Manifest, draft: Manifest) -> None:
+    """A draft install must share the target's vocabulary: same size and same token -> id map."""
+    tv, dv = int(target.arch["vocab_size"]), int(draft.arch["vocab_size"])
+    if tv != dv:
+        msg = (
+            f"draft_model {draft.root} has vocab_size {dv} but {target.root} has {tv}; "
+            f"a draft model must share the target's vocabulary (use a model with the same tokenizer)"
+        )
+        raise DrafterError(msg)
+    t_vocab, d_vocab = _vocab(target.root), _vocab(draft.root)
+    if t_vocab != d_vocab:
+        by_id = {i: s for s, i in d_vocab.items()}
+        diff = sorted((i, s) for s, i in t_vocab.items() if by_id.get(i) != s)
+        i, s = diff[0] if diff else (len(t_vocab), "?")
+        msg = (
+            f"draft_model {draft.root} has a different tokenizer vocabulary than {target.root} "
+            f"(token id {i} is {s!r} in the target, {by_id.get(i)!r} in the draft); "
+            f"a draft model must share the target's tokenizer"
+        )
+        raise DrafterError(msg)
+
+
+def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
+    from turbospark_core.loader import open_install, refuse_non_install
+    from turbospark_core.manifest import load_manifest
+    from turbospark_core.speculative.draft_model import ModelDrafter
+
+    options = opened.options
+    k = draft_length(options)
+    refuse_non_install(Path(path))
+    draft_manifest = load_manifest(Path(path))
+    refuse_vocab_mismatch(opened.manifest, draft_manifest)
+    refuse_hadamard(draft_manifest, options, role="draft_model ")
+    draft_options = attrs.evolve(
+        options,
+        draft_model=None,
+        num_draft_tokens=None,
+        max_context=opened.max_context,
+        session_slots=1,
+        steering=None,
+        router_histogram=False,
+        ffn_histogram=False,
+    )
+    draft = open_install(path, draft_options, ring_slack=k + 1)
+    model, new_cache = draft.model, draft.new_cache
+    cost = draft.estimate.weights / max(opened.estimate.weights, 1)
+    return DrafterSetup(
+        name="draft_model",
+        new=lambda: ModelDrafter(model, new_cache),
+        num_draft_tokens=k,
+        draft_cost=cost,
+        adaptive=options.num_draft_tokens is None,
+        description=(
+            f"draft_model {draft.manifest.root} ({draft.capabilities.family}, "
+            f"up to {k} tokens per verify, {cost:.2f}x the target's weights)"
+        ),
+        draft=draft,
+    )
+
+
+BUILDERS: dict[str, Builder] = {"draft_model": _build_draft_model, "ngram": _build_ngram}
+DEFAULT_LENGTH: dict[str, Callable[[Any], int]] = {
+    "draft_model": lambda _path: DEFAULT_DRAFT_MODEL_TOKENS,
+    "ngram": int,
+}
