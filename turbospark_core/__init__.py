@@ -46,6 +46,7 @@ def open(  # noqa: A001 - the API's name
     draft_model: str | Path | None = None,
     ngram: int | None = None,
     num_draft_tokens: int | None = None,
+    dflash: str | Path | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -113,6 +114,15 @@ def open(  # noqa: A001 - the API's name
             drafted count adapts to the measured acceptance and cost (fewer,
             or none for a while, when drafts do not pay); given, every step
             drafts that many. Needs a drafter.
+        dflash: Speculative decoding with a DFlash block-diffusion drafter:
+            the path of a drafter install (``turbospark convert`` of a z-lab
+            ``DFlashDraftModel`` checkpoint) trained for this model. Checked
+            at open: its hidden size must equal the model's, its
+            ``target_layer_ids`` must be layers of the model, its mask token
+            must be in the vocabulary. Each verify, it drafts a block of
+            ``block_size - 1`` tokens (the default ``num_draft_tokens``) in
+            one forward that reads the model's outputs of those layers (captured
+            only while it is open) and uses the model's embedding and LM head.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -148,6 +158,7 @@ def open(  # noqa: A001 - the API's name
             "draft_model": draft_model,
             "ngram": ngram,
             "num_draft_tokens": num_draft_tokens,
+            "dflash": dflash,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -86,6 +86,18 @@ def _draft_model(value: object) -> Any:
     raise OptionError(msg)
 
 
+def _dflash(value: object) -> Any:
+    """A DFlash drafter install's path (str or Path) or ``None``; opened at open step 12."""
+    from pathlib import Path
+
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"dflash={value!r} is invalid; pass the path of a DFlash drafter install (`turbospark convert`), or None"
+    raise OptionError(msg)
+
+
 MAX_DRAFT_TOKENS = 32
 
 
@@ -108,7 +120,8 @@ def _num_draft_tokens(value: object) -> int | None:
 
 
 # The open options that each choose a speculative drafter (open step 12): at most one may be set.
-DRAFTER_OPTIONS: tuple[str, ...] = ("draft_model", "ngram")
+# DFlash comes before any drafter that yields to a named one (it is built first).
+DRAFTER_OPTIONS: tuple[str, ...] = ("dflash", "draft_model", "ngram")
 
 
 def _residency(value: object) -> Residency:
@@ -158,6 +171,7 @@ class OpenOptions:
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
+    dflash: Any = attrs.field(default=None, converter=_dflash)  # Path | None
 
     def __attrs_post_init__(self) -> None:
         named = self.drafters_named()

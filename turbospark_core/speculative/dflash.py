@@ -42,7 +42,9 @@ from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import WeightStore
 
 if TYPE_CHECKING:
+    from turbospark_core.loader import OpenedModel
     from turbospark_core.sampling import Sampler
+    from turbospark_core.speculative.factory import DrafterSetup
 
 NAME = "dflash"
 
@@ -112,8 +114,9 @@ def check_against_target(cfg: DFlashConfig, target: Mapping[str, Any], path: Pat
         raise DrafterMismatchError(msg)
 
 
-def target_projections(model: object, family: str) -> tuple[Project, Project]:
-    """The target's token embedding and LM head (a tied head is the embedding's ``as_linear``).
+def target_projections(model: object, family: str) -> tuple[Project, Project, int]:
+    """The target's token embedding and LM head (a tied head is the embedding's ``as_linear``), and the
+    head's weight bytes.
 
     Raises:
         FamilyRefusalError: The family's model exposes no ``embed_tokens`` embedding (or an
@@ -127,7 +130,8 @@ def target_projections(model: object, family: str) -> tuple[Project, Project]:
             "Linear (or None when tied), which a DFlash drafter uses as its own; open without dflash"
         )
         raise FamilyRefusalError(msg)
-    return embed, (embed.as_linear if head is None else head)
+    matrix = embed.table if head is None else head
+    return embed, (embed.as_linear if head is None else head), int(matrix.weight.nbytes)
 
 
 def _check_tensors(manifest: Manifest, cfg: DFlashConfig) -> Any:
@@ -180,12 +184,58 @@ def open_dflash(
             f"outputs, which this flow does not expose ({capabilities.steering_refusal})"
         )
         raise FamilyRefusalError(msg)
-    embed, head = target_projections(target_model, capabilities.family)
+    embed, head, head_bytes = target_projections(target_model, capabilities.family)
     index = _check_tensors(manifest, cfg)
     weights = WeightStore(manifest.path(WEIGHTS), index, policy)
     network = DFlashNetwork(cfg, weights, embed, head, policy.compute_dtype)
     weights.materialize()
-    return DFlashFactory(network=network, max_context=max_context, root=root)
+    return DFlashFactory(
+        network=network, max_context=max_context, root=root, round_bytes=index.stored_bytes() + head_bytes
+    )
+
+
+def dflash_factory(setup: DrafterSetup | None) -> DFlashFactory:
+    """The DFlash drafter of an open, or an ``OptionError`` saying how to open one."""
+    factory = None if setup is None else setup.new
+    if not isinstance(factory, DFlashFactory):
+        has = "no drafter" if setup is None else f"the {setup.name!r} drafter"
+        raise OptionError(f"this Runner has {has}, not a DFlash drafter; open the model with dflash=PATH")
+    return factory
+
+
+def default_draft_length(path: Path) -> int:
+    """``num_draft_tokens`` when not given: every mask slot of the drafter's block, ``block_size - 1``."""
+    _, cfg = read_drafter_install(Path(path))
+    return cfg.block_size - 1
+
+
+def setup_dflash(opened: OpenedModel, path: Path, k: int) -> DrafterSetup:
+    """Open step 12 for ``dflash=PATH`` on the opened target: the :class:`DrafterSetup` the runner decodes with."""
+    from turbospark_core.speculative.factory import DrafterSetup
+
+    factory = open_dflash(
+        path,
+        target_arch=opened.manifest.arch,
+        target_model=opened.model,
+        capabilities=opened.capabilities,
+        policy=opened.policy,
+        max_context=opened.max_context,
+    )
+    # One round reads the drafter's weights and the target's LM head once, whatever k: per drafted token,
+    # in plain target decode steps (each reads the target's weights once)
+    head = factory.round_bytes / max(opened.estimate.weights, 1)
+    cfg = factory.network.cfg
+    return DrafterSetup(
+        name=NAME,
+        new=factory,
+        num_draft_tokens=k,
+        draft_cost=head / max(k, 1),
+        adaptive=opened.options.num_draft_tokens is None,
+        description=(
+            f"dflash {factory.root} (block {cfg.block_size}, reads layers {list(cfg.target_layer_ids)}, "
+            f"up to {k} tokens per verify)"
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -195,6 +245,7 @@ class DFlashFactory:
     network: DFlashNetwork = attrs.field(eq=False, repr=False)
     max_context: int
     root: Path
+    round_bytes: int = 0  # weight bytes one round reads: the drafter's and the target's LM head
 
     @property
     def capture_layers(self) -> tuple[int, ...]:

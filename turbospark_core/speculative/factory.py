@@ -173,8 +173,22 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
     )
 
 
-BUILDERS: dict[str, Builder] = {"draft_model": _build_draft_model, "ngram": _build_ngram}
+# ------------------------------------------------------------------ dflash
+def _build_dflash(opened: OpenedModel, path: Path) -> DrafterSetup:
+    from turbospark_core.speculative.dflash import setup_dflash
+
+    return setup_dflash(opened, path, draft_length(opened.options))
+
+
+def _dflash_length(path: Path) -> int:
+    from turbospark_core.speculative.dflash import default_draft_length
+
+    return default_draft_length(path)
+
+
+BUILDERS: dict[str, Builder] = {"draft_model": _build_draft_model, "ngram": _build_ngram, "dflash": _build_dflash}
 DEFAULT_LENGTH: dict[str, Callable[[Any], int]] = {
+    "dflash": _dflash_length,
     "draft_model": lambda _path: DEFAULT_DRAFT_MODEL_TOKENS,
     "ngram": int,
 }
