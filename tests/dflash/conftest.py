@@ -84,6 +84,57 @@ def factory_for() -> Callable[[Runner, Path], DFlashFactory]:
     return make
 
 
+def write_random_drafter(
+    dst: Path, *, hidden: int, vocab: int, target_layers: list[int], num_target_layers: int, seed: int = 0
+) -> Path:
+    """A z-lab-layout DFlash checkpoint with random weights for a target of ``hidden`` / ``vocab``."""
+    import json
+
+    import mlx.core as mx
+
+    from turbospark_core.speculative.dflash_config import DFlashConfig, arch_from_hf
+
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 8,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": target_layers},
+        "num_target_layers": num_target_layers,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 2 * hidden,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+    }
+    arch, problems = arch_from_hf(config)
+    assert not problems, problems
+    rng = np.random.default_rng(seed)
+    tensors = {
+        name: mx.array(
+            (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.08 * rng.standard_normal(shape)).astype(
+                np.float32
+            )
+        )
+        for name, shape in DFlashConfig.from_arch(arch).tensor_shapes().items()
+    }
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(dst / "model.safetensors"), tensors)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def random_drafter() -> Callable[..., Path]:
+    """:func:`write_random_drafter`, for test modules (which cannot import this conftest)."""
+    return write_random_drafter
+
+
 @pytest.fixture
 def drafter_copy(fx: DFlashFixture, tmp_path: Path) -> Path:
     """A private copy of the fixture's drafter install that the test may corrupt."""
