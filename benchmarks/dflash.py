@@ -26,7 +26,6 @@ from typing import Any
 import mlx.core as mx
 
 import turbospark_core
-from common import arguments, parse, workdir
 from turbospark_core.convert import convert
 from turbospark_core.kv_cache import trim_caches
 from turbospark_core.sampling import Sampler, SamplingParams
@@ -34,6 +33,8 @@ from turbospark_core.speculative.dflash import DFlashFactory, dflash_factory
 from turbospark_core.speculative.dflash_config import DFlashConfig, arch_from_hf
 from turbospark_core.steering import Edit, applying
 from turbospark_core.testing import llama_tensor_shapes, write_word_tokenizer
+
+from common import arguments, parse, workdir
 
 TARGET = {
     "architectures": ["Qwen3ForCausalLM"],
