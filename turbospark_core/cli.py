@@ -68,7 +68,18 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
+    if getattr(args, "dflash", None) is not None:
+        options["dflash"] = args.dflash
     return options
+
+
+def _add_dflash_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dflash",
+        default=None,
+        metavar="DIR",
+        help="speculative decoding with a DFlash drafter install (turbospark convert of a DFlashDraftModel)",
+    )
 
 
 # ------------------------------------------------------------------ steering options (issue 17)
@@ -131,6 +142,12 @@ def _print_stats(stats: Any, file: Any = None) -> None:
     )
     if getattr(stats, "experts", None) is not None:
         print(stats.experts.summary(), file=file or sys.stderr)
+    if getattr(stats, "verify_steps", 0):
+        print(
+            f"drafts: {stats.accepted_tokens}/{stats.draft_tokens} accepted in {stats.verify_steps} verifies, "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f}",
+            file=file or sys.stderr,
+        )
 
 
 def _expert_slots(value: str) -> int | str:
@@ -181,7 +198,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
     )
     size = sum(e.size for e in manifest.files.values())
     print(
-        f"wrote {args.dst}: model type {manifest.model_type!r} (family {manifest.family}), "
+        f"wrote {args.dst}: model type {manifest.model_type!r} "
+        f"({f'family {manifest.family}' if manifest.kind == 'model' else f'a {manifest.kind} drafter install'}), "
         f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
     )
     for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):
@@ -399,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_diagnostic_flags(p)
     _add_steering_options(p)
+    _add_dflash_option(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -406,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system")
     _add_sampling(p)
     _add_steering_options(p)
+    _add_dflash_option(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -431,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
+    _add_dflash_option(p)
     p.add_argument(
         "--steering-set",
         action="append",
