@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turbospark_core.speculative.dflash_config import (
+    ARCH_KEYS,
     DFlashConfig,
     arch_from_hf,
     arch_problems,
@@ -17,6 +20,23 @@ from turbospark_core.speculative.dflash_config import (
 )
 
 FIXTURE_CONFIGS = ("qwen3_dflash", "llama_dflash")
+QWEN_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 15, "target_layer_ids": [0]},
+    "num_target_layers": 2,
+    "hidden_size": 64,
+    "vocab_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "intermediate_size": 96,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+}
 
 
 @pytest.fixture(params=FIXTURE_CONFIGS)
@@ -126,3 +146,22 @@ def test_install_arch_checks_refuse_tampering(config: dict[str, Any]) -> None:
     assert arch_problems({**arch, "model_type": "qwen3"}) == ["model_type is 'qwen3', not 'dflash'"]
     assert "unknown arch key(s) 'extra'" in arch_problems({**arch, "extra": 1})[0]
     assert any("hidden_size" in p for p in arch_problems({**arch, "hidden_size": 2**40}))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(sorted(set(ARCH_KEYS) - {"model_type"})), value=JSON)
+def test_any_json_value_is_a_problem_or_fine(key: str, value: Any) -> None:
+    """A hostile manifest arch never escapes as TypeError / OverflowError: a list of problems, or a typed config."""
+    arch, problems = arch_from_hf(QWEN_CONFIG)
+    assert not problems
+    arch[key] = value
+    if not arch_problems(arch):
+        cfg = DFlashConfig.from_arch(arch)
+        assert cfg.block_size >= 2 and all(0 <= i for i in cfg.target_layer_ids)

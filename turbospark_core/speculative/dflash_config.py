@@ -132,7 +132,7 @@ def arch_problems(arch: dict[str, Any]) -> list[str]:
         return [f"unknown arch key(s) {', '.join(map(repr, unknown[:6]))}"]
     problems = generic_problems(arch)
     problems += int_problems(arch, _REQUIRED)
-    problems += [p for p in (float_problem(arch, "rms_norm_eps", 1.0),) if p]
+    problems += [p for p in (float_problem(arch, "rms_norm_eps", 1.0), float_problem(arch, "rope_theta", low=1.0)) if p]
     problems += [p for p in (int_problem(arch, "max_position_embeddings", MAX_POSITIONS, optional=True),) if p]
     problems += [p for p in (int_problem(arch, "num_target_layers", MAX_LAYERS, optional=True),) if p]
     if problems:
