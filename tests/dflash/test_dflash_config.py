@@ -164,4 +164,4 @@ def test_any_json_value_is_a_problem_or_fine(key: str, value: Any) -> None:
     arch[key] = value
     if not arch_problems(arch):
         cfg = DFlashConfig.from_arch(arch)
-        assert cfg.block_size >= 2 and all(0 <= i for i in cfg.target_layer_ids)
+        assert cfg.block_size >= 2 and all(i >= 0 for i in cfg.target_layer_ids)
