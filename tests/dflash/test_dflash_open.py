@@ -157,3 +157,14 @@ def test_rounds_with_accepted_drafts_equal_fresh_block_logits(fx: Any, monkeypat
     assert out.tokens == fx.greedy.tolist()
     assert out.stats.accepted_tokens > 0 and out.stats.mean_acceptance_length > 3
     assert len(checked) >= 3 and max(checked) <= ABS_TOL, checked
+
+
+def test_the_drafter_counts_against_the_memory_budget(fx: Any) -> None:
+    from turbospark_core.errors import MemoryBudgetError
+
+    needed = fx.open().opened.estimate.total
+    with pytest.raises(
+        MemoryBudgetError, match=r"the DFlash drafter .* needs ~.* GB \(weights .* context K/V at max_context"
+    ):
+        fx.open(dflash=fx.drafter, memory_budget=needed + 1000)
+    assert fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened.drafter is not None

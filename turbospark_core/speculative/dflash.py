@@ -29,6 +29,7 @@ from turbospark_core.errors import (
     ArchConfigError,
     FamilyRefusalError,
     InstallError,
+    MemoryBudgetError,
     NotAnInstallError,
     OptionError,
     TurbosparkError,
@@ -38,7 +39,7 @@ from turbospark_core.manifest import MANIFEST, WEIGHTS, Manifest, check_files, l
 from turbospark_core.speculative.dflash_config import DFLASH_KIND, DFlashConfig, arch_problems
 from turbospark_core.speculative.dflash_model import ContextCache, DFlashNetwork, Project
 from turbospark_core.speculative.drafter import Draft
-from turbospark_core.tensor_index import build_index
+from turbospark_core.tensor_index import TensorIndex, build_index
 from turbospark_core.weights import WeightStore
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def target_projections(model: object, family: str) -> tuple[Project, Project, in
     return embed, (embed.as_linear if head is None else head), int(matrix.weight.nbytes)
 
 
-def _check_tensors(manifest: Manifest, cfg: DFlashConfig) -> Any:
+def _check_tensors(manifest: Manifest, cfg: DFlashConfig) -> TensorIndex:
     index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)
     want = cfg.tensor_shapes()
     bases = {name.rpartition(".")[0] for name in index.tensors if name.rpartition(".")[0] in index.quantization}
@@ -159,6 +160,24 @@ def _check_tensors(manifest: Manifest, cfg: DFlashConfig) -> Any:
     return index
 
 
+def _check_memory(
+    index: TensorIndex, cfg: DFlashConfig, policy: ComputePolicy, max_context: int, memory_left: int | None, root: Path
+) -> None:
+    """The drafter's weights (as the policy holds them) and one sequence's context K/V at ``max_context`` fit."""
+    if memory_left is None:
+        return
+    itemsize = mx.float32.size if policy.unpack else policy.compute_dtype.size
+    weights = index.float_bytes(itemsize) if policy.unpack else index.stored_bytes()
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * policy.compute_dtype.size * max_context
+    if weights + kv > memory_left:
+        msg = (
+            f"the DFlash drafter {str(root)!r} needs ~{(weights + kv) / 1e9:.2f} GB (weights {weights / 1e9:.2f} GB, "
+            f"context K/V at max_context={max_context} {kv / 1e9:.2f} GB) but only {max(memory_left, 0) / 1e9:.2f} GB "
+            "of memory_budget is left after the model; lower max_context, raise memory_budget or open without dflash"
+        )
+        raise MemoryBudgetError(msg)
+
+
 def open_dflash(
     path: str | Path,
     *,
@@ -167,6 +186,7 @@ def open_dflash(
     capabilities: Capabilities,
     policy: ComputePolicy,
     max_context: int,
+    memory_left: int | None = None,
 ) -> DFlashFactory:
     """Open step 12 for ``dflash=PATH``: read and check the drafter install, bind it to the target.
 
@@ -174,6 +194,7 @@ def open_dflash(
         InstallError / NotAnInstallError / ArchConfigError: The drafter install is bad.
         DrafterMismatchError: It does not fit the target.
         FamilyRefusalError: The target's flow cannot hand over its layer outputs or its embedding and head.
+        MemoryBudgetError: Its weights and context cache at ``max_context`` exceed ``memory_left`` bytes.
     """
     root = Path(path)
     manifest, cfg = read_drafter_install(root)
@@ -186,6 +207,7 @@ def open_dflash(
         raise FamilyRefusalError(msg)
     embed, head, head_bytes = target_projections(target_model, capabilities.family)
     index = _check_tensors(manifest, cfg)
+    _check_memory(index, cfg, policy, max_context, memory_left, root)
     weights = WeightStore(manifest.path(WEIGHTS), index, policy)
     network = DFlashNetwork(cfg, weights, embed, head, policy.compute_dtype)
     weights.materialize()
@@ -220,6 +242,7 @@ def setup_dflash(opened: OpenedModel, path: Path, k: int) -> DrafterSetup:
         capabilities=opened.capabilities,
         policy=opened.policy,
         max_context=opened.max_context,
+        memory_left=opened.options.memory_budget - opened.estimate.total,
     )
     # One round reads the drafter's weights and the target's LM head once, whatever k: per drafted token,
     # in plain target decode steps (each reads the target's weights once)
