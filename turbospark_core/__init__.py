@@ -8,7 +8,7 @@ blas.activate()  # before anything imports mlx: MLX's CPU matmuls then use OpenB
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Any, TypeVar  # noqa: E402
+from typing import TYPE_CHECKING, Any, Literal, TypeVar  # noqa: E402
 
 import pluggy  # noqa: E402
 
@@ -45,6 +45,7 @@ def open(  # noqa: A001 - the API's name
     kv_rotate: bool = True,
     draft_model: str | Path | None = None,
     ngram: int | None = None,
+    mtp: int | Literal["auto"] | None = None,
     num_draft_tokens: int | None = None,
     dflash: str | Path | None = None,
     **unknown: Never,
@@ -109,8 +110,18 @@ def open(  # noqa: A001 - the API's name
         ngram: Speculative decoding by prompt lookup: propose up to ``ngram``
             tokens (at most 32) copied from where the context's latest tokens
             occurred before (the prompt and the output so far). No extra model.
+        mtp: Speculative decoding with the install's own multi-token-prediction
+            head (Qwen 3.5 / 3.6 checkpoints carry one): draft up to ``mtp``
+            tokens (at most 32) per verify by chaining the head, or ``"auto"``:
+            use the head when the install has one (1 token per verify by
+            default), else decode plainly. The head is read and built only
+            when asked: without ``mtp`` an install with a head opens exactly
+            as one without. A depth on an install without a head, or on a
+            family whose plugin has no head flow, is refused naming what is
+            missing. ``mtp`` with another drafter is refused, except
+            ``mtp="auto"`` beside ``dflash``: only the DFlash drafter opens.
         num_draft_tokens: The most tokens drafted per verify (at most 32;
-            default: ``ngram``'s value, 4 for a draft model). Left out, the
+            default: ``ngram``'s or ``mtp``'s value, 4 for a draft model). Left out, the
             drafted count adapts to the measured acceptance and cost (fewer,
             or none for a while, when drafts do not pay); given, every step
             drafts that many. Needs a drafter.
@@ -123,6 +134,7 @@ def open(  # noqa: A001 - the API's name
             ``block_size - 1`` tokens (the default ``num_draft_tokens``) in
             one forward that reads the model's outputs of those layers (captured
             only while it is open) and uses the model's embedding and LM head.
+            With another drafter it is refused (``mtp="auto"`` yields to it).
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -157,6 +169,7 @@ def open(  # noqa: A001 - the API's name
             "kv_rotate": kv_rotate,
             "draft_model": draft_model,
             "ngram": ngram,
+            "mtp": mtp,
             "num_draft_tokens": num_draft_tokens,
             "dflash": dflash,
         }

@@ -65,3 +65,50 @@ class Capabilities:
     def steering(self) -> bool:
         """Whether the family's flow applies steering edits."""
         return self.steering_refusal is None
+
+
+@attrs.frozen(kw_only=True)
+class HeadContext:
+    """Everything ``build_mtp_head`` may use: the install's multi-token-prediction head.
+
+    Attributes:
+        arch: The install's arch config.
+        trunk: The model ``build_family_state`` built (the head reuses its
+            embedding, final norm and output head).
+        weights: A weight store over the head's own tensors (``mtp.safetensors``,
+            install names ``mtp.*``), held under the trunk's compute policy.
+        compute_dtype: Activation dtype chosen by the compute policy.
+    """
+
+    arch: dict[str, Any]
+    trunk: FamilyModel = attrs.field(eq=False)
+    weights: WeightStore = attrs.field(eq=False)
+    compute_dtype: mx.Dtype = attrs.field(eq=False)
+
+
+class DraftHead(Protocol):
+    """A multi-token-prediction head's flow: one draft slot per (trunk hidden, next token) pair.
+
+    Slot ``t`` reads ``h_t`` (the trunk's hidden at position ``t`` after its final
+    norm: what the output head reads) and token ``x_{t+1}``, and predicts
+    ``x_{t+2}``. The head keeps its own KV caches (one per entry of
+    :meth:`cache_layout`, made and trimmed by the core); a slot's position is the
+    number of slots its cache holds before it.
+    """
+
+    def cache_layout(self) -> list[CacheSpec]:
+        """The head's own KV caches (one per MTP layer)."""
+        ...
+
+    def trunk_hidden(self, residual: mx.array) -> mx.array:
+        """``h_t`` from the residual after the trunk's last decoder layer (applies the trunk's final norm)."""
+        ...
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Logits ``[B, L, vocab]`` (float32) and the head's output hidden ``[B, L, H]`` for ``L`` slots.
+
+        ``hidden`` ``[B, L, H]`` are the slots' ``h_t`` (for a chained draft: the
+        previous slot's output hidden), ``tokens`` ``[B, L]`` their ``x_{t+1}``;
+        the slots are appended to ``cache``.
+        """
+        ...

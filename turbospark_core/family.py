@@ -7,7 +7,8 @@ Registration and hooks
     ``hookimpl`` (the ``@hookimpl`` marker), ``FamilySpec`` (what
     ``register_families`` registers), ``FamilyContext`` (what
     ``build_family_state`` receives), ``FamilyModel`` (the protocol its
-    answer follows).
+    answer follows); ``HeadContext`` and ``DraftHead``, the same for
+    ``build_mtp_head`` (a multi-token-prediction head).
 Cache layout
     ``CacheSpec`` (a layer's full or sliding-window KV cache) and
     ``StateSpec`` (a layer's fixed-size recurrent state); a family builds
@@ -77,7 +78,7 @@ from turbospark_core.arch_check import (
     section_problem,
 )
 from turbospark_core.cache_spec import CacheSpec, StateSpec
-from turbospark_core.context import FamilyContext, FamilyModel
+from turbospark_core.context import DraftHead, FamilyContext, FamilyModel, HeadContext
 from turbospark_core.convert.conventions import (
     MTP_HEADS,
     VISION_TOWERS,
@@ -118,12 +119,14 @@ __all__ = [
     "Cache",
     "CacheSpec",
     "ConversionError",
+    "DraftHead",
     "Embedding",
     "ExpertBank",
     "Experts",
     "FamilyContext",
     "FamilyModel",
     "FamilySpec",
+    "HeadContext",
     "InstallError",
     "KVCache",
     "Linear",

@@ -25,7 +25,7 @@ from turbospark_core.names import NAME
 
 if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
-    from turbospark_core.context import FamilyContext, FamilyModel
+    from turbospark_core.context import DraftHead, FamilyContext, FamilyModel, HeadContext
     from turbospark_core.convert.records import TensorTarget
     from turbospark_core.hadamard import ResidualMap
     from turbospark_core.registry import FamilySpec
@@ -256,4 +256,23 @@ def build_family_state(context: FamilyContext) -> FamilyModel | None:
     Args:
         context: Arch config, the core's weight store (linear, embedding,
             norm and expert objects) and the cache layout.
+    """
+
+
+@hookspec(firstresult=True)
+def build_mtp_head(context: HeadContext) -> DraftHead | None:
+    """Build the install's multi-token-prediction head, for the ``mtp`` drafter.
+
+    Fires only when an open asks for ``mtp`` and the install has a head
+    (``mtp.safetensors``, manifest section ``mtp``), after
+    ``build_family_state``; never otherwise, so nothing of the head is read
+    or allocated by a plain open. ``context.weights`` holds the head's
+    tensors; every one must be used (as for ``build_family_state``). Raise
+    :class:`~turbospark_core.errors.ArchConfigError` for a head the flow cannot
+    run, naming the key. A plugin that does not implement the hook has no
+    head flow: ``mtp=DEPTH`` is refused naming it. Stops at first non-None
+    result.
+
+    Args:
+        context: Arch config, the trunk model, the head's weight store.
     """

@@ -17,9 +17,12 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 WEIGHTS = "model_weights.safetensors"
 EXPERTS = "experts.bin"
 HADAMARD = "hadamard.bin"
+#: The multi-token-prediction head's tensors (install names ``mtp.*``), read only when a drafter asks for it
+MTP_HEAD = "mtp.safetensors"
+MTP_PREFIX = "mtp."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # The only file names an install may have: no manifest path can point elsewhere.
-ALLOWED_FILES = frozenset({WEIGHTS, EXPERTS, HADAMARD, *TOKENIZER_FILES})
+ALLOWED_FILES = frozenset({WEIGHTS, EXPERTS, HADAMARD, MTP_HEAD, *TOKENIZER_FILES})
 # What an install holds: a model (the default), or a drafter that is opened only beside its target.
 MODEL_KIND = "model"
 DFLASH_KIND = "dflash"
@@ -48,6 +51,7 @@ class Manifest:
         kind: ``"model"``, or a drafter kind (``"dflash"``) that opens only beside its target.
         hadamard: The ``hadamard`` section, or ``None``.
         experts: The ``experts`` section, or ``None``.
+        mtp: The ``mtp`` section (the head in ``mtp.safetensors``: its ``quantization``), or ``None``.
         provenance: Source, converter version, options.
     """
 
@@ -61,6 +65,7 @@ class Manifest:
     hadamard: dict[str, Any] | None = None
     experts: dict[str, Any] | None = None
     provenance: dict[str, Any] = attrs.field(factory=dict)
+    mtp: dict[str, Any] | None = None
 
     @property
     def model_type(self) -> str:
@@ -88,6 +93,7 @@ class Manifest:
             "hadamard": self.hadamard,
             "experts": self.experts,
             "provenance": self.provenance,
+            **({"mtp": self.mtp} if self.mtp is not None else {}),
         }
 
 
@@ -202,11 +208,12 @@ def load_manifest(root: Path) -> Manifest:
         hadamard=sections["hadamard"],
         experts=sections["experts"],
         provenance=sections["provenance"] or {},
+        mtp=sections["mtp"],
     )
 
 
-_SECTIONS = ("quantization", "hadamard", "experts", "provenance")
-_SECTION_FILES = {"experts": EXPERTS}  # a section that describes a file comes with it, and back
+_SECTIONS = ("quantization", "hadamard", "experts", "provenance", "mtp")
+_SECTION_FILES = {"experts": EXPERTS, "mtp": MTP_HEAD}  # a section that describes a file comes with it, and back
 
 
 def _check_paired(sections: dict[str, Any], files: dict[str, FileEntry], where: Path) -> None:

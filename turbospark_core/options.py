@@ -110,6 +110,18 @@ def _ngram(value: object) -> int | None:
     return n
 
 
+def _mtp(value: object) -> int | str | None:
+    """``None`` (off), ``"auto"`` (the install's MTP head if it has one), or a draft depth; opened at step 12."""
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DRAFT_TOKENS:
+        return value
+    msg = f"mtp={value!r} is invalid; pass a draft depth in [1, {MAX_DRAFT_TOKENS}], 'auto', or None"
+    raise OptionError(msg)
+
+
 def _num_draft_tokens(value: object) -> int | None:
     if value is None:
         return None
@@ -120,8 +132,8 @@ def _num_draft_tokens(value: object) -> int | None:
 
 
 # The open options that each choose a speculative drafter (open step 12): at most one may be set.
-# DFlash comes before any drafter that yields to a named one (it is built first).
-DRAFTER_OPTIONS: tuple[str, ...] = ("dflash", "draft_model", "ngram")
+# DFlash comes first: it is built first, and an unnamed MTP head (mtp="auto") yields to it.
+DRAFTER_OPTIONS: tuple[str, ...] = ("dflash", "draft_model", "ngram", "mtp")
 
 
 def _residency(value: object) -> Residency:
@@ -170,6 +182,7 @@ class OpenOptions:
     kv_rotate: bool = True
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
+    mtp: int | str | None = attrs.field(default=None, converter=_mtp)  # depth | "auto" | None
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
     dflash: Any = attrs.field(default=None, converter=_dflash)  # Path | None
 
@@ -187,8 +200,14 @@ class OpenOptions:
             raise OptionError(msg)
 
     def drafters_named(self) -> list[str]:
-        """The drafter options that are set (:data:`DRAFTER_OPTIONS` order)."""
-        return [n for n in DRAFTER_OPTIONS if getattr(self, n, None) is not None]
+        """The drafter options that are set (:data:`DRAFTER_OPTIONS` order).
+
+        ``mtp="auto"`` beside ``dflash`` is not counted: the DFlash drafter is opened, alone.
+        """
+        named = [n for n in DRAFTER_OPTIONS if getattr(self, n, None) is not None]
+        if "dflash" in named and self.mtp == "auto":
+            named.remove("mtp")
+        return named
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

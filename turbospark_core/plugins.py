@@ -19,7 +19,7 @@ from turbospark_core.registry import Claim, FamilyRegistry
 
 if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
-    from turbospark_core.context import FamilyContext, FamilyModel
+    from turbospark_core.context import DraftHead, FamilyContext, FamilyModel, HeadContext
     from turbospark_core.convert.records import TensorTarget
     from turbospark_core.hadamard import ResidualMap
 
@@ -207,6 +207,15 @@ class FamilyHooks:
         """The family's model object."""
         model: FamilyModel | None = self._mine(pm.hook.build_family_state)(context=context)
         return model
+
+    def has_mtp_head_flow(self) -> bool:
+        """Whether the plugin implements ``build_mtp_head`` (a flow for multi-token-prediction heads)."""
+        return bool(self._mine(pm.hook.build_mtp_head).get_hookimpls())
+
+    def build_mtp_head(self, context: HeadContext) -> DraftHead | None:
+        """The install's multi-token-prediction head (``None``: the plugin gave none)."""
+        head: DraftHead | None = self._mine(pm.hook.build_mtp_head)(context=context)
+        return head
 
 
 def family_hooks(model_type: str, *, distribution: str | None = None) -> FamilyHooks:

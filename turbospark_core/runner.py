@@ -183,6 +183,16 @@ class Runner:
         out = self._forward(mx.array([ids]), cache, self.steering_edit(steering))[0].astype(mx.float32)
         return np.array(out)
 
+    def draft_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The install's MTP head's logits ``(T-1, vocab)`` float32 over ``token_ids`` on a fresh context.
+
+        Row ``t`` is the head's slot ``t`` (the trunk's hidden at ``t`` with token
+        ``t + 1``), predicting token ``t + 2``. See :mod:`turbospark_core.speculative.mtp`.
+        """
+        from turbospark_core.speculative import mtp
+
+        return mtp.runner_draft_logits(self._opened, self._check_ids(token_ids))
+
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:

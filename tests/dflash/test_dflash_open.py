@@ -168,3 +168,27 @@ def test_the_drafter_counts_against_the_memory_budget(fx: Any) -> None:
     ):
         fx.open(dflash=fx.drafter, memory_budget=needed + 1000)
     assert fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened.drafter is not None
+
+
+def test_dflash_and_an_mtp_depth_are_a_caller_error(fx: Any) -> None:
+    with pytest.raises(OptionError, match=r"dflash=.* and mtp=2 name two speculative drafters"):
+        fx.open(dflash=fx.drafter, mtp=2)
+
+
+def test_mtp_auto_yields_to_dflash(turbospark_fixtures: Path, tmp_path: Path, random_drafter: Any) -> None:
+    """On an install with an MTP head, mtp='auto' opens the head; beside dflash only the DFlash drafter opens."""
+    src = turbospark_fixtures / "qwen3_5_mtp"
+    if not (src / "config.json").is_file():
+        pytest.skip(f"reference fixture {src} is not available")
+    convert(src, tmp_path / "target")
+    random_drafter(tmp_path / "ckpt", hidden=64, vocab=512, target_layers=[1], num_target_layers=4)
+    convert(tmp_path / "ckpt", tmp_path / "drafter")
+    auto = turbospark_core.open(tmp_path / "target", mtp="auto").opened.drafter
+    assert auto is not None and auto.name == "mtp"
+    runner = turbospark_core.open(tmp_path / "target", mtp="auto", dflash=tmp_path / "drafter")
+    setup = runner.opened.drafter
+    assert setup is not None and setup.name == "dflash"
+    assert runner.opened.options.drafters_named() == ["dflash"]
+    prompt = list(range(3, 40))
+    plain = turbospark_core.open(tmp_path / "target").generate(prompt, 8).tokens
+    assert runner.generate(prompt, 8).tokens == plain

@@ -19,7 +19,7 @@ from turbospark_core.convert.records import SourceTensor, TensorTarget
 from turbospark_core.convert.rotate import RotationStep, refuse_unrotatable
 from turbospark_core.convert.writer import destination_lock, finish, prepare_destination, write_install
 from turbospark_core.errors import ConversionError, UnknownFamilyError
-from turbospark_core.manifest import Manifest, load_manifest
+from turbospark_core.manifest import MTP_PREFIX, Manifest, load_manifest
 from turbospark_core.progress import progress
 from turbospark_core.speculative.dflash_config import is_dflash_config
 
@@ -126,9 +126,12 @@ def _write(
 ) -> None:
     """Map, evaluate and write every file of the install into ``staging`` (rotated when ``rotation``)."""
     assembler = Assembler(options, before_cast=rotation)
+    if rotation is not None:  # the head reads the residual stream, which the rotation does not cover: dropped
+        items = (item for item in items if not _is_head(item[0]))
     map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
     tensors, quantization = assembler.finish()
     _evaluate(tensors, show_progress)
+    tensors, quantization, head = _split_head(tensors, quantization)
     pack = None
     if options.experts_file:
         tensors, quantization, pack = split_experts(tensors, quantization, top_k=top_k)
@@ -143,7 +146,28 @@ def _write(
         distribution=hooks.spec.distribution,
         provenance=_provenance(src, options, dequantized),
         hadamard=None if rotation is None else rotation.result,
+        mtp=head,
     )
+
+
+def _is_head(target: TensorTarget | None) -> bool:
+    return target is not None and target.name is not None and target.name.startswith(MTP_PREFIX)
+
+
+def _split_head(
+    tensors: dict[str, mx.array], quantization: dict[str, Any]
+) -> tuple[dict[str, mx.array], dict[str, Any], tuple[dict[str, mx.array], dict[str, Any]] | None]:
+    """Move the multi-token-prediction head (install names ``mtp.*``) out, for ``mtp.safetensors``.
+
+    What is left is exactly the install the checkpoint would make without a head.
+    """
+    head = {n: a for n, a in tensors.items() if n.startswith(MTP_PREFIX)}
+    if not head:
+        return tensors, quantization, None
+    rest = {n: a for n, a in tensors.items() if not n.startswith(MTP_PREFIX)}
+    head_quant = {b: q for b, q in quantization.items() if b.startswith(MTP_PREFIX)}
+    rest_quant = {b: q for b, q in quantization.items() if not b.startswith(MTP_PREFIX)}
+    return rest, rest_quant, (head, head_quant)
 
 
 def _check_arch(src: Path, arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:

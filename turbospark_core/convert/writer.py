@@ -20,6 +20,7 @@ from turbospark_core.manifest import (
     EXPERTS,
     HADAMARD,
     MANIFEST,
+    MTP_HEAD,
     WEIGHTS,
     FileEntry,
     Manifest,
@@ -103,12 +104,16 @@ def write_install(
     provenance: dict[str, Any],
     experts: ExpertPack | None = None,
     hadamard: tuple[dict[str, Any], bytes] | None = None,
+    mtp: tuple[dict[str, mx.array], dict[str, Any]] | None = None,
 ) -> Manifest:
     """Write every file into ``staging`` and the manifest naming each with size and sha256.
 
     ``experts`` (MoE installs) is written to ``experts.bin`` with its layout as the
     manifest's ``experts`` section. ``hadamard`` (rotated installs) is the
-    ``hadamard`` section and the bytes of ``hadamard.bin``.
+    ``hadamard`` section and the bytes of ``hadamard.bin``. ``mtp`` (installs with a
+    multi-token-prediction head) is the head's tensors and quantization table, written to
+    ``mtp.safetensors`` with the table as the manifest's ``mtp`` section: the other files
+    are then exactly those of the same install without a head.
     """
     mx.save_safetensors(str(staging / WEIGHTS), tensors, metadata={"format": "mlx"})
     section = None if experts is None else experts.write(staging / EXPERTS)
@@ -117,7 +122,10 @@ def write_install(
     files = {}
     if hadamard is not None:
         (staging / HADAMARD).write_bytes(hadamard[1])
-    for name in [WEIGHTS, *([EXPERTS] if section else []), *([HADAMARD] if hadamard else []), *sorted(text_files)]:
+    if mtp is not None:
+        mx.save_safetensors(str(staging / MTP_HEAD), mtp[0], metadata={"format": "mlx"})
+    extra = [*([EXPERTS] if section else []), *([HADAMARD] if hadamard else []), *([MTP_HEAD] if mtp else [])]
+    for name in [WEIGHTS, *extra, *sorted(text_files)]:
         size = (staging / name).stat().st_size
         files[name] = FileEntry(size=size, sha256=sha256_file(staging / name, size))
     manifest = Manifest(
@@ -130,6 +138,7 @@ def write_install(
         experts=section,
         hadamard=None if hadamard is None else hadamard[0],
         provenance=provenance,
+        mtp=None if mtp is None else {"quantization": mtp[1]},
     )
     (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
     return manifest

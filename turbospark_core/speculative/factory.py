@@ -186,9 +186,28 @@ def _dflash_length(path: Path) -> int:
     return default_draft_length(path)
 
 
-BUILDERS: dict[str, Builder] = {"draft_model": _build_draft_model, "ngram": _build_ngram, "dflash": _build_dflash}
+# ------------------------------------------------------------------ mtp
+def _build_mtp(opened: OpenedModel, requested: int | str) -> DrafterSetup | None:
+    from turbospark_core.speculative import mtp
+
+    return mtp.build_setup(opened, requested)
+
+
+def _mtp_length(requested: int | str) -> int:
+    from turbospark_core.speculative import mtp
+
+    return mtp.default_length(requested)
+
+
+BUILDERS: dict[str, Builder] = {
+    "dflash": _build_dflash,
+    "draft_model": _build_draft_model,
+    "ngram": _build_ngram,
+    "mtp": _build_mtp,
+}
 DEFAULT_LENGTH: dict[str, Callable[[Any], int]] = {
     "dflash": _dflash_length,
     "draft_model": lambda _path: DEFAULT_DRAFT_MODEL_TOKENS,
     "ngram": int,
+    "mtp": _mtp_length,
 }

@@ -57,6 +57,17 @@ def _moe(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any] | None:
     }
 
 
+def _mtp(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The multi-token-prediction head's keys (none for a checkpoint without one)."""
+    layers = cfg.get("mtp_num_hidden_layers")
+    if not layers:
+        return {}
+    return {
+        "mtp_num_hidden_layers": layers,
+        "mtp_use_dedicated_embeddings": bool(cfg.get("mtp_use_dedicated_embeddings", False)),
+    }
+
+
 def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The install's arch config from a Hugging Face (or mlx-lm) ``config.json``.
 
@@ -95,6 +106,7 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
         "attention_bias": bool(cfg.get("attention_bias", False)),
         "tie_word_embeddings": tied_embeddings(hf_config),
         "moe": _moe(cfg, model_type),
+        **_mtp(cfg),
     }
     problems = Args.problems(arch)
     if problems:
@@ -105,18 +117,42 @@ def arch_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ tensors
 
-_DROP = drop_pattern(VISION_TOWERS + MTP_HEADS)
+_DROP = drop_pattern(VISION_TOWERS)
+_MTP = drop_pattern(MTP_HEADS)  # the head: kept (as ``mtp.*``) when the config declares MTP layers
 _MLX_LM_PREFIX = "language_model."  # mlx-lm writes sanitized names: language_model.model.layers...
 _KEEP_FLOAT32 = re.compile(r"\.linear_attn\.(A_log|norm\.weight)$")
-_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERTS = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# Qwen3.5 MoE releases store the head's experts one by one (Qwen3.6 fuses them, as the trunk does)
+_PER_EXPERT = re.compile(r"^(mtp\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SWITCH_MLP = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(\w+)\.(weight|scales|biases)$")
 _ZERO_CENTERED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|^model\.norm\.weight$")
 
 
+def _head_name(arch: dict[str, Any], name: str) -> str | None:
+    """The install name of an MTP head tensor (``mtp.*``), or ``None`` when the head is not kept.
+
+    Kept from Hugging Face checkpoints (``mtp.*`` or ``model.mtp.*``) whose config
+    declares MTP layers; mlx-lm directories (their norms already hold ``1 + w``) and
+    configs without ``mtp_num_hidden_layers`` drop it.
+    """
+    if not arch.get("mtp_num_hidden_layers") or name.startswith(_MLX_LM_PREFIX):
+        return None
+    return name.removeprefix("model.")
+
+
 def hf_target(arch: dict[str, Any], name: str) -> TensorTarget:
-    """Where a Hugging Face / mlx-lm tensor goes (vision tower and MTP head dropped)."""
+    """Where a Hugging Face / mlx-lm tensor goes (vision tower dropped; MTP head kept as ``mtp.*``)."""
     if _DROP.search(name):
         return TensorTarget.drop()
+    if _MTP.search(name):
+        head = _head_name(arch, name)
+        if head is None:
+            return TensorTarget.drop()
+        m = _PER_EXPERT.match(head)
+        if m:
+            experts, index, proj = m.groups()
+            return TensorTarget.to(f"{experts}.{proj}.weight", expert=int(index))
+        return TensorTarget.to(head)
     name = strip_language_model_prefix(name)
     if is_tied_head(arch, name):
         return TensorTarget.drop()
@@ -132,6 +168,10 @@ def hf_transform(arch: dict[str, Any], name: str, data: Any) -> dict[str, Any] |
     """Split fused 3-D expert tensors; undo mlx-lm's ``1 + w`` on zero-centered norms."""
     if _DROP.search(name):
         return None
+    if _MTP.search(name):
+        head = _head_name(arch, name)
+        m = None if head is None else _FUSED_EXPERTS.match(head)
+        return None if m is None else _split_experts(arch, name, m.group(1), m.group(2), data)
     install = strip_language_model_prefix(name)
     m = _FUSED_EXPERTS.match(install)
     if m:

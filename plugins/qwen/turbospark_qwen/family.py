@@ -43,7 +43,7 @@ _INTS = {
     "rotary_dim": MAX_HEAD_DIM, "linear_num_key_heads": MAX_HEADS, "linear_num_value_heads": MAX_HEADS,
     "linear_key_head_dim": MAX_HEAD_DIM, "linear_value_head_dim": MAX_HEAD_DIM, "linear_conv_kernel_dim": 64,
 }
-_OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS}
+_OPTIONAL_INTS = {"max_position_embeddings": MAX_POSITIONS, "mtp_num_hidden_layers": MAX_LAYERS}
 _FLOATS = {"rms_norm_eps": 1.0}
 _MOE_INTS = {
     "num_experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "moe_intermediate_size": MAX_INTERMEDIATE,
@@ -81,6 +81,7 @@ class Args:
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
     moe: MoEArgs | None
+    mtp_num_hidden_layers: int = 0
 
     @classmethod
     def from_arch(cls, arch: dict[str, Any]) -> Args:
@@ -108,6 +109,7 @@ class Args:
             linear_value_head_dim=arch["linear_value_head_dim"],
             linear_conv_kernel_dim=arch["linear_conv_kernel_dim"],
             moe=MoEArgs(**moe) if moe else None,
+            mtp_num_hidden_layers=arch.get("mtp_num_hidden_layers") or 0,
         )
 
     @staticmethod
@@ -120,6 +122,7 @@ class Args:
         out = int_problems(arch, _INTS) + int_problems(arch, _OPTIONAL_INTS, optional=True)
         out += float_problems(arch, _FLOATS) + float_problems(arch, {"rope_theta": MAX_FLOAT}, low=1.0)
         out += rope_scaling_problems(arch.get("rope_scaling"))
+        out += [p for p in [bool_problem(arch, "mtp_use_dedicated_embeddings", optional=True)] if p]
         if not out:
             out += _head_problems(arch)
         layer_types = arch.get("layer_types")

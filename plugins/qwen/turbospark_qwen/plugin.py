@@ -7,15 +7,17 @@ from typing import Any
 
 from turbospark_core.family import (
     CacheSpec,
+    DraftHead,
     FamilyContext,
     FamilySpec,
+    HeadContext,
     ResidualMap,
     StateSpec,
     TensorTarget,
     hookimpl,
 )
 
-from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, rotation
+from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, mtp, rotation
 from turbospark_qwen.family import Args, Model
 
 
@@ -72,3 +74,8 @@ def cache_layout(arch: dict[str, Any]) -> list[CacheSpec | StateSpec]:
 @hookimpl
 def build_family_state(context: FamilyContext) -> Model:
     return Model(Args.from_arch(context.arch), context.weights)
+
+
+@hookimpl
+def build_mtp_head(context: HeadContext) -> DraftHead:
+    return mtp.build_head(context.arch, context.trunk, context.weights)
