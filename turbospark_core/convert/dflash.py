@@ -1,6 +1,6 @@
 """Convert a DFlash drafter checkpoint (z-lab layout) into a drafter install (manifest kind ``"dflash"``).
 
-The checkpoint is a directory with a Qwen3-style ``config.json`` whose
+The checkpoint is a directory with a decoder ``config.json`` whose
 ``architectures`` is ``["DFlashDraftModel"]`` and safetensors tensors with
 the released names (``fc``, ``hidden_norm``, ``norm``, ``layers.<i>.*``, no
 ``model.`` prefix, no embeddings, no LM head). The install holds those

@@ -1,9 +1,9 @@
 """A DFlash drafter's config: read from a z-lab-style checkpoint, checked with bounds, stored in its install.
 
 A DFlash drafter (z-lab, "Block Diffusion for Flash Speculative Decoding")
-is a few Qwen3-style decoder layers that draft a whole block of tokens in one
+is a few pre-norm decoder layers (q/k head norms, SwiGLU) that draft a whole block of tokens in one
 forward, reading the hidden states of some TARGET layers. Its checkpoint
-config is a Qwen3 config with ``architectures: ["DFlashDraftModel"]``,
+config is a decoder config with ``architectures: ["DFlashDraftModel"]``,
 ``block_size``, ``num_target_layers`` and ``dflash_config: {mask_token_id,
 target_layer_ids}``. The install keeps a flat arch (``model_type`` is
 :data:`DRAFTER_MODEL_TYPE`) and the manifest kind :data:`DFLASH_KIND`.

@@ -1,4 +1,4 @@
-"""The DFlash drafter network: Qwen3-style layers that draft a block from the target's hidden states.
+"""The DFlash drafter network: pre-norm decoder layers that draft a block from the target's hidden states.
 
 The math (``shared/fixtures/README.md``, "DFlash drafter fixtures"), float32:
 
