@@ -204,3 +204,18 @@ def test_unobserved_positions_leave_a_gap(fx: Any, factory_for: Factory) -> None
     assert np.abs(gapped - shifted).max() <= 1e-4  # RoPE is relative: one shift for all changes nothing
     closed, _ = with_gap(0, 0)
     assert np.abs(gapped - closed).max() > 1e-2  # the gap itself is seen: keys sit at their true positions
+
+
+def test_sampled_q_is_the_reference_distribution(fx: Any, factory_for: Factory) -> None:
+    """q of each slot is softmax(reference logits / T) over the top-k, computed independently here."""
+    refs = fx.refs
+    drafter = factory_for(fx.open(), fx.drafter)()
+    drafter.observe(0, {0: mx.array(refs["target_hidden"][0])})
+    context = [*refs["prompt_ids"].tolist(), int(refs["round1_block_ids"][0])]
+    draft = drafter.propose(context, 15, Sampler(SamplingParams(temperature=0.5, top_k=8, seed=0)))
+    scaled = refs["round1_logits"].astype(np.float64) / 0.5
+    kth = np.sort(scaled, axis=-1)[:, -8][:, None]
+    want = np.where(scaled >= kth, np.exp(scaled - scaled.max(-1, keepdims=True)), 0.0)
+    want /= want.sum(-1, keepdims=True)
+    assert draft.probs is not None
+    assert np.abs(np.array(draft.probs) - want).max() <= 1e-4
