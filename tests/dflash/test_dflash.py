@@ -29,6 +29,18 @@ def _edit_arch(root: Path, **changes: Any) -> None:
     (root / MANIFEST).write_text(json.dumps(raw))
 
 
+def _rewrite_weights(root: Path, edit: Callable[[dict[str, mx.array]], object]) -> None:
+    """Edit the install's tensors and record the new file's true size and sha256 (a consistent install)."""
+    path = root / WEIGHTS
+    tensors = dict(mx.load(str(path)))  # type: ignore[arg-type]
+    edit(tensors)
+    mx.save_safetensors(str(path), tensors)
+    raw = json.loads((root / MANIFEST).read_text())
+    data = path.read_bytes()
+    raw["files"][WEIGHTS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (root / MANIFEST).write_text(json.dumps(raw))
+
+
 # ------------------------------------------------------------------ refusals at open
 def test_a_missing_path_is_refused(fx: Any, tmp_path: Path, factory_for: Factory) -> None:
     with pytest.raises(InstallError, match="is not a directory"):
@@ -83,15 +95,14 @@ def test_tensors_that_do_not_fit_the_arch_are_refused(fx: Any, drafter_copy: Pat
 
 
 def test_a_foreign_tensor_in_the_install_is_refused(fx: Any, drafter_copy: Path, factory_for: Factory) -> None:
-    path = drafter_copy / WEIGHTS
-    tensors = dict(mx.load(str(path)))  # type: ignore[arg-type]
-    tensors["lm_head.weight"] = mx.zeros((512, 64))
-    mx.save_safetensors(str(path), tensors)
-    raw = json.loads((drafter_copy / MANIFEST).read_text())
-    data = path.read_bytes()
-    raw["files"][WEIGHTS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (drafter_copy / MANIFEST).write_text(json.dumps(raw))
+    _rewrite_weights(drafter_copy, lambda t: t.update({"lm_head.weight": mx.zeros((512, 64))}))
     with pytest.raises(InstallError, match=r"has tensor 'lm_head.weight', which its arch config does not name"):
+        factory_for(fx.open(), drafter_copy)
+
+
+def test_a_missing_tensor_in_the_install_is_refused(fx: Any, drafter_copy: Path, factory_for: Factory) -> None:
+    _rewrite_weights(drafter_copy, lambda t: t.pop("norm.weight"))
+    with pytest.raises(InstallError, match="lacks tensor 'norm.weight', which its arch config does need"):
         factory_for(fx.open(), drafter_copy)
 
 
@@ -219,3 +230,10 @@ def test_sampled_q_is_the_reference_distribution(fx: Any, factory_for: Factory) 
     want /= want.sum(-1, keepdims=True)
     assert draft.probs is not None
     assert np.abs(np.array(draft.probs) - want).max() <= 1e-4
+
+
+def test_a_round_needs_an_anchor(fx: Any, factory_for: Factory) -> None:
+    from turbospark_core.errors import OptionError
+
+    with pytest.raises(OptionError, match="a DFlash round needs at least one committed token"):
+        factory_for(fx.open(), fx.drafter)().propose([], 3, Sampler(SamplingParams()))

@@ -112,6 +112,9 @@ def test_top_level_keys_are_read_too(config: dict[str, Any]) -> None:
         ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
         ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
         ({"intermediate_size": None}, "intermediate_size"),
+        ({"rope_theta": 0.5}, "rope_theta"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"num_target_layers": -1}, "num_target_layers"),
     ],
 )
 def test_bad_configs_are_refused_by_name(config: dict[str, Any], edit: dict[str, Any], named: str) -> None:
