@@ -102,7 +102,7 @@ def test_a_foreign_tensor_in_the_install_is_refused(fx: Any, drafter_copy: Path,
 
 def test_a_missing_tensor_in_the_install_is_refused(fx: Any, drafter_copy: Path, factory_for: Factory) -> None:
     _rewrite_weights(drafter_copy, lambda t: t.pop("norm.weight"))
-    with pytest.raises(InstallError, match="lacks tensor 'norm.weight', which its arch config does need"):
+    with pytest.raises(InstallError, match=r"lacks tensor 'norm.weight', which its arch config does need"):
         factory_for(fx.open(), drafter_copy)
 
 
