@@ -451,7 +451,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     _add_steering_options(p)
-    _add_dflash_option(p)
     p.add_argument(
         "--steering-set",
         action="append",
