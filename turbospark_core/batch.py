@@ -11,6 +11,12 @@ Sampling parameters, seeds, repetition history, stop strings, EOS and
 Exactness: a row's prompt is prefilled alone, so its first token is the
 single-sequence one bit for bit; its decode steps run in the batch (see
 :mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
+
+Speculative decoding (a drafter opened with the runner): a row decoding
+alone (nothing else decoding, prefilling or queued) leaves the batched caches
+and decodes speculatively on its own caches, exactly as the single-sequence
+path does; as soon as another row joins, it moves back into the batch and
+decodes plainly there. Batched rows are not drafted for.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
+from turbospark_core.speculative.decode import SpeculativeLoop, observe
+from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
 
@@ -81,6 +89,8 @@ class _Seq:
     pending: mx.array | None = None  # the last sampled token, not yet fed
     generated: int = 0
     t0: float = 0.0
+    drafter: Drafter | None = None  # with a drafter open: this row's
+    spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
 
 
 class Batch:
@@ -104,6 +114,7 @@ class Batch:
         self._waiting: deque[_Seq] = deque()
         self._prefilling: _Seq | None = None
         self._decoding: list[_Seq] = []
+        self._solo: list[_Seq] = []  # a row decoding speculatively on its own caches (at most one)
         self._caches: BatchCaches | None = None
 
     # ------------------------------------------------------------- rows
@@ -156,7 +167,7 @@ class Batch:
 
     def cancel(self, row: BatchRow) -> None:
         """Stop a row now (its row leaves the batch before the next step); its result keeps what it had."""
-        for seq in [*self._waiting, *self._decoding, *([self._prefilling] if self._prefilling else [])]:
+        for seq in [*self._waiting, *self._decoding, *self._solo, *([self._prefilling] if self._prefilling else [])]:
             if seq.row is row and not row.done:
                 if seq is self._prefilling and seq.state is not None:
                     seq.state.reset()  # a half-prefilled session holds no known prefix
@@ -166,12 +177,12 @@ class Batch:
     @property
     def idle(self) -> bool:
         """Whether no row is queued, prefilling or decoding."""
-        return not self._waiting and self._prefilling is None and not self._decoding
+        return not self._waiting and self._prefilling is None and not self._decoding and not self._solo
 
     @property
     def decoding_rows(self) -> int:
         """How many rows the last decode forward carried (rows now in the batch)."""
-        return len(self._decoding)
+        return len(self._decoding) + len(self._solo)
 
     # ------------------------------------------------------------- stepping
     def step(self) -> list[tuple[BatchRow, str]]:
@@ -180,6 +191,9 @@ class Batch:
         self._admit()
         if self._prefilling is not None:
             self._prefill_chunk(self._prefilling, out)
+        self._place_rows()
+        if self._solo:
+            self._speculate(self._solo[0], out)
         if self._decoding:
             self._decode(out)
         return out
@@ -199,14 +213,17 @@ class Batch:
             seq = self._waiting.popleft()
             seq.row.status = "prefill"
             self._prefilling = seq
+            setup = self.runner.opened.drafter
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
+                seq.drafter = None if setup is None else setup.new()
                 return
             reused = common_prefix(seq.state.tokens, seq.ids)
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
             seq.progress.reused_tokens = reused
             seq.fed = reused
             seq.caches = seq.state.caches
+            seq.drafter = self.runner._drafter(seq.state, reused)
 
     def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""
@@ -222,14 +239,20 @@ class Batch:
         assert seq.caches is not None
         t0 = time.perf_counter()
         ids, edit = seq.ids, Edit.of_rows([seq.steering])
+        layers = frozenset(seq.drafter.capture_layers) if seq.drafter is not None else frozenset()
+        got: dict[int, mx.array] | None = {} if layers else None
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
-            self.runner._forward(mx.array([chunk]), seq.caches, edit)
+            self.runner._forward(mx.array([chunk]), seq.caches, edit, got, layers or None)
+            if seq.drafter is not None:
+                observe(seq.drafter, seq.fed, got)
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             return
-        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit)[:, -1, :]
+        logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, got, layers or None)[:, -1, :]
+        if seq.drafter is not None:
+            observe(seq.drafter, len(ids) - 1, got)
         token = seq.sampler(seq.sampler.penalize(logits.astype(mx.float32), seq.history))
         mx.eval(token)
         seq.fed = len(ids)
@@ -242,6 +265,11 @@ class Batch:
         seq.row.status = "decoding"
         self._accept(seq, _token_id(token), out)
         if seq.row.done:
+            return
+        if seq.drafter is not None:
+            seq.drafter.rewind(len(ids) + 1)
+            self._go_solo(seq, seq.caches, len(ids))
+            seq.caches = None
             return
         if self._caches is None:
             self._caches = BatchCaches(seq.caches)
@@ -268,6 +296,70 @@ class Batch:
             seq.pending = token
             self._accept(seq, _token_id(token), out)
         self._drop_finished()
+
+    # ------------------------------------------------------------- speculative rows
+    def _go_solo(self, seq: _Seq, caches: list[Cache], held: int) -> None:
+        """Decode ``seq`` speculatively on ``caches`` (holding ``held`` of its tokens)."""
+        setup = self.runner.opened.drafter
+        assert setup is not None and seq.drafter is not None
+        edit = Edit.of_rows([seq.steering])
+        layers = frozenset(seq.drafter.capture_layers) or None
+        runner = self.runner
+
+        def forward(tokens: list[int], cs: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
+            return runner._forward(mx.array([tokens]), cs, edit, capture, layers if capture is not None else None)
+
+        context = [*seq.ids, *seq.sampled]
+        seq.spec = SpeculativeLoop(
+            forward, caches, seq.drafter, setup, seq.sampler, context, held, seq.progress.drafts
+        )
+        self._solo.append(seq)
+
+    def _place_rows(self) -> None:
+        """A row alone decodes speculatively; with company, every row decodes in the batch."""
+        alone = len(self._decoding) + len(self._solo) == 1 and not self._waiting and self._prefilling is None
+        if alone and self._decoding and self._decoding[0].drafter is not None:
+            assert self._caches is not None
+            seq = self._decoding[0]
+            fresh = self.runner.opened.new_cache()
+            self._caches.export_row(0, fresh)
+            held = self._caches.rows.offsets[0]
+            mx.eval([c.state for c in fresh])
+            self._caches.keep_rows([])
+            self._decoding = []
+            assert seq.drafter is not None
+            seq.drafter.rewind(len(seq.ids) + len(seq.sampled))
+            self._go_solo(seq, fresh, held)
+        elif not alone:
+            for seq in self._solo:
+                assert seq.spec is not None
+                loop = seq.spec
+                if self._caches is None:
+                    self._caches = BatchCaches(loop.caches)
+                self._caches.add_row(loop.caches, loop.held)
+                seq.pending = mx.array([loop.context[-1]])
+                seq.history = mx.array(loop.context[:-1][-seq.sampler.params.repetition_context :])
+                seq.spec = None
+                self._decoding.append(seq)
+            self._solo = []
+
+    def _speculate(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
+        """One verify of the row decoding alone; its committed tokens are handled one by one."""
+        assert seq.spec is not None
+        for tok in seq.spec.step(seq.max_tokens - seq.generated):
+            self._accept(seq, tok, out)
+            if seq.row.done:
+                break
+        self._drop_finished()
+
+    def _park_solo(self, seq: _Seq) -> None:
+        """Save a finished speculative row into its session: its caches and exactly the tokens they hold."""
+        assert seq.spec is not None and seq.state is not None
+        loop = seq.spec
+        mx.eval([c.state for c in loop.caches])
+        seq.state.caches = loop.caches
+        seq.state.tokens = loop.context[: loop.held]
+        seq.state.checkpoint()
 
     def _accept(self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
@@ -304,6 +396,10 @@ class Batch:
         if self._prefilling is not None and self._prefilling.row.done:
             self._prefilling = None
         self._waiting = deque(s for s in self._waiting if not s.row.done)
+        for seq in self._solo:
+            if seq.row.done and seq.state is not None:
+                self._park_solo(seq)
+        self._solo = [s for s in self._solo if not s.row.done]
         keep = [i for i, s in enumerate(self._decoding) if not s.row.done]
         if len(keep) == len(self._decoding):
             return

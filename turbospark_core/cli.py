@@ -65,21 +65,13 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
+    for name in ("draft_model", "ngram", "num_draft_tokens", "dflash"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     steering = _steering_set(args)
     if steering is not None:
         options["steering"] = steering
-    if getattr(args, "dflash", None) is not None:
-        options["dflash"] = args.dflash
     return options
-
-
-def _add_dflash_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dflash",
-        default=None,
-        metavar="DIR",
-        help="speculative decoding with a DFlash drafter install (turbospark convert of a DFlashDraftModel)",
-    )
 
 
 # ------------------------------------------------------------------ steering options (issue 17)
@@ -142,12 +134,35 @@ def _print_stats(stats: Any, file: Any = None) -> None:
     )
     if getattr(stats, "experts", None) is not None:
         print(stats.experts.summary(), file=file or sys.stderr)
-    if getattr(stats, "verify_steps", 0):
+    if getattr(stats, "draft_tokens", 0):
+        rate = stats.accepted_tokens / stats.draft_tokens
         print(
-            f"drafts: {stats.accepted_tokens}/{stats.draft_tokens} accepted in {stats.verify_steps} verifies, "
-            f"mean acceptance length {stats.mean_acceptance_length:.2f}",
+            f"speculative: {stats.accepted_tokens} of {stats.draft_tokens} drafted tokens accepted ({rate:.0%}), "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f} tokens per verify",
             file=file or sys.stderr,
         )
+
+
+def _add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (open step 12): at most one drafter."""
+    g = p.add_argument_group("speculative decoding (at most one drafter; output equals plain decoding's)")
+    g.add_argument(
+        "--draft-model", default=None, metavar="INSTALL", help="a smaller install with the same vocabulary drafts"
+    )
+    g.add_argument("--ngram", type=int, default=None, metavar="N", help="prompt lookup: draft up to N tokens")
+    g.add_argument(
+        "--dflash",
+        default=None,
+        metavar="INSTALL",
+        help="a DFlash drafter install (turbospark convert of a DFlashDraftModel) drafts a block per verify",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="draft K tokens every verify (default: adapt to the acceptance, up to 4 or --ngram's N)",
+    )
 
 
 def _expert_slots(value: str) -> int | str:
@@ -263,6 +278,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"steering     {steer}")
     folded = "folded" if m.hadamard is not None else "not folded"
     print(f"hadamard     {folded}; the family {'accepts' if caps.accepts_hadamard else 'refuses'} folded installs")
+    print(f"drafter      {opened.drafter.description if opened.drafter is not None else 'none (plain decoding)'}")
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
@@ -417,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_diagnostic_flags(p)
     _add_steering_options(p)
-    _add_dflash_option(p)
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -425,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system")
     _add_sampling(p)
     _add_steering_options(p)
-    _add_dflash_option(p)
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -435,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_expert_options(p)
     p.add_argument("--stats", action="store_true", help="decode a short probe; print throughput and MoE expert stats")
     p.add_argument("--stats-tokens", type=int, default=16, help="tokens the --stats probe decodes")
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("families", help="installed family plugins and the model types they serve")
     p.set_defaults(func=cmd_families)
@@ -458,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE",
         help="register a direction set requests may name in their 'steering' field (repeatable)",
     )
+    _add_drafter_options(p)
     p.set_defaults(func=cmd_serve)
     _add_plot_parser(sub)
     _add_bench_parser(sub)

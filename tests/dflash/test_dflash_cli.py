@@ -19,7 +19,7 @@ def test_generate_with_dflash_prints_acceptance(fx: Any, capsys: pytest.CaptureF
     args = ["generate", str(fx.target), "hello world", "--max-tokens", "6", "--dflash", str(fx.drafter), "-v"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "drafts: 0/" in err and "mean acceptance length 1.00" in err
+    assert "speculative: 0 of " in err and "mean acceptance length 1.00 tokens per verify" in err
 
 
 def test_a_model_install_as_dflash_exits_2_naming_it(fx: Any, capsys: pytest.CaptureFixture[str]) -> None:

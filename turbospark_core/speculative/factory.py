@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from turbospark_core.errors import DrafterError
+from turbospark_core.errors import DrafterError, InstallError
 from turbospark_core.speculative.drafter import DrafterFactory
 
 if TYPE_CHECKING:
@@ -142,8 +142,11 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
 
     options = opened.options
     k = draft_length(options)
-    refuse_non_install(Path(path))
-    draft_manifest = load_manifest(Path(path))
+    try:
+        refuse_non_install(Path(path))
+        draft_manifest = load_manifest(Path(path))
+    except InstallError as e:
+        raise type(e)(f"draft_model={str(path)!r} cannot be opened: {e}") from None
     refuse_vocab_mismatch(opened.manifest, draft_manifest)
     refuse_hadamard(draft_manifest, options, role="draft_model ")
     draft_options = attrs.evolve(

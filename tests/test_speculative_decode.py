@@ -1,0 +1,145 @@
+"""Speculative decoding end to end (turbospark_core.speculative.decode): lossless on every family fixture."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import turbospark_core
+from turbospark_core.errors import UnknownFamilyError
+from turbospark_core.testing import find_fixtures_root
+
+ROOT = Path(os.environ.get("TURBOSPARK_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+FAMILY_FIXTURES = sorted(
+    p.name for p in ROOT.glob("*") if (p / "references.npz").is_file() and not p.name.endswith(("_mtp", "_dflash"))
+)
+TOKENS = 64
+
+
+@pytest.fixture
+def make(turbospark_install: Any, request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    root = find_fixtures_root(request.config)
+
+    def _make(name: str) -> Path:
+        if not (root / name / "references.npz").is_file():
+            pytest.skip(f"reference fixture {name} is not available")
+        try:
+            path: Path = turbospark_install(name, "float32", root=root)
+        except UnknownFamilyError:
+            pytest.skip(f"no installed plugin serves the {name} fixture")
+        return path
+
+    return _make
+
+
+def _prompt(name: str, root: Path = ROOT) -> list[int]:
+    with np.load(root / name / "references.npz") as refs:
+        return [int(t) for t in refs["prompt_ids"]]
+
+
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+def test_greedy_is_lossless_with_every_drafter_on_every_family(make: Callable[[str], Path], name: str) -> None:
+    path = make(name)
+    prompt = _prompt(name)
+    plain = turbospark_core.open(path).generate(prompt, TOKENS)
+    assert plain.stats.draft_tokens == plain.stats.accepted_tokens == 0
+    # the model drafting for itself: every drafted token is accepted
+    selfdraft = turbospark_core.open(path, draft_model=path, num_draft_tokens=4).generate(prompt, TOKENS)
+    assert selfdraft.tokens == plain.tokens
+    assert selfdraft.stats.draft_tokens > 0
+    assert selfdraft.stats.accepted_tokens == selfdraft.stats.draft_tokens
+    # prompt lookup: whatever it proposes, the output is plain greedy's
+    lookup = turbospark_core.open(path, ngram=4, num_draft_tokens=4).generate(prompt + prompt[:24], TOKENS)
+    reference = turbospark_core.open(path).generate(prompt + prompt[:24], TOKENS)
+    assert lookup.tokens == reference.tokens
+    assert lookup.stats.draft_tokens > 0
+
+
+def test_a_draft_model_of_another_family_is_lossless(make: Callable[[str], Path]) -> None:
+    target, draft = make("qwen3_5"), make("llama")
+    prompt = _prompt("qwen3_5")
+    plain = turbospark_core.open(target).generate(prompt, TOKENS)
+    runner = turbospark_core.open(target, draft_model=draft, num_draft_tokens=3)
+    got = runner.generate(prompt, TOKENS)
+    assert got.tokens == plain.tokens
+    assert got.stats.draft_tokens > got.stats.accepted_tokens  # random weights: rejections happen and are rewound
+
+
+@pytest.fixture
+def llama(make: Callable[[str], Path]) -> Path:
+    return make("llama")
+
+
+def test_eos_inside_an_accepted_block_ends_the_output_there(llama: Path) -> None:
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, TOKENS)
+    runner = turbospark_core.open(llama, draft_model=llama, num_draft_tokens=8)
+    runner.eos_token_ids = frozenset({plain.tokens[10]})
+    got = runner.generate(prompt, TOKENS)
+    first = plain.tokens.index(plain.tokens[10])
+    assert got.tokens == plain.tokens[:first]
+    assert got.finish_reason == "stop"
+
+
+def test_a_stop_string_inside_an_accepted_block_ends_the_text_there(llama: Path) -> None:
+    prompt = _prompt("llama")
+    plain_runner = turbospark_core.open(llama)
+    plain = plain_runner.generate(prompt, 40)
+    stop = plain.text[len(plain.text) // 2 : len(plain.text) // 2 + 3]
+    want = plain_runner.generate(prompt, 40, stop=stop)
+    got = turbospark_core.open(llama, draft_model=llama, num_draft_tokens=8).generate(prompt, 40, stop=stop)
+    assert got.text == want.text
+    assert got.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 9])
+def test_max_tokens_is_exact_whatever_the_block_size(llama: Path, max_tokens: int) -> None:
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, max_tokens)
+    got = turbospark_core.open(llama, draft_model=llama, num_draft_tokens=4).generate(prompt, max_tokens)
+    assert got.tokens == plain.tokens
+    assert len(got.tokens) == max_tokens
+
+
+def test_sessions_reuse_their_prefix_with_a_drafter(make: Callable[[str], Path]) -> None:
+    path = make("qwen3_5")  # recurrent state: prefix reuse goes through checkpoints
+    prompt = _prompt("qwen3_5")
+    runner = turbospark_core.open(path, ngram=3)
+    plain = turbospark_core.open(path)
+    session = runner.session("a")
+    first = session.generate(prompt, 12)
+    follow = [*prompt, *first.tokens, *prompt[:10]]
+    second = session.generate(follow, 12)
+    assert second.stats.reused_tokens > len(prompt)
+    assert first.tokens == plain.generate(prompt, 12).tokens
+    assert second.tokens == plain.generate(follow, 12).tokens
+
+
+def test_a_steered_target_verifies_steered(make: Callable[[str], Path]) -> None:
+    from turbospark_core.steering import DirectionSet
+
+    path = make("llama")
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(path)
+    hidden = int(plain.manifest.arch["hidden_size"])
+    direction = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
+    steering = DirectionSet.from_arrays({1: direction}, mode="add", scale=4.0, model_type="llama")
+    want = plain.generate(prompt, 32, steering=steering)
+    assert want.tokens != plain.generate(prompt, 32).tokens  # the steering changes the output
+    got = turbospark_core.open(path, draft_model=path, num_draft_tokens=4).generate(prompt, 32, steering=steering)
+    assert got.tokens == want.tokens
+
+
+def test_sampling_with_a_self_draft_accepts_everything_and_is_reproducible(llama: Path) -> None:
+    prompt = _prompt("llama")
+    runner = turbospark_core.open(llama, draft_model=llama, num_draft_tokens=4)
+    opts: dict[str, Any] = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.3, "seed": 5}
+    a = runner.generate(prompt, 24, **opts)
+    b = runner.generate(prompt, 24, **opts)
+    assert a.tokens == b.tokens
+    assert a.stats.accepted_tokens == a.stats.draft_tokens > 0  # q == p exactly: the same transforms on both

@@ -1,0 +1,34 @@
+"""Prompt lookup (turbospark_core.speculative.ngram)."""
+
+from __future__ import annotations
+
+from turbospark_core.sampling import Sampler, SamplingParams
+from turbospark_core.speculative.ngram import NgramDrafter, lookup
+
+
+def test_the_latest_occurrence_of_the_longest_tail_wins() -> None:
+    #          0  1  2  3  4  5  6  7  8  9 10
+    context = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]
+    # tail (2, 3) occurs at 1 and 5: the latest (5) is followed by 5, 6, 2
+    assert lookup(context, 3) == [5, 6, 2]
+    # a longer tail that matches beats a more recent shorter one
+    assert lookup([7, 8, 1, 2, 0, 2, 7, 8], 2) == [1, 2]
+
+
+def test_the_proposal_stops_at_k_and_at_the_end_of_the_context() -> None:
+    assert lookup([1, 2, 3, 1, 2], 10) == [3, 1, 2]
+    assert lookup([1, 2, 3, 1, 2], 1) == [3]
+
+
+def test_nothing_matches_nothing_is_proposed() -> None:
+    assert lookup([1, 2, 3, 4], 4) == []
+    assert lookup([5], 4) == []
+    assert lookup([1, 1], 0) == []
+
+
+def test_the_drafter_is_deterministic_whatever_the_sampling() -> None:
+    drafter = NgramDrafter()
+    draft = drafter.propose([4, 5, 6, 4, 5], 3, Sampler(SamplingParams(temperature=1.0, seed=0)))
+    assert draft.tokens == (6, 4, 5)
+    assert draft.probs is None
+    assert drafter.capture_layers == ()
