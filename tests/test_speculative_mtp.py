@@ -91,3 +91,30 @@ def test_depth_on_a_family_without_a_head_flow_is_refused_naming_the_hook(instal
     assert turbospark_core.open(install, mtp="auto").opened.drafter is None
     with pytest.raises(DrafterError, match="build_mtp_head"):
         turbospark_core.open(install, mtp=1)
+
+
+def test_cli_mtp_on_an_install_without_a_head_is_one_error_line(
+    f32_install: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from turbospark_core.cli import main
+
+    assert main(["generate", str(f32_install), "hello", "--max-tokens", "2", "--mtp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no multi-token-prediction head" in err and len(err.splitlines()) == 1
+
+
+def test_cli_mtp_auto_without_a_head_decodes_plainly(f32_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from turbospark_core.cli import main
+
+    assert main(["generate", str(f32_install), "hello", "--max-tokens", "4", "--mtp", "auto"]) == 0
+    with_auto = capsys.readouterr().out
+    assert main(["generate", str(f32_install), "hello", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out == with_auto
+
+
+def test_cli_mtp_value_must_be_auto_or_a_depth(f32_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from turbospark_core.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", str(f32_install), "hello", "--mtp", "deep"])
+    assert "neither 'auto' nor a draft depth" in capsys.readouterr().err

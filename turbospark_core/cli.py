@@ -65,7 +65,7 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
-    for name in ("draft_model", "ngram", "num_draft_tokens", "dflash"):
+    for name in ("draft_model", "ngram", "mtp", "num_draft_tokens", "dflash"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     steering = _steering_set(args)
@@ -103,6 +103,16 @@ def _add_steering_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steering-layers", default=None, metavar="A:B", help="keep only the set's layers A..B-1 (0-based)"
     )
+
+
+def _mtp_value(text: str) -> int | str:
+    """``--mtp``: ``auto`` or a draft depth (the open checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a draft depth (an integer)") from None
 
 
 def _named_sets(args: argparse.Namespace, default: Any) -> dict[str, Any]:
@@ -157,11 +167,22 @@ def _add_drafter_options(p: argparse.ArgumentParser) -> None:
         help="a DFlash drafter install (turbospark convert of a DFlashDraftModel) drafts a block per verify",
     )
     g.add_argument(
+        "--mtp",
+        type=_mtp_value,
+        default=None,
+        metavar="DEPTH|auto",
+        help="the install's multi-token-prediction head drafts up to DEPTH tokens; 'auto': the head when the "
+        "install has one, else plain decoding",
+    )
+    g.add_argument(
         "--num-draft-tokens",
         type=int,
         default=None,
         metavar="K",
-        help="draft K tokens every verify (default: adapt to the acceptance, up to 4 or --ngram's N)",
+        help=(
+            "draft K tokens every verify (default: adapt to the acceptance, up to 4, --ngram's N, --mtp's DEPTH "
+            "or the DFlash block size - 1)"
+        ),
     )
 
 

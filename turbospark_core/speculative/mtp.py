@@ -77,7 +77,7 @@ def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | Non
     if factory is None:
         return None
     k = draft_length(opened.options)
-    cost = head_bytes(opened) / max(opened.estimate.weights, 1)
+    cost = draft_cost(opened)
     return DrafterSetup(
         name="mtp",
         new=factory,
@@ -89,6 +89,16 @@ def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | Non
             f"{cost:.2f}x the target's weights)"
         ),
     )
+
+
+def draft_cost(opened: OpenedModel) -> float:
+    """One drafted token's cost in target decode steps, by bytes read: the head's own tensors plus the
+    trunk's output head it reuses (vocab x hidden, at the trunk's average bytes per weight)."""
+    weights = max(opened.estimate.weights, 1)
+    per_weight = weights / max(opened.index.float_bytes(1), 1)
+    arch = opened.manifest.arch
+    output_head = int(arch["vocab_size"]) * int(arch["hidden_size"]) * per_weight
+    return min(1.0, (head_bytes(opened) + output_head) / weights)
 
 
 def default_length(requested: int | str) -> int:
