@@ -192,3 +192,16 @@ def test_mtp_auto_yields_to_dflash(turbospark_fixtures: Path, tmp_path: Path, ra
     prompt = list(range(3, 40))
     plain = turbospark_core.open(tmp_path / "target").generate(prompt, 8).tokens
     assert runner.generate(prompt, 8).tokens == plain
+
+
+def test_batched_generation_is_lossless(fx: Any) -> None:
+    """generate_many: a row alone speculates with its own drafter, rows together decode plainly."""
+    prompt = fx.refs["prompt_ids"].tolist()
+    prompts = [prompt, prompt[:20], prompt[5:40]]
+    budgets = [16, 4, 10]
+    plain = [g.tokens for g in fx.open().generate_many(prompts, budgets)]
+    runner = fx.open(dflash=fx.drafter, num_draft_tokens=7)
+    assert [g.tokens for g in runner.generate_many(prompts, budgets)] == plain
+    alone = runner.generate_many(prompts, budgets, max_rows=1)
+    assert [g.tokens for g in alone] == plain
+    assert sum(g.stats.draft_tokens for g in alone) > 0  # the last row, alone, drafted
