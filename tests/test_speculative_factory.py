@@ -46,7 +46,8 @@ def test_two_drafters_named_are_a_caller_error_naming_both(f32_install: Path) ->
 
 
 def test_num_draft_tokens_without_a_drafter_is_refused(f32_install: Path) -> None:
-    with pytest.raises(OptionError, match="num_draft_tokens=4 names no drafter; also pass one of draft_model, ngram"):
+    names = "dflash, draft_model, ngram, mtp"
+    with pytest.raises(OptionError, match=f"num_draft_tokens=4 names no drafter; also pass one of {names}"):
         turbospark_core.open(f32_install, num_draft_tokens=4)
 
 

@@ -48,6 +48,7 @@ def open(  # noqa: A001 - the API's name
     ngram: int | None = None,
     mtp: int | Literal["auto"] | None = None,
     num_draft_tokens: int | None = None,
+    dflash: str | Path | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -123,12 +124,23 @@ def open(  # noqa: A001 - the API's name
             when asked: without ``mtp`` an install with a head opens exactly
             as one without. A depth on an install without a head, or on a
             family whose plugin has no head flow, is refused naming what is
-            missing. ``mtp`` with another drafter is refused.
+            missing. ``mtp`` with another drafter is refused, except
+            ``mtp="auto"`` beside ``dflash``: only the DFlash drafter opens.
         num_draft_tokens: The most tokens drafted per verify (at most 32;
             default: ``ngram``'s or ``mtp``'s value, 4 for a draft model). Left out, the
             drafted count adapts to the measured acceptance and cost (fewer,
             or none for a while, when drafts do not pay); given, every step
             drafts that many. Needs a drafter.
+        dflash: Speculative decoding with a DFlash block-diffusion drafter:
+            the path of a drafter install (``turbospark convert`` of a z-lab
+            ``DFlashDraftModel`` checkpoint) trained for this model. Checked
+            at open: its hidden size must equal the model's, its
+            ``target_layer_ids`` must be layers of the model, its mask token
+            must be in the vocabulary. Each verify, it drafts a block of
+            ``block_size - 1`` tokens (the default ``num_draft_tokens``) in
+            one forward that reads the model's outputs of those layers (captured
+            only while it is open) and uses the model's embedding and LM head.
+            With another drafter it is refused (``mtp="auto"`` yields to it).
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -166,6 +178,7 @@ def open(  # noqa: A001 - the API's name
             "ngram": ngram,
             "mtp": mtp,
             "num_draft_tokens": num_draft_tokens,
+            "dflash": dflash,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -65,7 +65,7 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
-    for name in ("draft_model", "ngram", "mtp", "num_draft_tokens"):
+    for name in ("draft_model", "ngram", "mtp", "num_draft_tokens", "dflash"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     steering = _steering_set(args)
@@ -149,7 +149,8 @@ def _print_stats(stats: Any, file: Any = None) -> None:
     if getattr(stats, "draft_tokens", 0):
         rate = stats.accepted_tokens / stats.draft_tokens
         print(
-            f"speculative: {stats.accepted_tokens} of {stats.draft_tokens} drafted tokens accepted ({rate:.0%})",
+            f"speculative: {stats.accepted_tokens} of {stats.draft_tokens} drafted tokens accepted ({rate:.0%}), "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f} tokens per verify",
             file=file or sys.stderr,
         )
 
@@ -161,6 +162,12 @@ def _add_drafter_options(p: argparse.ArgumentParser) -> None:
         "--draft-model", default=None, metavar="INSTALL", help="a smaller install with the same vocabulary drafts"
     )
     g.add_argument("--ngram", type=int, default=None, metavar="N", help="prompt lookup: draft up to N tokens")
+    g.add_argument(
+        "--dflash",
+        default=None,
+        metavar="INSTALL",
+        help="a DFlash drafter install (turbospark convert of a DFlashDraftModel) drafts a block per verify",
+    )
     g.add_argument(
         "--mtp",
         type=_mtp_value,
@@ -174,7 +181,10 @@ def _add_drafter_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="draft K tokens every verify (default: adapt to the acceptance, up to 4, --ngram's N or --mtp's DEPTH)",
+        help=(
+            "draft K tokens every verify (default: adapt to the acceptance, up to 4, --ngram's N, --mtp's DEPTH "
+            "or the DFlash block size - 1)"
+        ),
     )
 
 
@@ -226,7 +236,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
     )
     size = sum(e.size for e in manifest.files.values())
     print(
-        f"wrote {args.dst}: model type {manifest.model_type!r} (family {manifest.family}), "
+        f"wrote {args.dst}: model type {manifest.model_type!r} "
+        f"({f'family {manifest.family}' if manifest.kind == 'model' else f'a {manifest.kind} drafter install'}), "
         f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
     )
     for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):

@@ -43,6 +43,7 @@ from turbospark_core.manifest import (
     EXPERTS,
     HADAMARD,
     MANIFEST,
+    MODEL_KIND,
     WEIGHTS,
     Manifest,
     check_files,
@@ -146,6 +147,16 @@ def _refuse_vision_sidecar(path: Path) -> None:
                 "open the text model's install instead"
             )
             raise NotAnInstallError(msg)
+
+
+def refuse_drafter_install(manifest: Manifest) -> None:
+    """A drafter install (manifest kind other than ``"model"``) opens only beside its target."""
+    if manifest.kind != MODEL_KIND:
+        msg = (
+            f"{manifest.root} is a {manifest.kind!r} drafter install, not a language model; open its target "
+            f"model and pass {manifest.kind}={str(manifest.root)!r}"
+        )
+        raise NotAnInstallError(msg)
 
 
 def _check_arch(arch: dict[str, Any], hooks: plugins.FamilyHooks) -> None:
@@ -281,6 +292,7 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     timer = PhaseTimer()
     with timer.phase("manifest_index"):
         manifest = load_manifest(root)  # 5
+        refuse_drafter_install(manifest)
         hooks = plugins.family_hooks(manifest.model_type, distribution=manifest.distribution)
         _check_arch(manifest.arch, hooks)  # 3
         _check_kv_quant(manifest.arch, hooks, options.kv_quant)  # 4

@@ -23,6 +23,10 @@ MTP_PREFIX = "mtp."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # The only file names an install may have: no manifest path can point elsewhere.
 ALLOWED_FILES = frozenset({WEIGHTS, EXPERTS, HADAMARD, MTP_HEAD, *TOKENIZER_FILES})
+# What an install holds: a model (the default), or a drafter that is opened only beside its target.
+MODEL_KIND = "model"
+DFLASH_KIND = "dflash"
+KINDS = (MODEL_KIND, DFLASH_KIND)
 
 
 @attrs.frozen(kw_only=True)
@@ -44,6 +48,7 @@ class Manifest:
         quantization: Matrix base name -> ``{bits, group_size, mode}``.
         family: Family name recorded at conversion.
         distribution: Plugin distribution that made the install.
+        kind: ``"model"``, or a drafter kind (``"dflash"``) that opens only beside its target.
         hadamard: The ``hadamard`` section, or ``None``.
         experts: The ``experts`` section, or ``None``.
         mtp: The ``mtp`` section (the head in ``mtp.safetensors``: its ``quantization``), or ``None``.
@@ -56,6 +61,7 @@ class Manifest:
     quantization: dict[str, Any]
     family: str | None = None
     distribution: str | None = None
+    kind: str = MODEL_KIND
     hadamard: dict[str, Any] | None = None
     experts: dict[str, Any] | None = None
     provenance: dict[str, Any] = attrs.field(factory=dict)
@@ -80,6 +86,7 @@ class Manifest:
             "format_version": INSTALL_FORMAT_VERSION,
             "family": self.family,
             "distribution": self.distribution,
+            "kind": self.kind,
             "arch": self.arch,
             "files": {n: attrs.asdict(e) for n, e in sorted(self.files.items())},
             "quantization": self.quantization,
@@ -183,6 +190,10 @@ def load_manifest(root: Path) -> Manifest:
         if raw.get(key) is not None and not isinstance(raw[key], str):
             msg = f"{where}: {key!r} must be a string or null, got {raw[key]!r:.80}; re-run `turbospark convert`"
             raise ManifestError(msg)
+    kind = raw.get("kind", MODEL_KIND)
+    if kind not in KINDS:
+        msg = f"{where}: kind {kind!r:.60} is not one of {', '.join(map(repr, KINDS))}; re-run `turbospark convert`"
+        raise ManifestError(msg)
     sections = {key: _optional_object(raw, key, where) for key in _SECTIONS}
     files = _file_table(raw, where)
     _check_paired(sections, files, where)
@@ -193,6 +204,7 @@ def load_manifest(root: Path) -> Manifest:
         quantization=sections["quantization"] or {},
         family=raw.get("family"),
         distribution=raw.get("distribution"),
+        kind=kind,
         hadamard=sections["hadamard"],
         experts=sections["experts"],
         provenance=sections["provenance"] or {},

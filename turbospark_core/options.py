@@ -98,6 +98,18 @@ def _draft_model(value: object) -> Any:
     raise OptionError(msg)
 
 
+def _dflash(value: object) -> Any:
+    """A DFlash drafter install's path (str or Path) or ``None``; opened at open step 12."""
+    from pathlib import Path
+
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    msg = f"dflash={value!r} is invalid; pass the path of a DFlash drafter install (`turbospark convert`), or None"
+    raise OptionError(msg)
+
+
 MAX_DRAFT_TOKENS = 32
 
 
@@ -132,7 +144,8 @@ def _num_draft_tokens(value: object) -> int | None:
 
 
 # The open options that each choose a speculative drafter (open step 12): at most one may be set.
-DRAFTER_OPTIONS: tuple[str, ...] = ("draft_model", "ngram", "mtp")
+# DFlash comes first: it is built first, and an unnamed MTP head (mtp="auto") yields to it.
+DRAFTER_OPTIONS: tuple[str, ...] = ("dflash", "draft_model", "ngram", "mtp")
 
 
 def _residency(value: object) -> Residency:
@@ -184,6 +197,7 @@ class OpenOptions:
     ngram: int | None = attrs.field(default=None, converter=_ngram)
     mtp: int | str | None = attrs.field(default=None, converter=_mtp)  # depth | "auto" | None
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
+    dflash: Any = attrs.field(default=None, converter=_dflash)  # Path | None
 
     def __attrs_post_init__(self) -> None:
         named = self.drafters_named()
@@ -199,8 +213,14 @@ class OpenOptions:
             raise OptionError(msg)
 
     def drafters_named(self) -> list[str]:
-        """The drafter options that are set (:data:`DRAFTER_OPTIONS` order)."""
-        return [n for n in DRAFTER_OPTIONS if getattr(self, n, None) is not None]
+        """The drafter options that are set (:data:`DRAFTER_OPTIONS` order).
+
+        ``mtp="auto"`` beside ``dflash`` is not counted: the DFlash drafter is opened, alone.
+        """
+        named = [n for n in DRAFTER_OPTIONS if getattr(self, n, None) is not None]
+        if "dflash" in named and self.mtp == "auto":
+            named.remove("mtp")
+        return named
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> OpenOptions:

@@ -95,6 +95,7 @@ class _Progress:
             reused_tokens=self.reused_tokens,
             draft_tokens=self.drafts.drafted,
             accepted_tokens=self.drafts.accepted,
+            verify_steps=self.drafts.verifies,
         )
 
 
@@ -699,6 +700,25 @@ class Runner:
         elif position == "mean":
             stacked = stacked.mean(axis=0)
         return np.array(stacked)
+
+    def dflash_block_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The DFlash drafter's logits ``(block_size - 1, vocab)`` float32 for the block anchored at
+        ``token_ids[-1]``, with the model's states of ``token_ids[:-1]`` as its context (by the math,
+        what the incremental rounds of a generation compute).
+
+        Raises:
+            OptionError: The runner has no DFlash drafter (open with ``dflash=PATH``), or fewer than 2 ids.
+        """
+        from turbospark_core.speculative.dflash import dflash_factory
+
+        factory = dflash_factory(self._opened.drafter)
+        ids = self._check_ids(token_ids)
+        if len(ids) < 2:
+            raise OptionError("dflash_block_logits needs at least 2 token ids: the context and the anchor")
+        got: dict[int, mx.array] = {}
+        layers = factory.capture_layers
+        self._forward(mx.array([ids[:-1]]), self._opened.new_cache(), self.steering_edit(), got, frozenset(layers))
+        return np.array(factory.block_logits({layer: got[layer][0] for layer in layers}, ids[-1]))
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The token ids of ``messages`` rendered with the chat template (images expanded: :meth:`chat_input`)."""

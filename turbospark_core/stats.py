@@ -134,3 +134,9 @@ class GenerationStats:
     experts: ExpertStats | None = None  # MoE installs: expert counters over this generation
     draft_tokens: int = 0  # speculative decoding: tokens the drafter proposed
     accepted_tokens: int = 0  # ... and the target kept
+    verify_steps: int = 0  # ... in this many verify forwards (a plain step with no draft counts too)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify forward: accepted drafts + the target's own token (DFlash's tau; 0 unset)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0

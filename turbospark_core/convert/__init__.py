@@ -21,6 +21,7 @@ from turbospark_core.convert.writer import destination_lock, finish, prepare_des
 from turbospark_core.errors import ConversionError, UnknownFamilyError
 from turbospark_core.manifest import MTP_PREFIX, Manifest, load_manifest
 from turbospark_core.progress import progress
+from turbospark_core.speculative.dflash_config import is_dflash_config
 
 __all__ = ["ConvertOptions", "convert"]
 
@@ -79,6 +80,10 @@ def convert(
 
         arch, items, texts, total, dequantized = gguf_source(src, options)
         top_k = None  # GGUF: the first routed call checks the slot count against the router's k
+    elif src.is_dir() and is_dflash_config(hf.read_config(src)):  # a drafter: an install of its own kind
+        from turbospark_core.convert.dflash import convert_dflash
+
+        return convert_dflash(src, dst, hf.read_config(src), options, force=force)
     elif src.is_dir():
         arch, items, texts, total = _hf_source(src)
         dequantized = {}

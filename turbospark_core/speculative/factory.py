@@ -177,6 +177,19 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
     )
 
 
+# ------------------------------------------------------------------ dflash
+def _build_dflash(opened: OpenedModel, path: Path) -> DrafterSetup:
+    from turbospark_core.speculative.dflash import setup_dflash
+
+    return setup_dflash(opened, path, draft_length(opened.options))
+
+
+def _dflash_length(path: Path) -> int:
+    from turbospark_core.speculative.dflash import default_draft_length
+
+    return default_draft_length(path)
+
+
 # ------------------------------------------------------------------ mtp
 def _build_mtp(opened: OpenedModel, requested: int | str) -> DrafterSetup | None:
     from turbospark_core.speculative import mtp
@@ -190,8 +203,14 @@ def _mtp_length(requested: int | str) -> int:
     return mtp.default_length(requested)
 
 
-BUILDERS: dict[str, Builder] = {"draft_model": _build_draft_model, "ngram": _build_ngram, "mtp": _build_mtp}
+BUILDERS: dict[str, Builder] = {
+    "dflash": _build_dflash,
+    "draft_model": _build_draft_model,
+    "ngram": _build_ngram,
+    "mtp": _build_mtp,
+}
 DEFAULT_LENGTH: dict[str, Callable[[Any], int]] = {
+    "dflash": _dflash_length,
     "draft_model": lambda _path: DEFAULT_DRAFT_MODEL_TOKENS,
     "ngram": int,
     "mtp": _mtp_length,
