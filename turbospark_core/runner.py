@@ -717,7 +717,8 @@ class Runner:
             raise OptionError("dflash_block_logits needs at least 2 token ids: the context and the anchor")
         got: dict[int, mx.array] = {}
         layers = factory.capture_layers
-        self._forward(mx.array([ids[:-1]]), self._opened.new_cache(), self.steering_edit(), got, frozenset(layers))
+        cache = self._opened.new_cache()
+        self._forward(mx.array([ids[:-1]]), cache, self.steering_edit(), capture=got, capture_layers=frozenset(layers))
         return np.array(factory.block_logits({layer: got[layer][0] for layer in layers}, ids[-1]))
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
