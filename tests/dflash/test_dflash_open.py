@@ -79,9 +79,17 @@ def test_states_are_captured_only_with_dflash_open(fx: Any, monkeypatch: pytest.
     captures: list[frozenset[int] | None] = []
     forward = Runner._forward
 
-    def spy(self: Runner, inputs: mx.array, cache: Any, edit: Any, capture: Any = None, layers: Any = None) -> mx.array:
-        captures.append(None if capture is None else layers)
-        return forward(self, inputs, cache, edit, capture, layers)
+    def spy(
+        self: Runner,
+        inputs: mx.array,
+        cache: Any,
+        edit: Any,
+        vision: Any = None,
+        capture: Any = None,
+        capture_layers: Any = None,
+    ) -> mx.array:
+        captures.append(None if capture is None else capture_layers)
+        return forward(self, inputs, cache, edit, vision, capture, capture_layers)
 
     monkeypatch.setattr(Runner, "_forward", spy)
     prompt = fx.refs["prompt_ids"].tolist()
