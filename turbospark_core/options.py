@@ -74,40 +74,27 @@ def _steering(value: object) -> Any:
     raise OptionError(msg)
 
 
-def _vision(value: object) -> Any:
-    """A vision sidecar directory (str or Path), or ``None``; read after the open."""
+def _directory(option: str, what: str, value: object) -> Any:
+    """An option naming a directory: a Path (from str or Path) or ``None``; read after the open."""
     from pathlib import Path
 
     if value is None or isinstance(value, Path):
         return value
     if isinstance(value, str) and value:
         return Path(value)
-    msg = f"vision={value!r} is invalid; pass a vision sidecar directory or None"
-    raise OptionError(msg)
+    raise OptionError(f"{option}={value!r} is invalid; pass {what}, or None")
+
+
+def _vision(value: object) -> Any:
+    return _directory("vision", "a vision sidecar directory", value)
 
 
 def _draft_model(value: object) -> Any:
-    """A draft install's path (str or Path) or ``None``; opened at open step 12."""
-    from pathlib import Path
-
-    if value is None or isinstance(value, Path):
-        return value
-    if isinstance(value, str) and value:
-        return Path(value)
-    msg = f"draft_model={value!r} is invalid; pass the path of an install with the same vocabulary, or None"
-    raise OptionError(msg)
+    return _directory("draft_model", "the path of an install with the same vocabulary", value)
 
 
 def _dflash(value: object) -> Any:
-    """A DFlash drafter install's path (str or Path) or ``None``; opened at open step 12."""
-    from pathlib import Path
-
-    if value is None or isinstance(value, Path):
-        return value
-    if isinstance(value, str) and value:
-        return Path(value)
-    msg = f"dflash={value!r} is invalid; pass the path of a DFlash drafter install (`turbospark convert`), or None"
-    raise OptionError(msg)
+    return _directory("dflash", "the path of a DFlash drafter install (`turbospark convert`)", value)
 
 
 MAX_DRAFT_TOKENS = 32
