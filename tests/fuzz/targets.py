@@ -39,7 +39,7 @@ from turbospark_core.convert import convert
 from turbospark_core.errors import TurbosparkError
 from turbospark_core.experts.layout import ExpertLayout
 from turbospark_core.experts.plan import RESIDENT, STREAMED, check_slots, minimal_plan, plan_experts
-from turbospark_core.manifest import EXPERTS, MANIFEST, WEIGHTS, load_manifest
+from turbospark_core.manifest import EXPERTS, HADAMARD, MANIFEST, WEIGHTS, load_manifest
 from turbospark_core.options import OpenOptions
 from turbospark_core.template import render_template
 from turbospark_core.tensor_index import build_index
@@ -108,10 +108,11 @@ class Seeds:
     @classmethod
     def make(cls, fixtures: Path, work: Path, smollm2: Path | None) -> Seeds:
         installs = {}
-        for name, src, quantize in [("dense", "llama", None), ("q4", "llama", "q4"), ("moe", "qwen3_moe", None)]:
+        seeds = [("dense", "llama", None, False), ("q4", "llama", "q4", False), ("moe", "qwen3_moe", None, False)]
+        for name, src, quantize, rotate in [*seeds, ("rotated", "llama", None, True)]:
             if (fixtures / src / "config.json").is_file():
                 installs[name] = work / f"seed-{name}"
-                convert(fixtures / src, installs[name], quantize=quantize)
+                convert(fixtures / src, installs[name], quantize=quantize, rotate=rotate)
         doc = gguf_doc.seed_from(smollm2) if smollm2 is not None and smollm2.is_file() else None
         return cls(installs=installs, work=work, gguf=doc, fixtures=fixtures)
 
@@ -333,6 +334,35 @@ def template_target(seeds: Seeds) -> Target:
     return Target("template", mutate, run)
 
 
+# ------------------------------------------------------------------ hadamard.bin
+def hadamard_target(seeds: Seeds) -> Target:
+    """Open step 6 on a rotated install whose ``hadamard.bin`` (and its table entry) is mutated."""
+    if "rotated" not in seeds.installs:
+        msg = "the hadamard target needs the llama fixture"
+        raise RuntimeError(msg)
+    seed = seeds.installs["rotated"]
+    signs = (seed / HADAMARD).read_bytes()
+    doc = json.loads((seed / MANIFEST).read_text())
+
+    def mutate(rnd: random.Random) -> tuple[bytes, bytes]:
+        blob = mutate_bytes(rnd, signs)
+        table = doc
+        if rnd.random() < 0.5:  # keep the file table consistent so the reader itself is reached
+            files = {**doc["files"], HADAMARD: {**doc["files"][HADAMARD], "size": len(blob)}}
+            table = {**doc, "files": files}
+        if rnd.random() < 0.3:
+            table = {**table, "hadamard": mutate_section(rnd, doc["hadamard"])}
+        return json.dumps(table, allow_nan=True).encode(), blob
+
+    def run(data: tuple[bytes, bytes]) -> None:
+        root = _scratch(seeds, "rotated")
+        (root / MANIFEST).write_bytes(data[0])
+        (root / HADAMARD).write_bytes(data[1])
+        _manifest_phase(root)
+
+    return Target("hadamard", mutate, run)
+
+
 # ------------------------------------------------------------------ steering direction sets
 def _direction_seeds(work: Path, hidden: int) -> tuple[dict[str, Any], bytes, gguf_doc.GGUFDoc, bytes]:
     """A safetensors direction set (header, data) and a GGUF control vector (doc, data) of ``hidden`` wide rows."""
@@ -430,6 +460,7 @@ TARGETS: dict[str, Callable[[Seeds], Target]] = {
     "gguf": gguf_target,
     "tokenizer": tokenizer_target,
     "template": template_target,
+    "hadamard": hadamard_target,
     "directions": directions_target,
     "sidecar": sidecar_target,
 }

@@ -23,6 +23,7 @@ EXAMPLES = {
     "gguf": 60,
     "tokenizer": 60,
     "template": 100,
+    "hadamard": 150,
     "directions": 150,
     "sidecar": 60,
 }
