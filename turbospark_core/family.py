@@ -19,7 +19,8 @@ Weights
 Attention
     ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
     two KV caches follow, for an attention layer's argument), ``KVCache``,
-    ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
+    ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
+    ``attention`` (scaled dot-product attention, native for a CPU decode step).
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -93,7 +94,7 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear, attention
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
@@ -137,6 +138,7 @@ __all__ = [
     "TensorTarget",
     "TurbosparkError",
     "WeightStore",
+    "attention",
     "bool_problem",
     "causal_mask",
     "choice_list_problem",

@@ -24,6 +24,7 @@ from turbospark_core.family import (
     RingKVCache,
     Rope,
     WeightStore,
+    attention,
     causal_mask,
     choice_list_problem,
     float_problems,
@@ -170,7 +171,7 @@ class Attention:
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

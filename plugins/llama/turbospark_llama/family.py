@@ -22,6 +22,7 @@ from turbospark_core.family import (
     KVCache,
     Rope,
     WeightStore,
+    attention,
     bool_problem,
     float_problems,
     index_list_problem,
@@ -187,7 +188,7 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
