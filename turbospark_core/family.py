@@ -15,7 +15,8 @@ Cache layout
 Weights
     ``WeightStore`` (``context.weights``) and the objects it hands out:
     ``Linear``, ``Embedding``, ``ExpertBank``, and ``Experts`` (the protocol
-    that resident and streamed expert banks both follow).
+    that resident and streamed expert banks both follow); ``fuse_linears``
+    (one multiply for projections of the same input) and ``fused_parts``.
 Attention
     ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
     two KV caches follow, for an attention layer's argument), ``KVCache``,
@@ -94,7 +95,7 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear, attention
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear, attention, fuse_linears, fused_parts
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
@@ -145,6 +146,8 @@ __all__ = [
     "drop_pattern",
     "float_problem",
     "float_problems",
+    "fuse_linears",
+    "fused_parts",
     "hookimpl",
     "index_list_problem",
     "int_problem",
