@@ -170,3 +170,24 @@ def test_the_resident_bank_is_an_experts() -> None:
 def test_a_quantized_linear_needs_its_scales() -> None:
     with pytest.raises(ValueError, match="needs its scales"):
         Linear(mx.zeros((4, 2), dtype=mx.uint32), quant=QuantSpec(bits=4, group_size=32, mode="affine"))
+
+
+def test_fused_linears_equal_the_parts_and_refuse_mixed_layouts() -> None:
+    from turbospark_core.layers import fuse_linears, fused_parts
+
+    def quantized(n: int, seed: int, bits: int = 4) -> Linear:
+        w, s, b = mx.quantize(mx.random.normal((n, 64), key=mx.random.key(seed)), group_size=32, bits=bits)
+        return Linear(w, quant=QuantSpec(bits=bits, group_size=32), scales=s, biases=b)
+
+    parts = [quantized(48, 1), quantized(16, 2), quantized(16, 3)]
+    x = mx.random.normal((2, 64), key=mx.random.key(4))
+    fused = fuse_linears(parts)
+    assert fused is not None and fused.out_features == 80
+    want = [np.array(p(x)) for p in parts]
+    got = np.split(np.array(fused(x)), [48, 64], axis=-1)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+    for view, w in zip(fused_parts(fused, [48, 16, 16]), want, strict=True):
+        np.testing.assert_array_equal(np.array(view(x)), w)
+    assert fuse_linears([quantized(16, 5), quantized(16, 6, bits=8)]) is None  # other bits: kept apart
+    assert fuse_linears([parts[0], Linear(mx.zeros((4, 64)))]) is None  # dense beside quantized

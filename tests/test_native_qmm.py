@@ -38,7 +38,7 @@ def _close(got: mx.array, want: np.ndarray) -> None:
 @needs_native
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 7, 16, 40])
 def test_equals_mlx_quantized_matmul(bits: int, group: int, m: int) -> None:
     x, w, s, b = _case(72, 256, m, bits, group, mx.float16)
     got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))

@@ -16,11 +16,13 @@ Cache layout
 Weights
     ``WeightStore`` (``context.weights``) and the objects it hands out:
     ``Linear``, ``Embedding``, ``ExpertBank``, and ``Experts`` (the protocol
-    that resident and streamed expert banks both follow).
+    that resident and streamed expert banks both follow); ``fuse_linears``
+    (one multiply for projections of the same input) and ``fused_parts``.
 Attention
     ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
     two KV caches follow, for an attention layer's argument), ``KVCache``,
-    ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``.
+    ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
+    ``attention`` (scaled dot-product attention, native for a CPU decode step).
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -102,7 +104,7 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear, attention, fuse_linears, fused_parts
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
@@ -164,12 +166,15 @@ __all__ = [
     "VisionSpec",
     "VisionTower",
     "WeightStore",
+    "attention",
     "bool_problem",
     "causal_mask",
     "choice_list_problem",
     "drop_pattern",
     "float_problem",
     "float_problems",
+    "fuse_linears",
+    "fused_parts",
     "hookimpl",
     "index_list_problem",
     "int_problem",

@@ -53,6 +53,88 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
+FUSE_MAX_BYTES = 64 << 20  # fused copies above this would add too much memory beside the stored weights
+
+
+def fuse_linears(parts: list[Linear]) -> Linear | None:
+    """One :class:`Linear` computing ``parts`` side by side (their outputs concatenated), or ``None``.
+
+    Fusing matrices that read the same input (q/k/v, gate/up) makes one
+    multiply, one dispatch and one pass over the input instead of several:
+    thin models' decode steps are bound by per-op overhead. ``None`` when the
+    parts are held differently (dense vs quantized, other bits or groups, some
+    with a bias), on another input size, or larger than :data:`FUSE_MAX_BYTES`
+    together (the fused copy is held beside the stored weights).
+    """
+    first = parts[0]
+    same = all(
+        p.quant == first.quant
+        and p.weight.dtype == first.weight.dtype
+        and p.weight.shape[1:] == first.weight.shape[1:]
+        and p.weight.ndim == 2
+        and (p.bias is None) == (first.bias is None)
+        and (p.biases is None) == (first.biases is None)
+        and (p.scales is None) == (first.scales is None)
+        and (p.scales is None or first.scales is None or p.scales.dtype == first.scales.dtype)
+        for p in parts
+    )
+    size = sum(p.weight.nbytes + (0 if p.scales is None else 2 * p.scales.nbytes) for p in parts)
+    if len(parts) < 2 or not same or size > FUSE_MAX_BYTES:
+        return None
+
+    def cat(arrays: list[mx.array | None]) -> mx.array | None:
+        held = [a for a in arrays if a is not None]
+        return mx.concatenate(held, axis=0) if len(held) == len(arrays) else None
+
+    weight = cat([p.weight for p in parts])
+    assert weight is not None
+    fused = Linear(
+        weight,
+        cat([p.bias for p in parts]),
+        quant=first.quant,
+        scales=cat([p.scales for p in parts]),
+        biases=cat([p.biases for p in parts]),
+    )
+    mx.eval([a for a in (fused.weight, fused.bias, fused.scales, fused.biases) if a is not None])
+    return fused
+
+
+def fused_parts(fused: Linear, sizes: list[int]) -> list[Linear]:
+    """The parts of a :func:`fuse_linears` result as views into its arrays (rows ``sizes`` each).
+
+    Families hold these in place of the originals, so the weights are held once.
+    """
+    out, start = [], 0
+    for n in sizes:
+
+        def rows(a: mx.array | None, lo: int = start, hi: int = start + n) -> mx.array | None:
+            return None if a is None else a[lo:hi]
+
+        weight = rows(fused.weight)
+        assert weight is not None
+        out.append(
+            Linear(weight, rows(fused.bias), quant=fused.quant, scales=rows(fused.scales), biases=rows(fused.biases))
+        )
+        start += n
+    parts = [a for p in out for a in (p.weight, p.bias, p.scales, p.biases) if a is not None]
+    mx.eval(parts)  # views of the fused buffers (no copies)
+    return out
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | str | None = None
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention``; up to 16 queries per head run natively on the CPU.
+
+    Families call it for attention over their caches: a decode step's
+    attention is then one op instead of MLX's CPU composition of about ten,
+    and each query's result is the same however many run together.
+    """
+    if native.decode_attention_supported(q, k, v, mask):
+        return native.decode_attention(q, k, v, scale, mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 class Embedding:
     """Token embedding table, also usable as a tied output head.
 

@@ -72,3 +72,61 @@ def quantized_matmul(
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
+
+
+def rope_supported(x: mx.array, offset: int | mx.array) -> bool:
+    """Whether :func:`rope` takes ``x`` at ``offset``: float32 ``[B, H, L, D]`` on the CPU, one offset or one a row."""
+    if _MODULE is None or x.ndim != 4 or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return False
+    return isinstance(offset, int) or offset.size in (1, x.shape[0])
+
+
+def rope(x: mx.array, dims: int, scale: float, offset: int | mx.array, freqs: mx.array) -> mx.array:
+    """``mx.fast.rope(x, dims, traditional=False, base=None, scale=scale, offset=offset, freqs=freqs)`` as one op.
+
+    On the CPU MLX builds RoPE from about ten small ops; this is one native op
+    (rows of ``x`` read through their strides). Check :func:`rope_supported` first.
+    """
+    assert _MODULE is not None
+    off = mx.array(offset, dtype=mx.int32) if isinstance(offset, int) else offset
+    out: mx.array = _MODULE.rope(x, dims, scale, off, freqs)
+    return out
+
+
+MAX_ATTENTION_QUERIES = 16  # queries per row and head the native attention takes (decode, verify, batch steps)
+
+
+def decode_attention_supported(
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None = None
+) -> bool:
+    """Whether :func:`decode_attention` takes these: 1..16 float32 queries per row and head, on the CPU.
+
+    ``mask``: none, ``"causal"`` (queries are the last keys), or a boolean
+    ``[B, 1 or H, L, T]`` array (a batch's rows).
+    """
+    if _MODULE is None or mx.default_device() != mx.cpu or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    if isinstance(mask, str):
+        if mask != "causal":
+            return False
+    elif mask is not None and (mask.dtype != mx.bool_ or mask.ndim != 4):
+        return False
+    if not 1 <= q.shape[2] <= min(MAX_ATTENTION_QUERIES, k.shape[2]):
+        return False
+    return q.dtype == k.dtype == v.dtype == mx.float32 and q.shape[1] % k.shape[1] == 0
+
+
+def decode_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None = None
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` for a few queries, as one op.
+
+    On the CPU MLX composes attention from matmuls, a softmax and reshapes;
+    this reads the cache's keys and values in place, each query alone (so a
+    query's result does not depend on how many run together). Check
+    :func:`decode_attention_supported` first.
+    """
+    assert _MODULE is not None
+    causal = isinstance(mask, str)
+    out: mx.array = _MODULE.decode_attention(q, k, v, scale, None if isinstance(mask, str) else mask, causal)
+    return out

@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.errors import ArchConfigError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -28,6 +29,8 @@ class Rope:
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.mscale != 1.0:
             x = _scale_rotated(x, self.dims, self.mscale)
+        if native.rope_supported(x, offset):  # one op on the CPU instead of MLX's composed fallback
+            return native.rope(x, self.dims, self.scale, offset, self._freqs)
         return mx.fast.rope(
             x,
             self.dims,

@@ -24,9 +24,12 @@ from turbospark_core.family import (
     RingKVCache,
     Rope,
     WeightStore,
+    attention,
     causal_mask,
     choice_list_problem,
     float_problems,
+    fuse_linears,
+    fused_parts,
     int_problems,
     rope_scaling_problems,
     steer,
@@ -148,6 +151,11 @@ class Attention:
         self.k_proj = w.linear(f"{prefix}.k_proj")
         self.v_proj = w.linear(f"{prefix}.v_proj")
         self.o_proj = w.linear(f"{prefix}.o_proj")
+        # one multiply for q, k and v where they are held alike (the separate ones become views)
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        if self.qkv is not None:
+            self.q_proj, self.k_proj, self.v_proj = fused_parts(self.qkv, self.sizes)
         self.q_norm = RMSNorm(w, f"{prefix}.q_norm.weight", args.rms_norm_eps, args.norm_adds_one)
         self.k_norm = RMSNorm(w, f"{prefix}.k_norm.weight", args.rms_norm_eps, args.norm_adds_one)
         # Local layers rotate with their own base and no scaling
@@ -160,9 +168,13 @@ class Attention:
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.qkv is not None:
+            q, k, v = mx.split(self.qkv(x), [self.sizes[0], self.sizes[0] + self.sizes[1]], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = 0 if cache is None else cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is None:
@@ -170,7 +182,7 @@ class Attention:
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -181,8 +193,15 @@ class MLP:
         self.gate_proj = w.linear(f"{prefix}.gate_proj")
         self.up_proj = w.linear(f"{prefix}.up_proj")
         self.down_proj = w.linear(f"{prefix}.down_proj")
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            sizes = [self.gate_proj.out_features, self.up_proj.out_features]
+            self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gate_up is not None:
+            gate, up = mx.split(self.gate_up(x), 2, axis=-1)
+            return self.down_proj(nn.gelu_approx(gate) * up)
         return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -208,10 +227,14 @@ class Block:
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+        self._decode_ffn = mx.compile(self._ffn)  # one-token steps have fixed shapes
+
+    def _ffn(self, h: mx.array) -> mx.array:
+        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
         h = _residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache)))
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        return self._decode_ffn(h) if x.shape[1] == 1 else self._ffn(h)
 
 
 class Model:

@@ -28,6 +28,7 @@ from turbospark_core.family import (
     Rope,
     VisionInputs,
     WeightStore,
+    attention,
     bool_problem,
     causal_mask,
     float_problem,
@@ -302,7 +303,7 @@ class Attention:
         k, v, mask = kv
         if k.dtype != q.dtype:  # caches may be held in another dtype than the activations
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = attention(q, k, v, scale=1.0, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), kv
 
 

@@ -24,8 +24,11 @@ from turbospark_core.family import (
     Rope,
     VisionInputs,
     WeightStore,
+    attention,
     bool_problem,
     float_problems,
+    fuse_linears,
+    fused_parts,
     index_list_problem,
     int_problems,
     is_int,
@@ -200,6 +203,12 @@ class Attention:
         self.k_proj = w.linear(f"{prefix}.k_proj")
         self.v_proj = w.linear(f"{prefix}.v_proj")
         self.o_proj = w.linear(f"{prefix}.o_proj")
+        # one multiply for q, k and v where they are held alike
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.splits = [self.q_proj.out_features, self.q_proj.out_features + self.k_proj.out_features]
+        if self.qkv is not None:  # the separate projections become views of the fused one (held once)
+            sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+            self.q_proj, self.k_proj, self.v_proj = fused_parts(self.qkv, sizes)
         self.q_norm = w.tensor(f"{prefix}.q_norm.weight") if args.qk_norm else None
         self.k_norm = w.tensor(f"{prefix}.k_norm.weight") if args.qk_norm else None
         self.rope = Rope.from_config(
@@ -233,7 +242,10 @@ class Attention:
         self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
     ) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv is not None:
+            q, k, v = mx.split(self.qkv(x), self.splits, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
@@ -253,7 +265,7 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
     def __call__(
@@ -268,8 +280,15 @@ class MLP:
         self.gate_proj = w.linear(f"{prefix}.gate_proj")
         self.up_proj = w.linear(f"{prefix}.up_proj")
         self.down_proj = w.linear(f"{prefix}.down_proj")
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            sizes = [self.gate_proj.out_features, self.up_proj.out_features]
+            self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gate_up is not None:
+            gate, up = mx.split(self.gate_up(x), 2, axis=-1)
+            return self.down_proj(swiglu(gate, up))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -25,6 +25,7 @@ from turbospark_core.family import (
     Rope,
     StateSpec,
     WeightStore,
+    attention,
     bool_problem,
     float_problems,
     int_problems,
@@ -306,7 +307,7 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+        out = attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
         return self.o_proj(out)
 

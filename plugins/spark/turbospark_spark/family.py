@@ -24,6 +24,7 @@ from turbospark_core.family import (
     CacheSpec,
     Rope,
     WeightStore,
+    attention,
     causal_mask,
     float_problems,
     int_problems,
@@ -206,7 +207,7 @@ class Attention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3)
         # One sigmoid gate per head, computed in float32
         gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(out.dtype)

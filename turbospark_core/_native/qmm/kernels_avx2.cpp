@@ -2,6 +2,7 @@
 // only called after a run-time check (__builtin_cpu_supports).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -79,6 +80,109 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
   for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n] = hsum(acc[t]) + bsum[t];
 }
 
+// Values j..j+15 of a group as two vectors of eight. 4-bit: each byte holds
+// values 2t (low nibble) and 2t+1 (high nibble), so the first vector is the
+// even values and the second the odd ones (x is permuted to match, see
+// permute16); 8-bit: values j..j+7 and j+8..j+15 in order.
+template <int BITS>
+inline void unpack16(const uint8_t* p, __m256& lo, __m256& hi) {
+  if constexpr (BITS == 4) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xf)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+  }
+}
+
+// Rows m0..m0+MT of x as the kernels read them: 4-bit splits each 16 values
+// into evens then odds (the nibble order of unpack16); xsum holds per-group sums.
+inline void prepare_rows(const float* x, int64_t M, int64_t K, int64_t group, int bits, float* xp, float* xsum) {
+  const int64_t groups = K / group;
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * K;
+    float* out = xp + m * K;
+    if (bits == 4) {
+      for (int64_t j = 0; j < K; j += 16) {
+        for (int i = 0; i < 8; i++) {
+          out[j + i] = xr[j + 2 * i];
+          out[j + 8 + i] = xr[j + 2 * i + 1];
+        }
+      }
+    } else {
+      std::memcpy(out, xr, sizeof(float) * K);
+    }
+    for (int64_t g = 0; g < groups; g++) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t j = 0; j < group; j += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(xr + g * group + j));
+      xsum[m * groups + g] = hsum(a);
+    }
+  }
+}
+
+// y[m0..m0+MT, n] for 4- or 8-bit weights, groups a multiple of 16: per group
+// the integer values are multiplied with x first and scaled once (one FMA per
+// value and row), and each weight vector is unpacked once for all MT rows.
+template <int BITS, int MT>
+void small_tile(const QMat& q, const float* xp, const float* xsum, int64_t m0, float* y, int64_t ldy, int64_t n0,
+                int64_t n1) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    __m256 acc[MT];
+    float bsum[MT];
+    for (int t = 0; t < MT; t++) {
+      acc[t] = _mm256_setzero_ps();
+      bsum[t] = 0.0f;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t k0 = g * q.group;
+      __m256 ga[MT], gb[MT];
+      for (int t = 0; t < MT; t++) {
+        ga[t] = _mm256_setzero_ps();
+        gb[t] = _mm256_setzero_ps();
+      }
+      for (int j = 0; j < q.group; j += 16) {
+        __m256 lo, hi;
+        unpack16<BITS>(row + (k0 + j) * BITS / 8, lo, hi);
+        for (int t = 0; t < MT; t++) {
+          const float* xr = xp + (m0 + t) * q.K + k0 + j;
+          ga[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), ga[t]);
+          gb[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), gb[t]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
+      const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+      for (int t = 0; t < MT; t++) {
+        acc[t] = _mm256_fmadd_ps(_mm256_add_ps(ga[t], gb[t]), s, acc[t]);
+        bsum[t] += b * xsum[(m0 + t) * groups + g];
+      }
+    }
+    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n] = hsum(acc[t]) + bsum[t];
+  }
+}
+
+template <int BITS>
+void small_rows(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t groups = q.K / q.group;
+  std::vector<float> xp(M * q.K), xsum(M * groups);
+  prepare_rows(x, M, q.K, q.group, BITS, xp.data(), xsum.data());
+  // weight rows in blocks that stay in L1 while every 4-row tile of x passes over them
+  const int64_t block = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, q.K * BITS / 8));
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(n1, b0 + block);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) small_tile<BITS, 4>(q, xp.data(), xsum.data(), m, y, ldy, b0, b1);
+    if (M - m >= 2) {
+      small_tile<BITS, 2>(q, xp.data(), xsum.data(), m, y, ldy, b0, b1);
+      m += 2;
+    }
+    if (M - m >= 1) small_tile<BITS, 1>(q, xp.data(), xsum.data(), m, y, ldy, b0, b1);
+  }
+}
+
 // 4-bit, one activation row: each byte holds values 2t (low nibble) and 2t+1
 // (high nibble), so x is split into even/odd halves per 16 values once, and
 // the weights need one widening load, a mask and a shift per 16 values.
@@ -120,6 +224,9 @@ template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if constexpr (BITS == 4) {
     if (M == 1 && q.group % 16 == 0) return gemv4(q, x, y, n0, n1);
+  }
+  if constexpr (BITS == 4 || BITS == 8) {
+    if (q.group % 16 == 0) return small_rows<BITS>(q, x, M, y, ldy, n0, n1);
   }
   const int64_t groups = q.K / q.group;
   std::vector<float> xsum(M * groups);

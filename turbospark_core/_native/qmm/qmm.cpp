@@ -4,15 +4,18 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -209,6 +212,212 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
+
+// RoPE (Hugging Face half-split layout) over the first `dims` features of each
+// head of x [B, H, L, D], position of query l in row b = offsets[b or 0] + l;
+// angle = (position * scale) * (1 / freqs[i]), as mx.fast.rope computes it.
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream s, int dims, float scale) : mx::UnaryPrimitive(s), dims_(dims), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& offsets = inputs[1];
+    const auto& freqs = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int64_t B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
+    const int64_t sb = x.strides()[0], sh = x.strides()[1], sl = x.strides()[2], sd = x.strides()[3];
+    const int64_t n_off = offsets.size();
+    enc.dispatch([xp = x.data<float>(), op = offsets.data<int32_t>(), fp = freqs.data<float>(), yp = out.data<float>(),
+                  B, H, L, D, sb, sh, sl, sd, n_off, dims = dims_, scale = scale_]() {
+      const int half = dims / 2;
+      std::vector<float> inv(half), c(half), sn(half);
+      for (int i = 0; i < half; i++) inv[i] = 1.0f / fp[i];
+      for (int64_t b = 0; b < B; b++) {
+        const int32_t off = op[n_off == 1 ? 0 : b];
+        for (int64_t l = 0; l < L; l++) {
+          const float pos = (float)(off + l) * scale;
+          for (int i = 0; i < half; i++) {
+            const float theta = pos * inv[i];
+            c[i] = std::cos(theta);
+            sn[i] = std::sin(theta);
+          }
+          for (int64_t h = 0; h < H; h++) {
+            const float* src = xp + b * sb + h * sh + l * sl;
+            float* dst = yp + ((b * H + h) * L + l) * D;
+            for (int i = 0; i < half; i++) {
+              const float a = src[i * sd], z = src[(i + half) * sd];
+              dst[i] = a * c[i] - z * sn[i];
+              dst[i + half] = a * sn[i] + z * c[i];
+            }
+            for (int64_t i = dims; i < D; i++) dst[i] = src[i * sd];
+          }
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark rope runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkRope"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && scale_ == o.scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  float scale_;
+};
+
+mx::array rope(const mx::array& x_in, int dims, float scale, const mx::array& offset, const mx::array& freqs) {
+  check(x_in.ndim() == 4 && x_in.dtype() == mx::float32, "rope: x must be a float32 [B, H, L, D] array");
+  check(dims > 0 && dims % 2 == 0 && dims <= x_in.shape(3), "rope: dims must be even and at most the head size");
+  check(freqs.dtype() == mx::float32 && freqs.size() == (size_t)(dims / 2), "rope: freqs must be float32 [dims / 2]");
+  check(offset.size() == 1 || offset.size() == (size_t)x_in.shape(0), "rope: offset must be a scalar or one per row");
+  auto s = mx::default_stream(mx::Device::cpu);
+  const mx::array& x = x_in;  // read through its strides at eval (transposed heads are not copied)
+  auto off = row_major(mx::astype(mx::flatten(offset, s), mx::int32, s), s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, scale), {x, off, row_major(freqs, s)});
+}
+
+// One query per row and head (decode): softmax(scale * q . k) v over all T
+// keys, grouped-query heads sharing keys; k/v are read through their strides
+// (the cache's slices are not copied).
+class DecodeAttention : public mx::UnaryPrimitive {
+ public:
+  DecodeAttention(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& q = inputs[0];
+    const auto& k = inputs[1];
+    const auto& v = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    struct View {
+      const float* p;
+      int64_t sb, sh, st, sd;
+    };
+    auto view = [](const mx::array& a) {
+      return View{a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+    };
+    const int64_t B = q.shape(0), Hq = q.shape(1), D = q.shape(3), Hkv = k.shape(1), T = k.shape(2), Dv = v.shape(3);
+    // optional boolean mask [B, Hq, L, T] (any strides, broadcasts included): false keys get no weight;
+    // causal: query l sees keys t <= T - L + l
+    const int64_t L = q.shape(2);
+    const bool* mp = inputs.size() > 3 ? inputs[3].data<bool>() : nullptr;
+    const int64_t mb = mp ? inputs[3].strides()[0] : 0, mh = mp ? inputs[3].strides()[1] : 0,
+                  ml = mp ? inputs[3].strides()[2] : 0, mt = mp ? inputs[3].strides()[3] : 0;
+    enc.dispatch([qv = view(q), kv = view(k), vv = view(v), yp = out.data<float>(), B, Hq, L, D, Hkv, T, Dv, mp, mb, mh,
+                  ml, mt, causal = causal_, scale = scale_]() {
+      auto one = [&](int64_t c) {
+        const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq), g = h / (Hq / Hkv);
+        const int64_t visible = causal ? T - L + l + 1 : T;
+        std::vector<float> qs(D), p(T);
+        for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd] * scale;
+        const float* kb = kv.p + b * kv.sb + g * kv.sh;
+        float mx_ = -INFINITY;
+        const bool* mrow = mp ? mp + b * mb + h * mh + l * ml : nullptr;
+        for (int64_t t = 0; t < T; t++) {
+          if ((mrow && !mrow[t * mt]) || t >= visible) {
+            p[t] = -INFINITY;
+            continue;
+          }
+          const float* kr = kb + t * kv.st;
+          float acc = 0.0f;
+          if (kv.sd == 1) {
+            for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d];
+          } else {
+            for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d * kv.sd];
+          }
+          p[t] = acc;
+          mx_ = std::max(mx_, acc);
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < T; t++) {
+          p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - mx_);
+          sum += p[t];
+        }
+        float* y = yp + ((b * Hq + h) * L + l) * Dv;
+        for (int64_t d = 0; d < Dv; d++) y[d] = 0.0f;
+        const float* vb = vv.p + b * vv.sb + g * vv.sh;
+        for (int64_t t = 0; t < T; t++) {
+          const float* vr = vb + t * vv.st;
+          const float w = p[t];
+          if (w == 0.0f) continue;  // masked (or underflowed): adds exact zeros
+          if (vv.sd == 1) {
+            for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d];
+          } else {
+            for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d * vv.sd];
+          }
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < Dv; d++) y[d] *= inv;
+      };
+      const int64_t chunks = B * Hq * L;
+      if (chunks > 1 && T * (D + Dv) * chunks >= (1 << 16)) {
+        runtime().pool->run(chunks, one);
+      } else {
+        for (int64_t c = 0; c < chunks; c++) one(c);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark decode attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkDecodeAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(3);
+    return {shape};
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                           const std::optional<mx::array>& mask, bool causal) {
+  check(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "decode_attention: q, k, v must be [B, H, L, D]");
+  check(q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32,
+        "decode_attention: q, k, v must be float32");
+  check(q.shape(2) >= 1 && q.shape(2) <= 16, "decode_attention: 1 to 16 queries per row and head");
+  check(q.shape(2) <= k.shape(2), "decode_attention: more queries than keys");
+  check(!(causal && mask), "decode_attention: a mask array or causal, not both");
+  check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1) && k.shape(2) == v.shape(2),
+        "decode_attention: k and v must share batch, heads and length with each other and q's batch");
+  check(k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0, "decode_attention: query heads must be a multiple of kv heads");
+  check(k.shape(3) == q.shape(3) && k.shape(2) > 0, "decode_attention: k must have q's head size and a key");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto shape = q.shape();
+  shape.back() = v.shape(3);
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) {
+    check(mask->dtype() == mx::bool_ && mask->ndim() == 4, "decode_attention: the mask must be boolean [B, 1|H, L, T]");
+    inputs.push_back(mx::broadcast_to(*mask, {q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, s));
+  }
+  return mx::array(shape, mx::float32, std::make_shared<DecodeAttention>(s, scale, causal), std::move(inputs));
+}
+
 bool bind_blas(const std::string& path, const std::string& prefix) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) return false;
@@ -226,6 +435,12 @@ NB_MODULE(_qmm, m) {
   m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
         "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute.");
+  m.def("rope", &tsq::rope, nb::arg("x"), nb::arg("dims"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs"),
+        "mx.fast.rope(x, dims, traditional=False, base=None, scale, offset, freqs) for float32 [B, H, L, D] as one op.");
+  m.def("decode_attention", &tsq::decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
+        nb::arg("mask") = nb::none(), nb::arg("causal") = false,
+        "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one float32 query per head "
+        "(mask: None or boolean), as one op.");
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");

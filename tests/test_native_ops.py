@@ -1,0 +1,108 @@
+"""Native RoPE and decode attention: equal to mx.fast.rope / scaled_dot_product_attention within float32 rounding."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark_core import native
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+
+
+def _freqs(dims: int) -> mx.array:
+    return mx.array((10000.0 ** (np.arange(0, dims, 2) / dims)).astype(np.float32))
+
+
+def _want(x: mx.array, dims: int, scale: float, offset: int) -> np.ndarray:
+    y = mx.fast.rope(x, dims, traditional=False, base=None, scale=scale, offset=offset, freqs=_freqs(dims))
+    return np.array(y)
+
+
+@needs_native
+@pytest.mark.parametrize("dims", [64, 48])
+@pytest.mark.parametrize("length", [1, 5])
+def test_equals_mlx_rope_on_transposed_heads(dims: int, length: int) -> None:
+    x = mx.random.normal((2, length, 3, 64), key=mx.random.key(1)).transpose(0, 2, 1, 3)  # strided, as families pass
+    assert native.rope_supported(x, 37)
+    got = native.rope(x, dims, 0.5, 37, _freqs(dims))
+    np.testing.assert_allclose(np.array(got), _want(x, dims, 0.5, 37), rtol=0, atol=2e-6)
+
+
+@needs_native
+def test_offset_per_row_and_compiled() -> None:
+    x = mx.random.normal((2, 4, 1, 32), key=mx.random.key(2))
+    offsets = mx.array([3, 900], dtype=mx.int32)
+    f = mx.compile(lambda a, o: native.rope(a, 32, 1.0, o, _freqs(32)))
+    got = np.array(f(x, offsets))
+    for row, off in enumerate((3, 900)):
+        np.testing.assert_allclose(got[row : row + 1], _want(x[row : row + 1], 32, 1.0, off), rtol=0, atol=2e-5)
+
+
+@needs_native
+def test_bad_shapes_are_refused() -> None:
+    x = mx.zeros((1, 2, 1, 16))
+    assert not native.rope_supported(x.astype(mx.float16), 0)
+    assert not native.rope_supported(mx.zeros((2, 1, 16)), 0)
+    with pytest.raises(ValueError, match="dims must be even"):
+        native.rope(x, 15, 1.0, 0, _freqs(16)[:7])
+    with pytest.raises(ValueError, match="freqs must be float32"):
+        native.rope(x, 16, 1.0, 0, _freqs(8))
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads", "length"), [(9, 3, 300), (4, 4, 1), (8, 1, 17)])
+def test_decode_attention_equals_mlx_on_cache_slices(heads: int, kv_heads: int, length: int) -> None:
+    key = mx.random.key(3)
+    kk, kv, kq = mx.random.split(key, 3)
+    k = mx.random.normal((2, kv_heads, length + 40, 32), key=kk)[:, :, :length, :]  # a cache's slice: strided
+    v = mx.random.normal((2, kv_heads, length + 40, 32), key=kv)[:, :, :length, :]
+    q = mx.random.normal((2, 1, heads, 32), key=kq).transpose(0, 2, 1, 3)
+    assert native.decode_attention_supported(q, k, v)
+    got = native.decode_attention(q, k, v, 32**-0.5)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=2e-6)
+
+
+@needs_native
+def test_decode_attention_refusals() -> None:
+    q, k = mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 20, 16))
+    assert not native.decode_attention_supported(q, k, k)  # 17 queries: MLX's kernel runs
+    with pytest.raises(ValueError, match="1 to 16 queries"):
+        native.decode_attention(q, k, k, 1.0)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        native.decode_attention(mx.zeros((1, 3, 1, 16)), k, k, 1.0)
+
+
+@needs_native
+def test_decode_attention_with_a_batch_mask() -> None:
+    kk, kv, kq, km = mx.random.split(mx.random.key(4), 4)
+    k, v = mx.random.normal((3, 2, 20, 16), key=kk), mx.random.normal((3, 2, 20, 16), key=kv)
+    q = mx.random.normal((3, 4, 1, 16), key=kq)
+    mask = mx.random.uniform(key=km, shape=(3, 1, 1, 20)) > 0.4
+    mask[:, :, :, 0] = True  # every row sees a key
+    assert native.decode_attention_supported(q, k, v, mask)
+    got = native.decode_attention(q, k, v, 0.25, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=2e-6)
+    assert not native.decode_attention_supported(q, k, v, "sliding")
+
+
+@needs_native
+@pytest.mark.parametrize("mask", ["causal", "array"])
+def test_a_few_queries_equal_mlx_and_each_query_alone(mask: str) -> None:
+    kk, kv, kq = mx.random.split(mx.random.key(5), 3)
+    k, v = mx.random.normal((2, 2, 12, 16), key=kk), mx.random.normal((2, 2, 12, 16), key=kv)
+    q = mx.random.normal((2, 4, 3, 16), key=kq)
+    m: mx.array | str = (
+        "causal" if mask == "causal" else (mx.arange(12)[None, :] <= mx.arange(9, 12)[:, None])[None, None]
+    )
+    got = native.decode_attention(q, k, v, 0.25, m)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=2e-6)
+    last = native.decode_attention(q[:, :, 2:], k, v, 0.25)  # the last query alone sees every key
+    assert np.array_equal(np.array(got[:, :, 2:]), np.array(last))
+    assert not native.decode_attention_supported(
+        mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 40, 16)), mx.zeros((1, 2, 40, 16))
+    )
