@@ -15,6 +15,7 @@ from pathlib import Path
 import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX loads  # isort: skip
 import mlx.core as mx
 import numpy as np
+
 from turbospark_core import kv_cache
 
 from common import install_or_smollm2

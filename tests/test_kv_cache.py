@@ -93,8 +93,6 @@ def test_overflow_is_refused_with_a_clear_message() -> None:
     assert _positions(keys) == list(range(8))
 
 
-
-
 def test_trim_drops_the_last_tokens() -> None:
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=8)
     cache.update_and_fetch(*_kv(6))
@@ -149,8 +147,9 @@ def test_quantized_ring_attends_like_the_float_ring() -> None:
         parts, start = [], 0
         for n in (11, 1, 1, 5, 1, 1, 10):
             kk, vv = ring.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-            parts.append(mx.fast.scaled_dot_product_attention(
-                q[:, :, start : start + n], kk, vv, scale=0.2, mask=ring.mask(n)))
+            parts.append(
+                mx.fast.scaled_dot_product_attention(q[:, :, start : start + n], kk, vv, scale=0.2, mask=ring.mask(n))
+            )
             start += n
         outs[bits] = mx.concatenate(parts, axis=2)
         assert ring.keys.shape[2] == 8  # memory stays flat at the window

@@ -324,6 +324,7 @@ class RingKVCache(_KVBuffers):
 
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of this ring (copies: later writes overwrite slots)."""
+
         def copy(rows: _Rows | None) -> _Rows | None:
             return None if rows is None else rows.map(mx.array)
 
