@@ -16,6 +16,8 @@ import turbospark_core  # first: binds MLX's CPU matmuls to OpenBLAS before MLX 
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import kv_cache
+
 from common import install_or_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,14 +43,18 @@ def main() -> None:
     parser.add_argument("--install", type=Path)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--q4-group", type=int, default=32, help="q4 KV quantization group (32 or 64)")
+    parser.add_argument("--skip-q8", action="store_true", help="measure none and q4 only")
     args = parser.parse_args()
+    kv_cache.KV_Q4_GROUPS = (args.q4_group,)
     install = install_or_smollm2(args.install)
     base = turbospark_core.open(install, max_context=args.tokens + 8)
     ids = base.tokenizer.encode(english_text())[: args.tokens]
     targets = np.array(ids[args.prefill :])
     rows = []
     reference = None
-    for kv_quant, rotate in ((None, False), ("q8", False), ("q8", True), ("q4", False), ("q4", True)):
+    configs = [(None, False), ("q8", False), ("q8", True), ("q4", False), ("q4", True)]
+    for kv_quant, rotate in [c for c in configs if not (args.skip_q8 and c[0] == "q8")]:
         runner = turbospark_core.open(install, max_context=args.tokens + 8, kv_quant=kv_quant, kv_rotate=rotate)
         logits = decode_logits(runner, ids, args.prefill)
         logp = logits - logits.max(-1, keepdims=True)
@@ -59,16 +65,17 @@ def main() -> None:
         err = float(np.abs(logits - reference).max() / np.abs(reference).max())
         agree = float((logits.argmax(-1) == reference.argmax(-1)).mean())
         kv_mb = runner.opened.estimate.kv / 1e6
-        rows.append((f"{kv_quant}{' rot' if rotate and kv_quant else ''}", ppl, err, agree, kv_mb))
+        group = f" g{args.q4_group}" if kv_quant == "q4" else ""
+        rows.append((f"{kv_quant}{group}{' rot' if rotate and kv_quant else ''}", ppl, err, agree, kv_mb))
     print(
         f"SmolLM2-135M, {len(ids)} tokens of English ({args.prefill} prefilled, the rest decoded through the KV cache)"
     )
     print(
-        f"{'kv_quant':<10} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} "
+        f"{'kv_quant':<14} {'perplexity':>10} {'max rel logit err':>18} {'argmax agreement':>17} "
         f"{'KV MB at max_context':>21}"
     )
     for name, ppl, err, agree, kv_mb in rows:
-        print(f"{name:<10} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
+        print(f"{name:<14} {ppl:>10.3f} {err:>18.2e} {agree:>17.3f} {kv_mb:>21.1f}")
 
 
 if __name__ == "__main__":

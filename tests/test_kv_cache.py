@@ -8,7 +8,7 @@ import pytest
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ContextOverflowError
-from turbospark_core.kv_cache import KVCache
+from turbospark_core.kv_cache import KVCache, _Rows, kv_group_size
 
 SPEC = CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3)
 
@@ -93,8 +93,6 @@ def test_overflow_is_refused_with_a_clear_message() -> None:
     assert _positions(keys) == list(range(8))
 
 
-
-
 def test_trim_drops_the_last_tokens() -> None:
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=8)
     cache.update_and_fetch(*_kv(6))
@@ -149,8 +147,9 @@ def test_quantized_ring_attends_like_the_float_ring() -> None:
         parts, start = [], 0
         for n in (11, 1, 1, 5, 1, 1, 10):
             kk, vv = ring.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-            parts.append(mx.fast.scaled_dot_product_attention(
-                q[:, :, start : start + n], kk, vv, scale=0.2, mask=ring.mask(n)))
+            parts.append(
+                mx.fast.scaled_dot_product_attention(q[:, :, start : start + n], kk, vv, scale=0.2, mask=ring.mask(n))
+            )
             start += n
         outs[bits] = mx.concatenate(parts, axis=2)
         assert ring.keys.shape[2] == 8  # memory stays flat at the window
@@ -210,3 +209,16 @@ def test_keys_only_quantized_and_batched(bits: int) -> None:
     fresh = make_caches([KEYS_ONLY], 64, mx.float32, kv_bits=bits, kv_rotate=True)
     batch.export_row(0, fresh)
     assert fresh[0].offset == 4 and fresh[0].keys is not None
+
+
+def test_q4_rows_use_group_32_and_shrink_quantization_error() -> None:
+    """q4 KV rows quantize in groups of 32 (q8 keeps 64): half the groups' error on real-like rows."""
+    assert kv_group_size(64, 4) == 32 and kv_group_size(64, 8) == 64 and kv_group_size(96) == 32
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 2, 16, 64)).astype(np.float32))
+    rows = _Rows.encode(x, 4, mx.float32)
+    assert rows.parts[1].shape[-1] == 2  # two scales per 64-wide row
+    err32 = float(mx.abs(rows.decode() - x).mean())
+    w, s, b = mx.quantize(x, group_size=64, bits=4)
+    err64 = float(mx.abs(mx.dequantize(w, s, b, group_size=64, bits=4) - x).mean())
+    assert err32 < 0.9 * err64

@@ -38,9 +38,13 @@ def causal_mask(n: int, window: int | None = None) -> mx.array | str | None:
     return (k <= q) & (k > q - window)
 
 
-def kv_group_size(head_dim: int) -> int | None:
-    """The quantization group for KV rows of ``head_dim`` (64, else 32), or ``None``."""
-    return next((g for g in (64, 32) if head_dim % g == 0), None)
+KV_Q4_GROUPS = (32,)  # q4 rows use group 32: measured on SmolLM2 (benchmarks/kv_quant_quality.py)
+
+
+def kv_group_size(head_dim: int, bits: int | None = None) -> int | None:
+    """The quantization group for KV rows of ``head_dim``: 64, else 32 (32 at 4 bits), or ``None``."""
+    groups = KV_Q4_GROUPS if bits == 4 else (64, 32)
+    return next((g for g in groups if head_dim % g == 0), None)
 
 
 class _Rows:
@@ -55,7 +59,7 @@ class _Rows:
     def encode(cls, x: mx.array, bits: int | None, dtype: mx.Dtype) -> _Rows:
         if bits is None or x.shape[-1] == 0:  # no values (a keys-only spec) stay unquantized
             return cls((x if x.dtype == dtype else x.astype(dtype),), None, dtype)
-        group = kv_group_size(x.shape[-1])
+        group = kv_group_size(x.shape[-1], bits)
         return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
 
     def decode(self) -> mx.array:
@@ -320,6 +324,7 @@ class RingKVCache(_KVBuffers):
 
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of this ring (copies: later writes overwrite slots)."""
+
         def copy(rows: _Rows | None) -> _Rows | None:
             return None if rows is None else rows.map(mx.array)
 

@@ -461,7 +461,8 @@ def _plan_memory(
     max_context: int,
 ) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
     """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
-    itemsize = 4 if opts.kv_quant is None else KV_BITS[opts.kv_quant] / 8 + 8 / 64  # + scales/biases
+    bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    itemsize = 4 if bits is None else bits / 8 + 8 / (32 if bits == 4 else 64)  # + scales/biases per group
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
     kv_bytes = per_sequence * opts.session_slots
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
