@@ -1,15 +1,22 @@
 """Continuous batching: many sequences decoded in one forward, joining and leaving between steps.
 
-A :class:`Batch` owns rows. Each :meth:`Batch.step` does at most one
-prefill chunk of one joining row (run alone, exactly as the single-sequence
-path runs it, so a long prompt stalls the others by at most one chunk), then
-one decode forward over every decoding row (``[B, 1]`` tokens, per-row
+A :class:`Batch` owns rows. Each :meth:`Batch.step` prefills joining
+rows (each alone, exactly as the single-sequence path runs it; at most
+``prefill_chunk`` prompt tokens per step, so a long prompt stalls the others by
+at most one chunk while several short prompts join in one step), then one
+decode forward over every decoding row (``[B, 1]`` tokens, per-row
 positions and masks from :class:`~turbospark_core.batch_cache.BatchCaches`).
 Sampling parameters, seeds, repetition history, stop strings, EOS and
 ``max_tokens`` are per row; a finished row leaves the batch at once.
 
-Exactness: a row's prompt is prefilled alone, so its first token is the
-single-sequence one bit for bit; its decode steps run in the batch (see
+A joining row's last prompt token runs
+in that decode forward (its first token is sampled there), so N rows arriving
+together get their first tokens after one step, not N. Greedy rows without a
+repetition penalty or log probabilities are sampled by one argmax over the
+batch; every row's token comes back in one host sync.
+
+Exactness: a row's prompt but its last token is prefilled alone; its last
+prompt token and its decode steps run in the batch (see
 :mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
 
 Speculative decoding (a drafter opened with the runner): a row decoding
@@ -381,7 +388,7 @@ class Batch:
         stacked = mx.concatenate([t.reshape(1) for t in tokens])
         mx.eval(stacked, scores, self._caches.state)
         self._caches.step_done(1)
-        ids = stacked.tolist()
+        ids: list[int] = np.asarray(stacked).tolist()  # one host sync for every row's token
         now = time.perf_counter()
         for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
             seq.pending = token.reshape(1)
@@ -391,7 +398,6 @@ class Batch:
                 seq.progress.prompt_s += now - t0
                 seq.t0 = now
                 seq.row.status = "decoding"
-            assert isinstance(tok, int)
             self._accept(seq, tok, out, score)
         self._drop_finished()
 
