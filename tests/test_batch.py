@@ -290,6 +290,10 @@ def test_a_step_prefills_at_most_prefill_chunk_prompt_tokens(llama: Any) -> None
     batch.run()
     for row, prompt in zip(rows, prompts, strict=True):
         assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=3).tokens
+    batch = llama.batch(max_rows=3, prefill_chunk=6)  # 2 tokens left after the first row: the next waits
+    rows = [batch.add(p, 3) for p in prompts]
+    batch.step()
+    assert [r.status for r in rows] == ["decoding", "queued", "queued"]
 
 
 def test_each_row_gets_exactly_its_own_steering(llama: Any) -> None:

@@ -228,6 +228,8 @@ class Batch:
         out: list[tuple[BatchRow, str]] = []
         budget = self.prefill_chunk  # prompt tokens prefilled alone this step, across joining rows
         while budget > 0:
+            if budget < self.prefill_chunk and self._waiting and len(self._waiting[0].ids) - 1 > budget:
+                break  # the next prompt does not fit what is left of this step's budget: it starts next step
             self._admit()
             seq = self._prefilling
             if seq is None:
