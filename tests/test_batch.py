@@ -266,6 +266,36 @@ def test_batch_yields_each_rows_pieces_in_order(llama: Any) -> None:
         assert "".join(seen[row.id]) == row.result.text == llama.generate(prompt, max_tokens=6).text
 
 
+def test_rows_joining_together_get_their_first_tokens_in_one_step(llama: Any) -> None:
+    """Short prompts are prefilled in the same step; their last prompt tokens run in one decode forward."""
+    prompts = [[5, 6, 7, 8, 9 + i] for i in range(4)]
+    batch = llama.batch(max_rows=4)
+    rows = [batch.add(p, 6) for p in prompts]
+    batch.step()
+    assert [r.status for r in rows] == ["decoding"] * 4
+    assert batch.decoding_rows == 4
+    batch.run()
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=6).tokens
+
+
+def test_a_step_prefills_at_most_prefill_chunk_prompt_tokens(llama: Any) -> None:
+    prompts = [[5, 6, 7, 8, 9 + i] for i in range(3)]  # 4 tokens each prefilled alone (the last runs batched)
+    batch = llama.batch(max_rows=3, prefill_chunk=4)
+    rows = [batch.add(p, 3) for p in prompts]
+    batch.step()
+    assert [r.status for r in rows] == ["decoding", "queued", "queued"]  # the budget went to the first row
+    batch.step()
+    assert [r.status for r in rows] == ["decoding", "decoding", "queued"]
+    batch.run()
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=3).tokens
+    batch = llama.batch(max_rows=3, prefill_chunk=6)  # 2 tokens left after the first row: the next waits
+    rows = [batch.add(p, 3) for p in prompts]
+    batch.step()
+    assert [r.status for r in rows] == ["decoding", "queued", "queued"]
+
+
 def test_each_row_gets_exactly_its_own_steering(llama: Any) -> None:
     from turbospark_core.steering import DirectionSet
 

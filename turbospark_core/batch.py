@@ -1,15 +1,22 @@
 """Continuous batching: many sequences decoded in one forward, joining and leaving between steps.
 
-A :class:`Batch` owns rows. Each :meth:`Batch.step` does at most one
-prefill chunk of one joining row (run alone, exactly as the single-sequence
-path runs it, so a long prompt stalls the others by at most one chunk), then
-one decode forward over every decoding row (``[B, 1]`` tokens, per-row
+A :class:`Batch` owns rows. Each :meth:`Batch.step` prefills joining
+rows (each alone, exactly as the single-sequence path runs it; at most
+``prefill_chunk`` prompt tokens per step, so a long prompt stalls the others by
+at most one chunk while several short prompts join in one step), then one
+decode forward over every decoding row (``[B, 1]`` tokens, per-row
 positions and masks from :class:`~turbospark_core.batch_cache.BatchCaches`).
 Sampling parameters, seeds, repetition history, stop strings, EOS and
 ``max_tokens`` are per row; a finished row leaves the batch at once.
 
-Exactness: a row's prompt is prefilled alone, so its first token is the
-single-sequence one bit for bit; its decode steps run in the batch (see
+A joining row's last prompt token runs
+in that decode forward (its first token is sampled there), so N rows arriving
+together get their first tokens after one step, not N. Greedy rows without a
+repetition penalty or log probabilities are sampled by one argmax over the
+batch; every row's token comes back in one host sync.
+
+Exactness: a row's prompt but its last token is prefilled alone; its last
+prompt token and its decode steps run in the batch (see
 :mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
 
 Speculative decoding (a drafter opened with the runner): a row decoding
@@ -112,6 +119,7 @@ class _Seq:
     top_logprobs: int | None = None  # None: no log probabilities; k: the sampled token's and k alternatives
     drafter: Drafter | None = None  # with a drafter open: this row's
     spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
+    joining: bool = False  # in the batch with its last prompt token pending: the next decode samples its first token
 
 
 class Batch:
@@ -218,9 +226,19 @@ class Batch:
     def step(self) -> list[tuple[BatchRow, str]]:
         """One prefill chunk (if a row is joining) and one decode forward; returns the pieces emitted."""
         out: list[tuple[BatchRow, str]] = []
-        self._admit()
-        if self._prefilling is not None:
-            self._prefill_chunk(self._prefilling, out)
+        budget = self.prefill_chunk  # prompt tokens prefilled alone this step, across joining rows
+        while budget > 0:
+            if budget < self.prefill_chunk and self._waiting and len(self._waiting[0].ids) - 1 > budget:
+                break  # the next prompt does not fit what is left of this step's budget: it starts next step
+            self._admit()
+            seq = self._prefilling
+            if seq is None:
+                break
+            before = seq.fed
+            self._prefill_chunk(seq, out)
+            budget -= max(seq.fed - before, 1)
+            if self._prefilling is seq:
+                break  # a long prompt: its next chunk next step
         self._place_rows()
         if self._solo:
             self._speculate(self._solo[0], out)
@@ -269,6 +287,9 @@ class Batch:
 
     def _prefill_step(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         assert seq.caches is not None
+        if self._foldable(seq):  # e.g. a session holding all but the last prompt token
+            self._join_with_last_token(seq)
+            return
         t0 = time.perf_counter()
         ids, edit = seq.ids, Edit.of_rows([seq.steering])
         layers = frozenset(seq.drafter.capture_layers) if seq.drafter is not None else frozenset()
@@ -282,6 +303,8 @@ class Batch:
             mx.eval([c.state for c in seq.caches])
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
+            if seq.fed == len(ids) - 1 and self._foldable(seq):
+                self._join_with_last_token(seq)
             return
         images = self._images(seq, len(ids) - 1, len(ids))
         logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, images, got, layers or None)
@@ -315,6 +338,28 @@ class Batch:
         seq.pending = token
         self._decoding.append(seq)
 
+    def _foldable(self, seq: _Seq) -> bool:
+        """Whether a row's last prompt token can run in the batched decode forward (its first token sampled there).
+
+        Not for rows with a drafter (they observe the last token's hidden
+        states), images (their positions shift) or untrimmable session caches
+        (the session checkpoints the whole prompt).
+        """
+        trimmable = seq.state is None or seq.state.trimmable
+        return seq.drafter is None and seq.vision is None and trimmable and 0 < seq.fed == len(seq.ids) - 1
+
+    def _join_with_last_token(self, seq: _Seq) -> None:
+        """Move a prefilled row (all but its last prompt token) into the batch, that token pending."""
+        assert seq.caches is not None
+        if self._caches is None:
+            self._caches = BatchCaches(seq.caches)
+        self._caches.add_row(seq.caches, seq.fed)
+        seq.caches = None
+        seq.pending = mx.array([seq.ids[-1]])
+        seq.joining = True
+        self._prefilling = None
+        self._decoding.append(seq)
+
     def _decode(self, out: list[tuple[BatchRow, str]]) -> None:
         assert self._caches is not None
         rows = self._decoding
@@ -322,20 +367,40 @@ class Batch:
         edit = Edit.of_rows([s.steering for s in rows])
         shifts = [0 if s.vision is None else s.vision.shift for s in rows]  # positions after a row's images
         vision = VisionInputs(shift=mx.array(shifts, dtype=mx.int32)) if any(shifts) else None
+        t0 = time.perf_counter()
         logits = self.runner._forward(pending[:, None], self._caches.caches, edit, vision)[:, -1, :]
-        tokens, scores = [], []
-        for b, seq in enumerate(rows):
+        for seq in rows:
             assert seq.pending is not None
-            ctx = seq.sampler.params.repetition_context
-            seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
-            penalized = seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)
-            tokens.append(seq.sampler(penalized))
-            scores.append(_logprob_arrays(seq, penalized, tokens[-1]))
-        mx.eval(tokens, scores, self._caches.state)
+            if not seq.joining:  # a joining row's history already ends with its last prompt token
+                ctx = seq.sampler.params.repetition_context
+                seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
+        scores: list[list[mx.array]]
+        if all(s.sampler.params.greedy and s.sampler.params.repetition_penalty == 1.0 for s in rows) and all(
+            s.top_logprobs is None for s in rows
+        ):
+            # one argmax over every row (what each row's greedy sampler computes on its own row)
+            tokens = list(mx.argmax(logits.astype(mx.float32), axis=-1).reshape(-1, 1))
+            scores = [[] for _ in rows]
+        else:
+            tokens, scores = [], []
+            for b, seq in enumerate(rows):
+                penalized = seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)
+                tokens.append(seq.sampler(penalized))
+                scores.append(_logprob_arrays(seq, penalized, tokens[-1]))
+        stacked = mx.concatenate([t.reshape(1) for t in tokens])
+        mx.eval(stacked, scores, self._caches.state)
         self._caches.step_done(1)
-        for seq, token, score in zip(rows, tokens, scores, strict=False):
-            seq.pending = token
-            self._accept(seq, _token_id(token), out, score)
+        ids: list[int] = np.asarray(stacked).tolist()  # one host sync for every row's token
+        now = time.perf_counter()
+        for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
+            seq.pending = token.reshape(1)
+            if seq.joining:
+                seq.joining = False
+                seq.fed = len(seq.ids)
+                seq.progress.prompt_s += now - t0
+                seq.t0 = now
+                seq.row.status = "decoding"
+            self._accept(seq, tok, out, score)
         self._drop_finished()
 
     # ------------------------------------------------------------- speculative rows
