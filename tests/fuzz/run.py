@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = _run_target(name, seeds, args)
         print(json.dumps({name: summary[name]}), flush=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return 1 if any(s["escapes"] for s in summary.values()) else 0
+    return 1 if any(s.get("escapes") for s in summary.values()) else 0
 
 
 def _run_target(name: str, seeds: Seeds, args: argparse.Namespace) -> dict[str, object]:
