@@ -240,11 +240,20 @@ def check_files(manifest: Manifest) -> None:
     Raises:
         FileTableError: Naming the missing, short or long file.
     """
-    for name, entry in manifest.files.items():
-        path = manifest.root / name
+    check_file_sizes(manifest.root, manifest.files)
+
+
+def check_file_sizes(root: Path, files: dict[str, FileEntry]) -> None:
+    """Every file of a file table (an install's, a sidecar's) is a regular file under ``root`` of its recorded size.
+
+    Raises:
+        FileTableError: Naming the missing, short or long file.
+    """
+    for name, entry in files.items():
+        path = root / name
         if path.is_symlink() or not path.is_file():
             msg = (
-                f"{manifest.root}: {name!r} is in the file table but missing (or not a regular file);"
+                f"{root}: {name!r} is in the file table but missing (or not a regular file);"
                 " re-run `turbospark convert`"
             )
             raise FileTableError(msg)
@@ -252,7 +261,7 @@ def check_files(manifest: Manifest) -> None:
         if size != entry.size:
             how = "shorter" if size < entry.size else "longer"
             msg = (
-                f"{manifest.root}: {name!r} is {size} bytes, {how} than the "
+                f"{root}: {name!r} is {size} bytes, {how} than the "
                 f"{entry.size} bytes its file table entry says; the install is "
                 f"truncated or altered, re-run `turbospark convert`"
             )

@@ -23,7 +23,14 @@ from typing import Any
 import attrs
 
 from turbospark_core.errors import FileTableError, InstallError, NotAnInstallError
-from turbospark_core.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, parse_json, sha256_file
+from turbospark_core.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    check_file_sizes,
+    parse_json,
+    sha256_file,
+)
 
 SIDECAR_FORMAT = "turbospark-vision-sidecar"
 SIDECAR_FORMAT_VERSION = 1
@@ -160,7 +167,7 @@ def load_sidecar(path: str | Path) -> Sidecar:
         quantization=_optional(raw, "quantization", where),
         provenance=_optional(raw, "provenance", where),
     )
-    _check_files(sidecar)
+    check_file_sizes(root, sidecar.files)
     return sidecar
 
 
@@ -222,19 +229,6 @@ def _file_table(table: dict[str, Any], where: Path) -> dict[str, FileEntry]:
     if VISION_WEIGHTS not in files:
         raise FileTableError(f"{where}: file table lacks {VISION_WEIGHTS!r}; re-run the sidecar conversion")
     return files
-
-
-def _check_files(sidecar: Sidecar) -> None:
-    for name, entry in sidecar.files.items():
-        path = sidecar.root / name
-        if path.is_symlink() or not path.is_file():
-            raise FileTableError(f"{sidecar.root}: {name!r} is in the file table but missing; re-run the conversion")
-        if path.stat().st_size != entry.size:
-            msg = (
-                f"{sidecar.root}: {name!r} is {path.stat().st_size} bytes, not the {entry.size} its file table "
-                f"says; the sidecar is truncated or altered, re-run the conversion"
-            )
-            raise FileTableError(msg)
 
 
 def write_sidecar_manifest(staging: Path, sidecar: Sidecar) -> Sidecar:
