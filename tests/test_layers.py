@@ -191,3 +191,17 @@ def test_fused_linears_equal_the_parts_and_refuse_mixed_layouts() -> None:
         np.testing.assert_array_equal(np.array(view(x)), w)
     assert fuse_linears([quantized(16, 5), quantized(16, 6, bits=8)]) is None  # other bits: kept apart
     assert fuse_linears([parts[0], Linear(mx.zeros((4, 64)))]) is None  # dense beside quantized
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rms_norm_and_silu_mul_equal_mlx_whatever_the_path(dtype: mx.Dtype) -> None:
+    # float32 on the CPU takes the native ops (when built), bfloat16 MLX's own: the same values either way
+    x = (mx.random.normal((2, 3, 64), key=mx.random.key(4)) * 4).astype(dtype)
+    w = mx.random.normal((64,), key=mx.random.key(5)).astype(dtype)
+    tol = 2e-6 if dtype == mx.float32 else 2e-2
+    want = mx.fast.rms_norm(x, w, 1e-5).astype(mx.float32)
+    got = layers.rms_norm(x, w, 1e-5).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
+    g, u = x, x[::-1]
+    want = (g * mx.sigmoid(g) * u).astype(mx.float32)
+    np.testing.assert_allclose(np.array(layers.silu_mul(g, u).astype(mx.float32)), np.array(want), rtol=tol, atol=tol)

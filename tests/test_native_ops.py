@@ -106,3 +106,42 @@ def test_a_few_queries_equal_mlx_and_each_query_alone(mask: str) -> None:
     assert not native.decode_attention_supported(
         mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 40, 16)), mx.zeros((1, 2, 40, 16))
     )
+
+
+@needs_native
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_equals_mlx_on_contiguous_and_strided_rows(with_weight: bool) -> None:
+    x = mx.random.normal((2, 5, 576), key=mx.random.key(7)) * 3
+    w = mx.random.normal((576,), key=mx.random.key(8)) if with_weight else None
+    for arr in (x, x.transpose(1, 0, 2), x[:, :, :200]):
+        assert native.rms_norm_supported(arr, None if w is None else w[: arr.shape[-1]])
+        weight = None if w is None else w[: arr.shape[-1]]
+        want = np.array(mx.fast.rms_norm(arr, weight, 1e-5))
+        np.testing.assert_allclose(np.array(native.rms_norm(arr, weight, 1e-5)), want, rtol=2e-6, atol=2e-6)
+    f = mx.compile(lambda a: native.rms_norm(a, w, 1e-6))
+    np.testing.assert_allclose(np.array(f(x)), np.array(mx.fast.rms_norm(x, w, 1e-6)), rtol=2e-6, atol=2e-6)
+
+
+@needs_native
+def test_silu_mul_equals_mlx_on_halves_of_a_fused_product() -> None:
+    h = mx.random.normal((3, 4, 2 * 1531), key=mx.random.key(9)) * 6
+    gate, up = mx.split(h, 2, axis=-1)  # strided views, as a fused gate/up projection hands them
+    for g, u in ((gate, up), (gate.transpose(1, 0, 2), up.transpose(1, 0, 2))):
+        assert native.silu_mul_supported(g, u)
+        want = np.array(g * mx.sigmoid(g) * u)
+        np.testing.assert_allclose(np.array(native.silu_mul(g, u)), want, rtol=2e-6, atol=1e-6)
+    edge = mx.array([-1e4, -100.0, -88.0, -20.0, -1e-8, 0.0, 1e-8, 20.0, 88.0, 100.0, 1e4])
+    got = np.array(mx.compile(native.silu_mul)(edge, mx.ones_like(edge)))
+    np.testing.assert_allclose(got, np.array(edge * mx.sigmoid(edge)), rtol=2e-6, atol=1e-30)
+
+
+@needs_native
+def test_rms_norm_and_silu_mul_refusals() -> None:
+    x = mx.zeros((2, 8))
+    assert not native.rms_norm_supported(x.astype(mx.float16), None)
+    assert not native.rms_norm_supported(x, mx.ones((7,)))
+    assert not native.silu_mul_supported(x, mx.zeros((2, 7)))
+    with pytest.raises(ValueError, match="rms_norm: the weight must be float32"):
+        native.rms_norm(x, mx.ones((7,)), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul: gate and up must be float32 arrays of one shape"):
+        native.silu_mul(x, mx.zeros((2, 7)))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +45,16 @@ def test_equals_mlx_quantized_matmul(bits: int, group: int, m: int) -> None:
     x, w, s, b = _case(72, 256, m, bits, group, mx.float16)
     got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))
     assert got.shape == (m, 72) and got.dtype == mx.float32
+    _close(got, _reference(x, w, s, b, group, bits))
+
+
+@needs_native
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32), (8, 128)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
+def test_row_tails_and_wide_rows(bits: int, group: int, m: int) -> None:
+    # 75 weight rows: blocks of 4 or 2 rows and their tails; 1152 columns: more than 16 groups per row
+    x, w, s, b = _case(75, 1152, m, bits, group, mx.float16, seed=3)
+    got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))
     _close(got, _reference(x, w, s, b, group, bits))
 
 
@@ -146,3 +158,24 @@ def test_fallbacks_in_a_fresh_process(env: dict[str, str]) -> None:
     elif native.available():
         assert out[0] == "True True True"
         assert "native scalar kernels" in out[1]
+
+
+KERNEL_SETS = {"avx2": {"TURBOSPARK_NATIVE_NO_AVX512": "1"}, "scalar": {"TURBOSPARK_NATIVE_SCALAR": "1"}}
+
+
+@needs_native
+@pytest.mark.parametrize("kernels", sorted(KERNEL_SETS))
+def test_every_kernel_set_equals_mlx(kernels: str) -> None:
+    """The kernel sets this CPU does not pick by default pass the same equality tests, in a fresh process."""
+    env = {**os.environ, **KERNEL_SETS[kernels]}
+    tests = [
+        "tests/test_native_qmm.py::test_equals_mlx_quantized_matmul",
+        "tests/test_native_qmm.py::test_row_tails_and_wide_rows",
+        "tests/test_native_ops.py",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout

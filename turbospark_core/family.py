@@ -23,6 +23,11 @@ Attention
     two KV caches follow, for an attention layer's argument), ``KVCache``,
     ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
     ``attention`` (scaled dot-product attention, native for a CPU decode step).
+Fast ops
+    ``rms_norm`` (``mx.fast.rms_norm``) and ``silu_mul`` (the SwiGLU
+    activation ``silu(gate) * up``): one native op each on the CPU, MLX's
+    own elsewhere. Call them instead of ``mx.fast.rms_norm`` and a
+    hand-written ``gate * mx.sigmoid(gate) * up``.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -104,7 +109,17 @@ from turbospark_core.convert.records import AffineQuantized, SourceTensor, Tenso
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
-from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear, attention, fuse_linears, fused_parts
+from turbospark_core.layers import (
+    Embedding,
+    ExpertBank,
+    Experts,
+    Linear,
+    attention,
+    fuse_linears,
+    fused_parts,
+    rms_norm,
+    silu_mul,
+)
 from turbospark_core.registry import FamilySpec
 from turbospark_core.rope import ROPE_TYPES, Rope
 from turbospark_core.steering import steer
@@ -185,10 +200,12 @@ __all__ = [
     "keys_problem",
     "names_under",
     "resize_rgb",
+    "rms_norm",
     "rope_scaling",
     "rope_scaling_problems",
     "rope_theta",
     "section_problem",
+    "silu_mul",
     "steer",
     "strip_language_model_prefix",
     "text_config",

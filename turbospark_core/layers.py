@@ -135,6 +135,24 @@ def attention(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm``; one native op on the CPU (where MLX composes three).
+
+    Families call it for every RMSNorm: a thin model's decode step runs
+    dozens of them.
+    """
+    if native.rms_norm_supported(x, weight):
+        return native.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU."""
+    if native.silu_mul_supported(gate, up):
+        return native.silu_mul(gate, up)
+    return gate * mx.sigmoid(gate) * up
+
+
 class Embedding:
     """Token embedding table, also usable as a tied output head.
 

@@ -130,3 +130,38 @@ def decode_attention(
     causal = isinstance(mask, str)
     out: mx.array = _MODULE.decode_attention(q, k, v, scale, None if isinstance(mask, str) else mask, causal)
     return out
+
+
+def _cpu_float32(*arrays: mx.array) -> bool:
+    return _MODULE is not None and mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays)
+
+
+def rms_norm_supported(x: mx.array, weight: mx.array | None) -> bool:
+    """Whether :func:`rms_norm` takes these: float32 on the CPU, a ``[D]`` weight or none."""
+    held = [x] if weight is None else [x, weight]
+    return _cpu_float32(*held) and x.ndim >= 1 and (weight is None or weight.shape == (x.shape[-1],))
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)`` as one op (MLX composes three on the CPU).
+
+    Check :func:`rms_norm_supported` first.
+    """
+    assert _MODULE is not None
+    out: mx.array = _MODULE.rms_norm(x, weight, eps)
+    return out
+
+
+def silu_mul_supported(gate: mx.array, up: mx.array) -> bool:
+    """Whether :func:`silu_mul` takes these: float32 arrays of one shape, on the CPU."""
+    return _cpu_float32(gate, up) and gate.shape == up.shape and gate.ndim >= 1
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gate * mx.sigmoid(gate) * up`` as one vectorized op (halves of a fused product read in place).
+
+    Check :func:`silu_mul_supported` first.
+    """
+    assert _MODULE is not None
+    out: mx.array = _MODULE.silu_mul(gate, up)
+    return out

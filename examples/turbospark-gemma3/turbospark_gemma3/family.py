@@ -31,6 +31,7 @@ from turbospark_core.family import (
     fuse_linears,
     fused_parts,
     int_problems,
+    rms_norm,
     rope_scaling_problems,
     steer,
 )
@@ -137,7 +138,7 @@ class RMSNorm:
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
+        return rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
 
 
 class Attention:

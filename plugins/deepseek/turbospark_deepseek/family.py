@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from turbospark_core.family import AttentionCache, WeightStore, steer
+from turbospark_core.family import AttentionCache, WeightStore, rms_norm, steer
 
 from turbospark_deepseek.args import Args
 from turbospark_deepseek.mla import LatentAttention
@@ -27,21 +27,21 @@ class Block:
 
     def _query_and_row(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
         attn = self.self_attn
-        h = mx.fast.rms_norm(x, self.input_layernorm, self.eps)
+        h = rms_norm(x, self.input_layernorm, self.eps)
         q_nope, q_r = attn.query(h, offset)
         return attn.absorbed_query(q_nope, q_r), attn.cache_row(h, offset)
 
     def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
         h = x + self.self_attn.output(attended)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
     def __call__(self, x: mx.array, cache: AttentionCache | None) -> mx.array:
         if x.shape[1] == 1 and cache is not None:
             q, row = self._decode_in(x, mx.array(cache.offset))
             keys, _ = cache.update_and_fetch(row, row[..., :0])
             return self._decode_out(x, self.self_attn.absorbed(q, keys, cache.mask(1)))
-        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class Model:
@@ -57,7 +57,7 @@ class Model:
         h = self.embed_tokens(inputs)
         for i, block in enumerate(self.blocks):
             h = steer(block(h, None if cache is None else cache[i]), i)
-        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from turbospark_core.family import AttentionCache, WeightStore
+from turbospark_core.family import AttentionCache, WeightStore, rms_norm
 
 from turbospark_deepseek.args import LATENT_EPS, Args
 from turbospark_deepseek.moe import float_matrix
@@ -58,14 +58,14 @@ class LatentAttention:
         if self.q_a_proj is None or self.q_b_proj is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(mx.fast.rms_norm(self.q_a_proj(x), self.q_a_norm, LATENT_EPS))
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, LATENT_EPS))
         q = q.reshape(B, L, self.n_heads, self.dn + self.dr).transpose(0, 2, 1, 3)
         return q[..., : self.dn], self.rope(q[..., self.dn :], offset)
 
     def cache_row(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """What the cache holds for ``x``: ``[B, 1, L, r + dr]`` = ``[c | k_r]``."""
         a = self.kv_a_proj(x)
-        c = mx.fast.rms_norm(a[..., : self.r], self.kv_a_norm, LATENT_EPS)
+        c = rms_norm(a[..., : self.r], self.kv_a_norm, LATENT_EPS)
         k_r = self.rope(mx.expand_dims(a[..., self.r :], 1), offset)
         return mx.concatenate([mx.expand_dims(c, 1), k_r.astype(c.dtype)], axis=-1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from turbospark_core.family import WeightStore
+from turbospark_core.family import WeightStore, silu_mul
 
 from turbospark_deepseek.args import MoEArgs
 
@@ -15,7 +15,7 @@ def float_matrix(w: WeightStore, base: str) -> mx.array:
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
+    return silu_mul(gate, up)
 
 
 class MLP:

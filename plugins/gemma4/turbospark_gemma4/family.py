@@ -36,6 +36,7 @@ from turbospark_core.family import (
     int_problem,
     int_problems,
     keys_problem,
+    rms_norm,
     steer,
 )
 
@@ -286,8 +287,8 @@ class Attention:
         B, L, _ = x.shape
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         v = k if self.v_proj is self.k_proj else self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        k = self.rope(mx.fast.rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
-        v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
         if cache is None:
             return k, v, causal_mask(L, self.window)
         k, v = cache.update_and_fetch(k, v)
@@ -298,7 +299,7 @@ class Attention:
     ) -> tuple[mx.array, SharedKV]:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        q = self.rope(mx.fast.rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
         kv = shared if shared is not None else self._own_kv(x, cache, offset)
         k, v, mask = kv
         if k.dtype != q.dtype:  # caches may be held in another dtype than the activations
@@ -331,7 +332,7 @@ class Router:
         self.per_expert_scale = w.tensor(f"{prefix}.per_expert_scale")
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        logits = self.proj(mx.fast.rms_norm(x, self.scale, self.eps)).astype(mx.float32)
+        logits = self.proj(rms_norm(x, self.scale, self.eps)).astype(mx.float32)
         probs = mx.softmax(logits, axis=-1, precise=True)
         inds = mx.stop_gradient(mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
         weights = mx.take_along_axis(probs, inds, axis=-1)
@@ -368,7 +369,7 @@ class Block:
             self.post_per_layer_input_norm = norm("post_per_layer_input_norm")
 
     def _norm(self, x: mx.array, weight: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, weight, self.eps)
+        return rms_norm(x, weight, self.eps)
 
     def _feed_forward(self, h: mx.array) -> mx.array:
         out = self.mlp(self._norm(h, self.pre_feedforward_layernorm))
@@ -422,7 +423,7 @@ class Model:
         context_scale: float = self.args.hidden_size**-0.5
         token = (self.embed_tokens_per_layer(inputs) * token_scale).reshape(shape)
         context = self.per_layer_model_projection(h) * context_scale
-        context = mx.fast.rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
+        context = rms_norm(context.reshape(shape), self.per_layer_projection_norm, self.args.rms_norm_eps)
         return (context + token.astype(context.dtype)) * 2**-0.5
 
     def embed(self, inputs: mx.array, vision: VisionInputs | None = None) -> tuple[mx.array, mx.array | None]:
@@ -463,7 +464,7 @@ class Model:
             h = steer(h, i)
             if i in self.kv_shared_from:
                 stored[i] = kv
-        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = (self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)).astype(mx.float32)
         cap = self.args.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap

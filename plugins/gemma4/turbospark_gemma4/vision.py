@@ -25,7 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from turbospark_core.family import InstallError
+from turbospark_core.family import InstallError, rms_norm
 
 from turbospark_gemma4.errors import ImageInputError
 from turbospark_gemma4.family import gelu_tanh
@@ -99,7 +99,7 @@ class VisionLayer:
         self.down_proj = linear("mlp.down_proj")
 
     def _norm(self, x: mx.array, w: mx.array | None) -> mx.array:
-        return mx.fast.rms_norm(x, w, self.eps)
+        return rms_norm(x, w, self.eps)
 
     def _attention(self, x: mx.array, rope: Rope2D) -> mx.array:
         n = x.shape[0]
@@ -188,7 +188,7 @@ class Encoder:
 
     def project(self, hidden: mx.array) -> mx.array:
         """``embed_vision``: weightless RMSNorm, then ``embedding_projection`` into the text width."""
-        return mx.fast.rms_norm(hidden, None, self.args.rms_norm_eps) @ self.projection.T
+        return rms_norm(hidden, None, self.args.rms_norm_eps) @ self.projection.T
 
     def __call__(self, image: ImagePatches) -> mx.array:
         """One image's soft-token embeddings, ``[num_soft_tokens, text hidden]``."""

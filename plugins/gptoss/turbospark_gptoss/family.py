@@ -30,6 +30,7 @@ from turbospark_core.family import (
     choice_list_problem,
     float_problems,
     int_problems,
+    rms_norm,
     rope_scaling_problems,
     steer,
 )
@@ -227,8 +228,8 @@ class Block:
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class Model:
@@ -244,7 +245,7 @@ class Model:
         h = self.embed_tokens(inputs)
         for i, block in enumerate(self.blocks):
             h = steer(block(h, None if cache is None else cache[i]), i)
-        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)
 

@@ -33,7 +33,9 @@ from turbospark_core.family import (
     int_problems,
     is_int,
     keys_problem,
+    rms_norm,
     rope_scaling_problems,
+    silu_mul,
     steer,
 )
 
@@ -247,14 +249,14 @@ class Attention:
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
-            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
-            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self.qk_norm == "head":
-            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
-            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         if positions is not None:
             return self.rope_at(q, positions), self.rope_at(k, positions), v
         return self.rope(q, offset), self.rope(k, offset), v
@@ -293,7 +295,7 @@ class MLP:
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
+    return silu_mul(gate, up)
 
 
 class MoE:
@@ -336,11 +338,11 @@ class Block:
         self._decode_rest = mx.compile(self._rest) if isinstance(self.mlp, MLP) else self._rest
 
     def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        return self.self_attn.project(mx.fast.rms_norm(x, self.input_layernorm, self.eps), offset)
+        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
 
     def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
         h = x + self.self_attn.o_proj(attended)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
     def __call__(
         self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
@@ -349,8 +351,8 @@ class Block:
             offset = mx.array(cache.offset)
             q, k, v = self._decode_qkv(x, offset if isinstance(shift, int) and not shift else offset + shift)
             return self._decode_rest(x, self.self_attn.attend(q, k, v, cache))
-        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class Model:
@@ -387,7 +389,7 @@ class Model:
         return self._head(h)
 
     def _head(self, h: mx.array) -> mx.array:
-        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embed_tokens.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)
 

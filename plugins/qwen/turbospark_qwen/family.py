@@ -31,7 +31,11 @@ from turbospark_core.family import (
     int_problems,
     keys_problem,
     rope_scaling_problems,
+    silu_mul,
     steer,
+)
+from turbospark_core.family import (
+    rms_norm as core_rms_norm,
 )
 
 from turbospark_qwen.gated_delta import gated_delta, l2_normalize
@@ -204,7 +208,7 @@ def norm_weight(w: mx.array) -> mx.array:
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+    return core_rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -212,7 +216,7 @@ def silu(x: mx.array) -> mx.array:
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return silu(gate) * up
+    return silu_mul(gate, up)
 
 
 class GatedDeltaNet:
@@ -264,7 +268,7 @@ class GatedDeltaNet:
             cache.set("recurrent", state)
             cache.advance(L)
         z = self.in_proj_z(x).reshape(B, L, self.n_v, self.d_v)
-        out = mx.fast.rms_norm(out, self.norm, self.eps) * silu(z.astype(mx.float32))
+        out = core_rms_norm(out, self.norm, self.eps) * silu(z.astype(mx.float32))
         return self.out_proj(out.reshape(B, L, -1).astype(x.dtype))
 
 

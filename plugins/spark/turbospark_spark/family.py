@@ -30,6 +30,7 @@ from turbospark_core.family import (
     int_problems,
     is_int,
     is_number,
+    rms_norm,
     rope_scaling_problems,
     steer,
 )
@@ -239,8 +240,8 @@ class Block:
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
     def __call__(self, x: mx.array, mask: mx.array | str | None, cache: AttentionCache | None) -> mx.array:
-        h = x + self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), mask, cache)
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), mask, cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class Model:
@@ -260,7 +261,7 @@ class Model:
         for i, block in enumerate(self.blocks):
             mask = window_mask if block.is_sliding else full_mask
             h = steer(block(h, mask, None if cache is None else cache[i]), i)
-        h = mx.fast.rms_norm(h, self.norm, self.args.rms_norm_eps)
+        h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embedding.as_linear(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(mx.float32)
 

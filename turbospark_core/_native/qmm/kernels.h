@@ -26,11 +26,40 @@ using RowsFn = void (*)(const QMat&, const float* x, int64_t M, float* y, int64_
 // Dequantize rows [n0, n1) into dst ([n1 - n0, K] row-major floats).
 using DequantFn = void (*)(const QMat&, float* dst, int64_t n0, int64_t n1);
 
+// One query of attention: y = softmax(scale * q . k_t over visible keys) . v, keys t < visible
+// whose mask entry is true (mask may be null); k/v rows at strides ks/vs (floats), unit stride
+// inside a row. p is scratch for T scores. A query's result depends on nothing else.
+struct AttnRow {
+  const float* q;
+  const float* k;
+  const float* v;
+  const bool* mask;
+  int64_t ks, vs, ms, T, D, Dv, visible;
+  float scale;
+};
+using AttendFn = void (*)(const AttnRow&, float* p, float* y);
+
+void attend_scalar(const AttnRow&, float*, float*);
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null) for rows r < rows of D values.
+using RmsNormFn = void (*)(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows, int64_t D, float eps);
+// y[r, i] = g * sigmoid(g) * u with g = gate[r, i], u = up[r, i]: rows of n values at the given row strides.
+using SiluMulFn = void (*)(const float* gate, int64_t gs, const float* up, int64_t us, float* y, int64_t rows, int64_t n);
+void rms_norm_scalar(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
+void silu_mul_scalar(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 void rows_scalar(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 void dequant_scalar(const QMat&, float*, int64_t, int64_t);
 #if defined(__x86_64__) || defined(_M_X64)
 void rows_avx2(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 void dequant_avx2(const QMat&, float*, int64_t, int64_t);
+void attend_avx2(const AttnRow&, float*, float*);
+void attend_avx512(const AttnRow&, float*, float*);
+void rms_norm_avx2(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
+void silu_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+void rms_norm_avx512(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
+void silu_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+// AVX-512: 4-bit weights in groups of 32k and 8-bit in groups of 16k; other layouts go to rows_avx2.
+void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 #endif
 
 float half_to_float(uint16_t h);

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -53,6 +54,44 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+constexpr int64_t MAXC = 64;  // head sizes up to 512 in registers' worth of chunks
+
+inline __m256i tail8(int64_t i, int64_t n) {
+  const int64_t k = std::min<int64_t>(8, n - i);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load8(const float* p, int64_t i, int64_t n) {
+  return n - i >= 8 ? _mm256_loadu_ps(p + i) : _mm256_maskload_ps(p + i, tail8(i, n));
+}
+inline void store8(float* p, int64_t i, int64_t n, __m256 v) {
+  if (n - i >= 8) {
+    _mm256_storeu_ps(p + i, v);
+  } else {
+    _mm256_maskstore_ps(p + i, tail8(i, n), v);
+  }
+}
+
+// e^x (Cephes' expf polynomial, within ~1 ulp; inputs clamped to +-88.3)
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // times 2^n: n (in [-128, 128]) added to the exponent in two halves so that 2^n never overflows
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
 }
 
 // y[m0..m0+MT, n] = sum_g scale_g * (q_g . x_g) + bias_g * sum(x_g)
@@ -291,6 +330,74 @@ void dequant_avx2(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     case 5: return dequant_bits<5>(q, dst, n0, n1);
     case 6: return dequant_bits<6>(q, dst, n0, n1);
     default: return dequant_bits<8>(q, dst, n0, n1);
+  }
+}
+
+// ------------------------------------------------------------ attention (one query)
+void attend_avx2(const AttnRow& a, float* p, float* y) {
+  const int64_t D = a.D, Dv = a.Dv;
+  // the query, scaled, in registers' worth of chunks (masked tail)
+  __m256 qv[MAXC];
+  const int64_t qc = (D + 8 - 1) / 8;
+  if (qc > MAXC) return attend_scalar(a, p, y);
+  for (int64_t c = 0; c < qc; c++) qv[c] = _mm256_mul_ps(load8(a.q, c * 8, D), _mm256_set1_ps(a.scale));
+  float m = -INFINITY;
+  for (int64_t t = 0; t < a.T; t++) {
+    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+      p[t] = -INFINITY;
+      continue;
+    }
+    const float* kr = a.k + t * a.ks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < qc; c++) acc = _mm256_fmadd_ps(qv[c], load8(kr, c * 8, D), acc);
+    const float s = hsum(acc);
+    p[t] = s;
+    m = std::max(m, s);
+  }
+  float sum = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - m);
+    sum += p[t];
+  }
+  const int64_t vc = (Dv + 8 - 1) / 8;
+  if (vc > MAXC) return attend_scalar(a, p, y);
+  __m256 yv[MAXC];
+  for (int64_t c = 0; c < vc; c++) yv[c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < a.T; t++) {
+    if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
+    const float* vr = a.v + t * a.vs;
+    const __m256 w = _mm256_set1_ps(p[t]);
+    for (int64_t c = 0; c < vc; c++) yv[c] = _mm256_fmadd_ps(w, load8(vr, c * 8, Dv), yv[c]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (int64_t c = 0; c < vc; c++) store8(y, c * 8, Dv, _mm256_mul_ps(yv[c], inv));
+}
+
+// ------------------------------------------------------------ rms norm, silu * up
+void rms_norm_avx2(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * xs;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = load8(xr, d, D);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)D + eps));
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = _mm256_mul_ps(load8(xr, d, D), inv);
+      store8(y + r * D, d, D, w ? _mm256_mul_ps(v, load8(w, d, D)) : v);
+    }
+  }
+}
+
+void silu_mul_avx2(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 a = load8(g + r * gs, i, n);
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), a));
+      store8(y + r * n, i, n, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), load8(u + r * us, i, n)));
+    }
   }
 }
 

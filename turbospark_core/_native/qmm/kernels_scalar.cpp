@@ -1,4 +1,6 @@
 // Portable kernels: any CPU, any bits in {2,3,4,5,6,8}.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -76,6 +78,53 @@ void rows_scalar(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
       float acc = 0.0f;
       for (int64_t k = 0; k < q.K; k++) acc += w[k] * xm[k];
       y[m * ldy + n] = acc;
+    }
+  }
+}
+
+void attend_scalar(const AttnRow& a, float* p, float* y) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < a.T; t++) {
+    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+      p[t] = -INFINITY;
+      continue;
+    }
+    const float* kr = a.k + t * a.ks;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < a.D; d++) acc += a.q[d] * a.scale * kr[d];
+    p[t] = acc;
+    m = std::max(m, acc);
+  }
+  float sum = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - m);
+    sum += p[t];
+  }
+  for (int64_t d = 0; d < a.Dv; d++) y[d] = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
+    const float* vr = a.v + t * a.vs;
+    for (int64_t d = 0; d < a.Dv; d++) y[d] += p[t] * vr[d];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < a.Dv; d++) y[d] *= inv;
+}
+
+void rms_norm_scalar(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * xs;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+    const float inv = 1.0f / std::sqrt(ss / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) y[r * D + d] = xr[d] * inv * (w ? w[d] : 1.0f);
+  }
+}
+
+void silu_mul_scalar(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i++) {
+      const float a = g[r * gs + i];
+      y[r * n + i] = a / (1.0f + std::exp(-a)) * u[r * us + i];
     }
   }
 }

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -36,6 +38,9 @@ using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int
 struct Runtime {
   RowsFn rows = rows_scalar;
   DequantFn dequant = dequant_scalar;
+  AttendFn attend = attend_scalar;
+  RmsNormFn rms_norm = rms_norm_scalar;
+  SiluMulFn silu_mul = silu_mul_scalar;
   std::string kernel = "scalar";
   sgemm_fn sgemm = nullptr;
   // M at or above which panels go through sgemm (single-threaded OpenBLAS per
@@ -62,12 +67,27 @@ Runtime& runtime() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       r->rows = rows_avx2;
       r->dequant = dequant_avx2;
+      r->attend = attend_avx2;
+      r->rms_norm = rms_norm_avx2;
+      r->silu_mul = silu_mul_avx2;
       r->kernel = "avx2";
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+          !std::getenv("TURBOSPARK_NATIVE_NO_AVX512")) {
+        r->rows = rows_avx512;
+        r->attend = attend_avx512;
+        r->rms_norm = rms_norm_avx512;
+        r->silu_mul = silu_mul_avx512;
+        r->kernel = "avx512";
+      }
     }
 #endif
     if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) {
       r->rows = rows_scalar;
       r->dequant = dequant_scalar;
+      r->attend = attend_scalar;
+      r->rms_norm = rms_norm_scalar;
+      r->silu_mul = silu_mul_scalar;
       r->kernel = "scalar";
     }
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
@@ -128,6 +148,42 @@ int scale_type(mx::Dtype d) {
   throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16");
 }
 
+// An input as its task reads it: its own buffer when row-contiguous, else a
+// dense copy made inside the task (inputs are traced without their layout
+// under mx.compile, so the layout is only known at eval).
+class Dense {
+ public:
+  explicit Dense(const mx::array& a)
+      : src_(a.data<uint8_t>()), shape_(a.shape()), strides_(a.strides()), item_(a.itemsize()),
+        contiguous_(a.flags().row_contiguous) {}
+
+  const uint8_t* get() {
+    if (contiguous_) return src_;
+    int64_t n = 1;
+    for (int d : shape_) n *= d;
+    buf_.resize((size_t)(n * item_));
+    copy(0, src_, buf_.data());
+    return buf_.data();
+  }
+
+ private:
+  uint8_t* copy(size_t dim, const uint8_t* src, uint8_t* dst) const {
+    if (dim == shape_.size()) {
+      std::memcpy(dst, src, item_);
+      return dst + item_;
+    }
+    for (int i = 0; i < shape_[dim]; i++) dst = copy(dim + 1, src + i * strides_[dim] * (int64_t)item_, dst);
+    return dst;
+  }
+
+  const uint8_t* src_;
+  mx::Shape shape_;
+  mx::Strides strides_;
+  size_t item_;
+  bool contiguous_;
+  std::vector<uint8_t> buf_;
+};
+
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
   QuantizedMatmul(mx::Stream s, int group, int bits) : mx::UnaryPrimitive(s), group_(group), bits_(bits) {}
@@ -142,16 +198,19 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     QMat q;
-    q.w = w.data<uint8_t>();
-    q.scales = scales.data<void>();
-    q.biases = biases.data<void>();
     q.scale_type = scale_type(scales.dtype());
     q.N = w.shape(0);
     q.K = x.shape(-1);
     q.group = group_;
     q.bits = bits_;
     const int64_t M = x.size() / q.K;
-    enc.dispatch([q, xp = x.data<float>(), yp = out.data<float>(), M]() { compute(q, xp, M, yp); });
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = Dense(biases), yp = out.data<float>(),
+                  M]() mutable {
+      q.w = wd.get();
+      q.scales = sd.get();
+      q.biases = bd.get();
+      compute(q, reinterpret_cast<const float*>(xd.get()), M, yp);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -179,12 +238,6 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
-// The kernels read dense row-major buffers; weights usually are already (no graph node then).
-mx::array row_major(const mx::array& a, mx::Stream s) {
-  if (a.is_available() && a.flags().row_contiguous) return a;
-  return mx::contiguous(a, false, s);
-}
-
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits) {
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
@@ -204,11 +257,11 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
   check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
-  auto x = row_major(mx::astype(x_in, mx::float32, s), s);
+  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
   auto out_shape = x.shape();
   out_shape.back() = (int)N;
   auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
-                     {x, row_major(w, s), row_major(scales, s), row_major(biases, s)});
+                     {x, w, scales, biases});
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
@@ -231,8 +284,10 @@ class Rope : public mx::UnaryPrimitive {
     const int64_t B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
     const int64_t sb = x.strides()[0], sh = x.strides()[1], sl = x.strides()[2], sd = x.strides()[3];
     const int64_t n_off = offsets.size();
-    enc.dispatch([xp = x.data<float>(), op = offsets.data<int32_t>(), fp = freqs.data<float>(), yp = out.data<float>(),
-                  B, H, L, D, sb, sh, sl, sd, n_off, dims = dims_, scale = scale_]() {
+    enc.dispatch([xp = x.data<float>(), od = Dense(offsets), fd = Dense(freqs), yp = out.data<float>(), B, H, L, D, sb,
+                  sh, sl, sd, n_off, dims = dims_, scale = scale_]() mutable {
+      const auto* op = reinterpret_cast<const int32_t*>(od.get());
+      const auto* fp = reinterpret_cast<const float*>(fd.get());
       const int half = dims / 2;
       std::vector<float> inv(half), c(half), sn(half);
       for (int i = 0; i < half; i++) inv[i] = 1.0f / fp[i];
@@ -285,8 +340,8 @@ mx::array rope(const mx::array& x_in, int dims, float scale, const mx::array& of
   check(offset.size() == 1 || offset.size() == (size_t)x_in.shape(0), "rope: offset must be a scalar or one per row");
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::array& x = x_in;  // read through its strides at eval (transposed heads are not copied)
-  auto off = row_major(mx::astype(mx::flatten(offset, s), mx::int32, s), s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, scale), {x, off, row_major(freqs, s)});
+  auto off = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, scale), {x, off, freqs});
 }
 
 // One query per row and head (decode): softmax(scale * q . k) v over all T
@@ -323,11 +378,20 @@ class DecodeAttention : public mx::UnaryPrimitive {
       auto one = [&](int64_t c) {
         const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq), g = h / (Hq / Hkv);
         const int64_t visible = causal ? T - L + l + 1 : T;
-        std::vector<float> qs(D), p(T);
-        for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd] * scale;
+        thread_local std::vector<float> qs, p;
+        qs.resize(D);
+        p.resize(T);
+        for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd];
         const float* kb = kv.p + b * kv.sb + g * kv.sh;
-        float mx_ = -INFINITY;
+        const float* vb = vv.p + b * vv.sb + g * vv.sh;
         const bool* mrow = mp ? mp + b * mb + h * mh + l * ml : nullptr;
+        float* y = yp + ((b * Hq + h) * L + l) * Dv;
+        if (kv.sd == 1 && vv.sd == 1) {  // rows of keys and values are dense: the SIMD kernel
+          runtime().attend(AttnRow{qs.data(), kb, vb, mrow, kv.st, vv.st, mt, T, D, Dv, visible, scale}, p.data(), y);
+          return;
+        }
+        for (int64_t d = 0; d < D; d++) qs[d] *= scale;
+        float mx_ = -INFINITY;
         for (int64_t t = 0; t < T; t++) {
           if ((mrow && !mrow[t * mt]) || t >= visible) {
             p[t] = -INFINITY;
@@ -335,11 +399,7 @@ class DecodeAttention : public mx::UnaryPrimitive {
           }
           const float* kr = kb + t * kv.st;
           float acc = 0.0f;
-          if (kv.sd == 1) {
-            for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d];
-          } else {
-            for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d * kv.sd];
-          }
+          for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d * kv.sd];
           p[t] = acc;
           mx_ = std::max(mx_, acc);
         }
@@ -348,18 +408,12 @@ class DecodeAttention : public mx::UnaryPrimitive {
           p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - mx_);
           sum += p[t];
         }
-        float* y = yp + ((b * Hq + h) * L + l) * Dv;
         for (int64_t d = 0; d < Dv; d++) y[d] = 0.0f;
-        const float* vb = vv.p + b * vv.sb + g * vv.sh;
         for (int64_t t = 0; t < T; t++) {
           const float* vr = vb + t * vv.st;
           const float w = p[t];
           if (w == 0.0f) continue;  // masked (or underflowed): adds exact zeros
-          if (vv.sd == 1) {
-            for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d];
-          } else {
-            for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d * vv.sd];
-          }
+          for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d * vv.sd];
         }
         const float inv = 1.0f / sum;
         for (int64_t d = 0; d < Dv; d++) y[d] *= inv;
@@ -418,6 +472,128 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   return mx::array(shape, mx::float32, std::make_shared<DecodeAttention>(s, scale, causal), std::move(inputs));
 }
 
+// Rows of the last axis as a task reads them: a base pointer and one row stride
+// when the array allows it (a slice of a wider array, e.g. half of a fused
+// gate/up product), else a dense copy.
+class Rows {
+ public:
+  explicit Rows(const mx::array& a) : dense_(a), n_(a.shape(-1)), rows_(n_ ? (int64_t)a.size() / n_ : 0) {
+    const auto& sh = a.shape();
+    const auto& st = a.strides();
+    strided_ = a.ndim() >= 1 && (a.ndim() == 1 || sh.back() == 1 || st.back() == 1);
+    stride_ = a.ndim() >= 2 ? st[a.ndim() - 2] : n_;
+    for (int d = 0; strided_ && d + 2 < (int)a.ndim(); d++) strided_ = sh[d] == 1 || st[d] == st[d + 1] * sh[d + 1];
+    if (strided_) ptr_ = a.data<float>();
+  }
+  // (pointer, row stride) in floats
+  std::pair<const float*, int64_t> get() {
+    if (strided_) return {ptr_, stride_};
+    return {reinterpret_cast<const float*>(dense_.get()), n_};
+  }
+  int64_t rows() const { return rows_; }
+  int64_t n() const { return n_; }
+
+ private:
+  Dense dense_;
+  int64_t n_, rows_;
+  bool strided_ = false;
+  int64_t stride_ = 0;
+  const float* ptr_ = nullptr;
+};
+
+// Chunks of rows over the pool when there is enough work to pay for the hand-off.
+void over_rows(int64_t rows, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+  Runtime& rt = runtime();
+  const int64_t per = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(n, 1));
+  const int64_t chunks = (rows + per - 1) / per;
+  if (chunks <= 1) return body(0, rows);
+  rt.pool->run(chunks, [&](int64_t c) { body(c * per, std::min(rows, (c + 1) * per)); });
+}
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::optional<Dense> w;
+    if (inputs.size() > 1) w.emplace(inputs[1]);
+    enc.dispatch([x = Rows(inputs[0]), w, yp = out.data<float>(), eps = eps_]() mutable {
+      auto [xp, xs] = x.get();
+      const float* wp = w ? reinterpret_cast<const float*>(w->get()) : nullptr;
+      const int64_t D = x.n();
+      over_rows(x.rows(), D, [&](int64_t r0, int64_t r1) {
+        runtime().rms_norm(xp + r0 * xs, xs, wp, yp + r0 * D, r1 - r0, D, eps);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark rms_norm runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkRmsNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  check(x.ndim() >= 1 && x.dtype() == mx::float32, "rms_norm: x must be a float32 array");
+  check(!w || (w->dtype() == mx::float32 && w->ndim() == 1 && w->shape(0) == x.shape(-1)),
+        "rms_norm: the weight must be float32 [D] with D x's last dimension");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {x};
+  if (w) inputs.push_back(*w);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), std::move(inputs));
+}
+
+class SiluMul : public mx::UnaryPrimitive {
+ public:
+  explicit SiluMul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[1]), yp = out.data<float>()]() mutable {
+      auto [gp, gs] = g.get();
+      auto [up, us] = u.get();
+      const int64_t n = g.n();
+      over_rows(g.rows(), n, [&](int64_t r0, int64_t r1) {
+        runtime().silu_mul(gp + r0 * gs, gs, up + r0 * us, us, yp + r0 * n, r1 - r0, n);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark silu_mul runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkSiluMul"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+  check(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape() && gate.ndim() >= 1,
+        "silu_mul: gate and up must be float32 arrays of one shape");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s), {gate, up});
+}
+
 bool bind_blas(const std::string& path, const std::string& prefix) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) return false;
@@ -441,6 +617,10 @@ NB_MODULE(_qmm, m) {
         nb::arg("mask") = nb::none(), nb::arg("causal") = false,
         "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one float32 query per head "
         "(mask: None or boolean), as one op.");
+  m.def("rms_norm", &tsq::rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
+        "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
+  m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up"),
+        "gate * mx.sigmoid(gate) * up for float32 arrays of one shape, as one op.");
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");

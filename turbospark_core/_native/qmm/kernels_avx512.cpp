@@ -1,0 +1,310 @@
+// AVX-512 kernels for 4-bit (groups of 32k) and 8-bit (groups of 16k) weights;
+// this file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq
+// -mfma -mf16c and only called after a run-time check. Other layouts go to the
+// AVX2 kernels.
+//
+// 4-bit: each group's sixteen possible weights scale*q + bias are one register
+// (a lookup table), so a weight is one permute away from its float value: no
+// integer-to-float conversion, no separate scale or bias term, and the sum is
+// the plain dot product of the dequantized row with x. 8-bit: integer values
+// times x per group, scaled once per group; the bias enters as bias . sum(x).
+// R weight rows and MT rows of x are computed together (R * MT <= 8), so each
+// weight is decoded once for all MT rows and 8+ FMA chains hide the latency.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tsq {
+namespace {
+
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+constexpr int64_t MAXC = 32;  // head sizes up to 512 in registers' worth of chunks
+
+inline __mmask16 tail16(int64_t i, int64_t n) {
+  return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+}
+inline __m512 load16(const float* p, int64_t i, int64_t n) { return _mm512_maskz_loadu_ps(tail16(i, n), p + i); }
+inline void store16(float* p, int64_t i, int64_t n, __m512 v) { _mm512_mask_storeu_ps(p + i, tail16(i, n), v); }
+
+// e^x (Cephes' expf polynomial, within ~1 ulp; inputs clamped to +-88.3)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scales (or biases) [first, first + n) as float32 into out.
+void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
+  if (type == kF32) {
+    std::memcpy(out, static_cast<const float*>(p) + first, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(p) + first;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m256i v = _mm256_maskz_loadu_epi16(m, h + i);
+    const __m512 f = type == kF16 ? _mm512_cvtph_ps(v) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    _mm512_mask_storeu_ps(out + i, m, f);
+  }
+}
+
+// Per-thread scratch: rows' scales and biases as float32, x as the kernels read it.
+struct Scratch {
+  std::vector<float> scales, biases, xp, xsum;
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// x rows with each 32 values split into the 16 even then the 16 odd ones: a
+// byte of 4-bit weights holds value 2t (low nibble) and 2t+1 (high nibble).
+void split_even_odd(const float* x, int64_t M, int64_t K, float* xp) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t j = 0; j < K; j += 32) {
+      const __m512 a = _mm512_loadu_ps(x + m * K + j), b = _mm512_loadu_ps(x + m * K + j + 16);
+      _mm512_storeu_ps(xp + m * K + j, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(xp + m * K + j + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+  }
+}
+
+template <int R, int MT>
+void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+              int64_t n) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K / 2, chunks = q.group / 32;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 lo[R][MT], hi[R][MT];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 lut[R];
+    for (int r = 0; r < R; r++)
+      lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t k = g * q.group + c * 32;
+      for (int r = 0; r < R; r++) {
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * row_bytes + k / 2)));
+        const __m512 we = _mm512_permutexvar_ps(b, lut[r]);  // the permute reads the low 4 bits
+        const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut[r]);
+        for (int t = 0; t < MT; t++) {
+          const float* xr = xp + (m0 + t) * q.K + k;
+          lo[r][t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xr), lo[r][t]);
+          hi[r][t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xr + 16), hi[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r][t], hi[r][t]));
+}
+
+template <int R, int MT>
+void q8_block(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
+              int64_t ldy, int64_t n) {
+  const int64_t groups = q.K / q.group;
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 ga[R][MT];
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < MT; t++) ga[r][t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < q.group; j += 16) {
+      const int64_t k = g * q.group + j;
+      for (int r = 0; r < R; r++) {
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k))));
+        for (int t = 0; t < MT; t++) ga[r][t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (m0 + t) * q.K + k), ga[r][t]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const __m512 s = _mm512_set1_ps(sf[r * groups + g]);
+      for (int t = 0; t < MT; t++) acc[r][t] = _mm512_fmadd_ps(ga[r][t], s, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    for (int t = 0; t < MT; t++) {
+      // bias . per-group sums of x, sixteen groups at a time
+      __m512 bsum = _mm512_setzero_ps();
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16)
+        bsum = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * groups + g), _mm512_loadu_ps(xsum + (m0 + t) * groups + g), bsum);
+      if (g < groups) {
+        const __mmask16 m = (__mmask16)((1u << (groups - g)) - 1);
+        bsum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bf + r * groups + g),
+                               _mm512_maskz_loadu_ps(m, xsum + (m0 + t) * groups + g), bsum);
+      }
+      y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(bsum);
+    }
+  }
+}
+
+// Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
+// then every tile of MT x rows passes over the block.
+template <int BITS, int R>
+void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n0,
+                int64_t n1, int64_t& n) {
+  const int64_t groups = q.K / q.group;
+  Scratch& s = scratch();
+  s.scales.resize(R * groups);
+  s.biases.resize(R * groups);
+  const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
+  for (; n + R <= n1; n += R) {
+    // weights stream from memory: ask for the rows a few blocks ahead while these compute
+    if (n + ahead + R <= q.N) {
+      const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
+      for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      const int64_t esize = q.scale_type == kF32 ? 4 : 2, first = (n + ahead) * groups * esize;
+      for (int64_t b = 0; b < R * groups * esize; b += 64) {
+        _mm_prefetch(static_cast<const char*>(q.scales) + first + b, _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
+      }
+    }
+    to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
+    to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
+    const float *sf = s.scales.data(), *bf = s.biases.data();
+    int64_t m = 0;
+    auto tile = [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      for (; m + MT <= M; m += MT) {
+        if constexpr (BITS == 4) {
+          q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+        } else {
+          q8_block<R, MT>(q, x, xsum, sf, bf, m, y, ldy, n);
+        }
+      }
+    };
+    if constexpr (R == 1) tile(std::integral_constant<int, 8>{});
+    if constexpr (R <= 2) tile(std::integral_constant<int, 4>{});
+    if constexpr (R <= 4) tile(std::integral_constant<int, 2>{});
+    tile(std::integral_constant<int, 1>{});
+  }
+  (void)n0;
+}
+
+template <int BITS>
+void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  Scratch& s = scratch();
+  const int64_t groups = q.K / q.group;
+  const float* xk = x;
+  if constexpr (BITS == 4) {
+    s.xp.resize(M * q.K);
+    split_even_odd(x, M, q.K, s.xp.data());
+    xk = s.xp.data();
+  } else {
+    s.xsum.resize(M * groups);
+    for (int64_t m = 0; m < M; m++) {
+      for (int64_t g = 0; g < groups; g++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < q.group; j += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(x + m * q.K + g * q.group + j));
+        s.xsum[m * groups + g] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  int64_t n = n0;
+  // one x row: four weight rows at once; 2-3 rows: two; more: one weight row under tiles of up to 8 x rows
+  if (M == 1) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
+  if (M <= 3) row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
+  row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
+}
+
+}  // namespace
+
+bool avx512_takes(const QMat& q) {
+  return (q.bits == 4 && q.group % 32 == 0) || (q.bits == 8 && q.group % 16 == 0);
+}
+
+void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (q.bits == 4 && q.group % 32 == 0) return rows_bits<4>(q, x, M, y, ldy, n0, n1);
+  if (q.bits == 8 && q.group % 16 == 0) return rows_bits<8>(q, x, M, y, ldy, n0, n1);
+  rows_avx2(q, x, M, y, ldy, n0, n1);
+}
+
+// ------------------------------------------------------------ attention (one query)
+void attend_avx512(const AttnRow& a, float* p, float* y) {
+  const int64_t D = a.D, Dv = a.Dv;
+  // the query, scaled, in registers' worth of chunks (masked tail)
+  __m512 qv[MAXC];
+  const int64_t qc = (D + 16 - 1) / 16;
+  if (qc > MAXC) return attend_scalar(a, p, y);
+  for (int64_t c = 0; c < qc; c++) qv[c] = _mm512_mul_ps(load16(a.q, c * 16, D), _mm512_set1_ps(a.scale));
+  float m = -INFINITY;
+  for (int64_t t = 0; t < a.T; t++) {
+    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+      p[t] = -INFINITY;
+      continue;
+    }
+    const float* kr = a.k + t * a.ks;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < qc; c++) acc = _mm512_fmadd_ps(qv[c], load16(kr, c * 16, D), acc);
+    const float s = _mm512_reduce_add_ps(acc);
+    p[t] = s;
+    m = std::max(m, s);
+  }
+  float sum = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - m);
+    sum += p[t];
+  }
+  const int64_t vc = (Dv + 16 - 1) / 16;
+  if (vc > MAXC) return attend_scalar(a, p, y);
+  __m512 yv[MAXC];
+  for (int64_t c = 0; c < vc; c++) yv[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < a.T; t++) {
+    if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
+    const float* vr = a.v + t * a.vs;
+    const __m512 w = _mm512_set1_ps(p[t]);
+    for (int64_t c = 0; c < vc; c++) yv[c] = _mm512_fmadd_ps(w, load16(vr, c * 16, Dv), yv[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+  for (int64_t c = 0; c < vc; c++) store16(y, c * 16, Dv, _mm512_mul_ps(yv[c], inv));
+}
+
+// ------------------------------------------------------------ rms norm, silu * up
+void rms_norm_avx512(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * xs;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = load16(xr, d, D);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)D + eps));
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = _mm512_mul_ps(load16(xr, d, D), inv);
+      store16(y + r * D, d, D, w ? _mm512_mul_ps(v, load16(w, d, D)) : v);
+    }
+  }
+}
+
+void silu_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 a = load16(g + r * gs, i, n);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a));
+      store16(y + r * n, i, n, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), load16(u + r * us, i, n)));
+    }
+  }
+}
+
+}  // namespace tsq
