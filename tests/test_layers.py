@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -205,3 +206,6 @@ def test_rms_norm_and_silu_mul_equal_mlx_whatever_the_path(dtype: mx.Dtype) -> N
     g, u = x, x[::-1]
     want = (g * mx.sigmoid(g) * u).astype(mx.float32)
     np.testing.assert_allclose(np.array(layers.silu_mul(g, u).astype(mx.float32)), np.array(want), rtol=tol, atol=tol)
+    want = (nn.gelu_approx(g) * u).astype(mx.float32)
+    got = layers.gelu_tanh_mul(g, u).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol * 4)

@@ -127,7 +127,7 @@ def test_silu_mul_equals_mlx_on_halves_of_a_fused_product() -> None:
     h = mx.random.normal((3, 4, 2 * 1531), key=mx.random.key(9)) * 6
     gate, up = mx.split(h, 2, axis=-1)  # strided views, as a fused gate/up projection hands them
     for g, u in ((gate, up), (gate.transpose(1, 0, 2), up.transpose(1, 0, 2))):
-        assert native.silu_mul_supported(g, u)
+        assert native.gated_supported(g, u)
         want = np.array(g * mx.sigmoid(g) * u)
         np.testing.assert_allclose(np.array(native.silu_mul(g, u)), want, rtol=2e-6, atol=1e-6)
     edge = mx.array([-1e4, -100.0, -88.0, -20.0, -1e-8, 0.0, 1e-8, 20.0, 88.0, 100.0, 1e4])
@@ -140,8 +140,25 @@ def test_rms_norm_and_silu_mul_refusals() -> None:
     x = mx.zeros((2, 8))
     assert not native.rms_norm_supported(x.astype(mx.float16), None)
     assert not native.rms_norm_supported(x, mx.ones((7,)))
-    assert not native.silu_mul_supported(x, mx.zeros((2, 7)))
+    assert not native.gated_supported(x, mx.zeros((2, 7)))
     with pytest.raises(ValueError, match="rms_norm: the weight must be float32"):
         native.rms_norm(x, mx.ones((7,)), 1e-5)
     with pytest.raises(ValueError, match="silu_mul: gate and up must be float32 arrays of one shape"):
         native.silu_mul(x, mx.zeros((2, 7)))
+
+
+@needs_native
+def test_gelu_tanh_mul_equals_mlx() -> None:
+    import mlx.nn as nn
+
+    h = mx.random.normal((3, 2 * 1029), key=mx.random.key(10)) * 5
+    gate, up = mx.split(h, 2, axis=-1)
+    want = np.array(nn.gelu_approx(gate) * up)
+    got = np.array(mx.compile(native.gelu_tanh_mul)(gate, up))
+    # MLX's 1 + tanh(z) loses digits in the negative tail (sigmoid(2z) does not): compare at the output's scale
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * np.abs(want).max())
+    edge = mx.array([-1e4, -100.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 100.0, 1e4])
+    got = np.array(native.gelu_tanh_mul(edge, mx.ones_like(edge)))
+    np.testing.assert_allclose(got, np.array(nn.gelu_approx(edge)), atol=1e-30, rtol=2e-6)
+    with pytest.raises(ValueError, match="gelu_tanh_mul: gate and up must be float32"):
+        native.gelu_tanh_mul(edge, edge[:3])

@@ -24,10 +24,11 @@ Attention
     ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
     ``attention`` (scaled dot-product attention, native for a CPU decode step).
 Fast ops
-    ``rms_norm`` (``mx.fast.rms_norm``) and ``silu_mul`` (the SwiGLU
-    activation ``silu(gate) * up``): one native op each on the CPU, MLX's
-    own elsewhere. Call them instead of ``mx.fast.rms_norm`` and a
-    hand-written ``gate * mx.sigmoid(gate) * up``.
+    ``rms_norm`` (``mx.fast.rms_norm``), ``silu_mul`` (the SwiGLU
+    activation ``silu(gate) * up``) and ``gelu_tanh_mul`` (GeGLU,
+    ``nn.gelu_approx(gate) * up``): one native op each on the CPU, MLX's own
+    elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
+    activations.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -117,6 +118,7 @@ from turbospark_core.layers import (
     attention,
     fuse_linears,
     fused_parts,
+    gelu_tanh_mul,
     rms_norm,
     silu_mul,
 )
@@ -190,6 +192,7 @@ __all__ = [
     "float_problems",
     "fuse_linears",
     "fused_parts",
+    "gelu_tanh_mul",
     "hookimpl",
     "index_list_problem",
     "int_problem",

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from turbospark_core import native
 from turbospark_core.tensor_index import QuantSpec
@@ -148,9 +149,17 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU."""
-    if native.silu_mul_supported(gate, up):
+    if native.gated_supported(gate, up):
         return native.silu_mul(gate, up)
     return gate * mx.sigmoid(gate) * up
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (GeGLU with the tanh GELU, ``mlx.nn.gelu_approx``); one native op on the CPU."""
+    if native.gated_supported(gate, up):
+        return native.gelu_tanh_mul(gate, up)
+    out: mx.array = nn.gelu_approx(gate) * up  # mlx.nn's activations are unannotated
+    return out
 
 
 class Embedding:

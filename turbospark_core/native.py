@@ -152,16 +152,23 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     return out
 
 
-def silu_mul_supported(gate: mx.array, up: mx.array) -> bool:
-    """Whether :func:`silu_mul` takes these: float32 arrays of one shape, on the CPU."""
+def gated_supported(gate: mx.array, up: mx.array) -> bool:
+    """Whether :func:`silu_mul` and :func:`gelu_tanh_mul` take these: float32 arrays of one shape, on the CPU."""
     return _cpu_float32(gate, up) and gate.shape == up.shape and gate.ndim >= 1
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``gate * mx.sigmoid(gate) * up`` as one vectorized op (halves of a fused product read in place).
 
-    Check :func:`silu_mul_supported` first.
+    Check :func:`gated_supported` first.
     """
     assert _MODULE is not None
     out: mx.array = _MODULE.silu_mul(gate, up)
+    return out
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``mlx.nn.gelu_approx(gate) * up`` as one vectorized op. Check :func:`gated_supported` first."""
+    assert _MODULE is not None
+    out: mx.array = _MODULE.gelu_tanh_mul(gate, up)
     return out

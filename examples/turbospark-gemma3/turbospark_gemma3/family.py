@@ -8,7 +8,6 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx import nn
 
 from turbospark_core.family import (
     MAX_FLOAT,
@@ -30,6 +29,7 @@ from turbospark_core.family import (
     float_problems,
     fuse_linears,
     fused_parts,
+    gelu_tanh_mul,
     int_problems,
     rms_norm,
     rope_scaling_problems,
@@ -202,8 +202,8 @@ class MLP:
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None:
             gate, up = mx.split(self.gate_up(x), 2, axis=-1)
-            return self.down_proj(nn.gelu_approx(gate) * up)
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(gelu_tanh_mul(gate, up))
+        return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _residual(x: mx.array, y: mx.array) -> mx.array:

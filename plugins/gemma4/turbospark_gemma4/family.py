@@ -33,6 +33,7 @@ from turbospark_core.family import (
     causal_mask,
     float_problem,
     float_problems,
+    gelu_tanh_mul,
     int_problem,
     int_problems,
     keys_problem,
@@ -319,7 +320,7 @@ class MLP:
 
 
 def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    return gelu_tanh(gate) * up
+    return gelu_tanh_mul(gate, up)
 
 
 class Router:

@@ -43,10 +43,12 @@ void attend_scalar(const AttnRow&, float*, float*);
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null) for rows r < rows of D values.
 using RmsNormFn = void (*)(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows, int64_t D, float eps);
-// y[r, i] = g * sigmoid(g) * u with g = gate[r, i], u = up[r, i]: rows of n values at the given row strides.
-using SiluMulFn = void (*)(const float* gate, int64_t gs, const float* up, int64_t us, float* y, int64_t rows, int64_t n);
+// y[r, i] = act(g) * u with g = gate[r, i], u = up[r, i]: rows of n values at the given row strides;
+// act is silu (g * sigmoid(g)) or gelu_tanh (0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))).
+using GatedFn = void (*)(const float* gate, int64_t gs, const float* up, int64_t us, float* y, int64_t rows, int64_t n);
 void rms_norm_scalar(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 void silu_mul_scalar(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+void gelu_tanh_mul_scalar(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 void rows_scalar(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 void dequant_scalar(const QMat&, float*, int64_t, int64_t);
 #if defined(__x86_64__) || defined(_M_X64)
@@ -56,9 +58,11 @@ void attend_avx2(const AttnRow&, float*, float*);
 void attend_avx512(const AttnRow&, float*, float*);
 void rms_norm_avx2(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 void silu_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+void gelu_tanh_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 void rms_norm_avx512(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 void silu_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-// AVX-512: 4-bit weights in groups of 32k and 8-bit in groups of 16k; other layouts go to rows_avx2.
+void gelu_tanh_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+// AVX-512: 4-bit weights in groups of 32k, 2/3/5/6/8-bit in groups of 16k; other layouts go to rows_avx2.
 void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 #endif
 

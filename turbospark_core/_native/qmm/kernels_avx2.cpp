@@ -401,4 +401,18 @@ void silu_mul_avx2(const float* g, int64_t gs, const float* u, int64_t us, float
   }
 }
 
+void gelu_tanh_mul_avx2(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 a = load8(g + r * gs, i, n);
+      const __m256 z = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, a), _mm256_mul_ps(a, a), a));
+      // 0.5 (1 + tanh(z)) = sigmoid(2 z): no cancellation for either sign of z
+      const __m256 t = _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_mul_ps(two, _mm256_sub_ps(_mm256_setzero_ps(), z)))));
+      store8(y + r * n, i, n, _mm256_mul_ps(_mm256_mul_ps(a, t), load8(u + r * us, i, n)));
+    }
+  }
+}
+
 }  // namespace tsq

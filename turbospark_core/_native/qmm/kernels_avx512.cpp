@@ -1,12 +1,13 @@
-// AVX-512 kernels for 4-bit (groups of 32k) and 8-bit (groups of 16k) weights;
+// AVX-512 kernels for 2/3/5/6/8-bit weights in groups of 16k and 4-bit in groups of 32k;
 // this file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq
 // -mfma -mf16c and only called after a run-time check. Other layouts go to the
 // AVX2 kernels.
 //
-// 4-bit: each group's sixteen possible weights scale*q + bias are one register
-// (a lookup table), so a weight is one permute away from its float value: no
-// integer-to-float conversion, no separate scale or bias term, and the sum is
-// the plain dot product of the dequantized row with x. 8-bit: integer values
+// 2-6 bits: each group's 2^bits possible weights scale*q + bias are one to four
+// registers (a lookup table), so a weight is one permute away from its float
+// value: no integer-to-float conversion, no separate scale or bias term, and
+// the sum is the plain dot product of the dequantized row with x (4-bit reads
+// bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit: integer values
 // times x per group, scaled once per group; the bias enters as bias . sum(x).
 // R weight rows and MT rows of x are computed together (R * MT <= 8), so each
 // weight is decoded once for all MT rows and 8+ FMA chains hide the latency.
@@ -117,6 +118,82 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
     for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r][t], hi[r][t]));
 }
 
+// Constant tables of the BITS-bit kernels: lane i of sixteen values takes the
+// 4 bytes from byte (BITS * i) / 8 and shifts them by (BITS * i) % 8; iota[k]
+// holds the values 16 k .. 16 k + 15 (repeated below sixteen values).
+template <int BITS>
+struct Unpack {
+  static constexpr int TABLES = BITS <= 4 ? 1 : 1 << (BITS - 4);
+  __m512i shuf, shift;
+  __m512 iota[TABLES];
+  Unpack() {
+    alignas(64) int8_t sh[64];
+    alignas(64) int32_t sf[16];
+    alignas(64) float io[16];
+    for (int i = 0; i < 16; i++) {
+      for (int j = 0; j < 4; j++) sh[4 * i + j] = (int8_t)std::min(15, BITS * i / 8 + j);
+      sf[i] = BITS * i % 8;
+    }
+    shuf = _mm512_load_si512(sh);
+    shift = _mm512_load_si512(sf);
+    for (int k = 0; k < TABLES; k++) {
+      for (int j = 0; j < 16; j++) io[j] = (float)((16 * k + j) % (1 << BITS));
+      iota[k] = _mm512_load_ps(io);
+    }
+  }
+  // sixteen values from p (2 * BITS bytes) in the low BITS bits of 32-bit lanes (higher bits: neighbours)
+  __m512i operator()(const uint8_t* p, const uint8_t* end) const {
+    const __m128i raw = p + 16 <= end ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), p);
+    return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), shuf), shift);
+  }
+};
+
+// One group's 2^BITS dequantized values scale * q + bias, as one to four tables of sixteen.
+template <int BITS>
+struct Lut {
+  static constexpr int TABLES = Unpack<BITS>::TABLES;
+  __m512 t[TABLES];
+  Lut(const Unpack<BITS>& u, float scale, float bias) {
+    const __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
+    for (int k = 0; k < TABLES; k++) t[k] = _mm512_fmadd_ps(u.iota[k], s, b);
+  }
+  __m512 operator()(__m512i idx) const {
+    if constexpr (TABLES == 1) {
+      return _mm512_permutexvar_ps(idx, t[0]);  // reads the low 4 bits
+    } else if constexpr (TABLES == 2) {
+      return _mm512_permutex2var_ps(t[0], idx, t[1]);  // the low 5 bits
+    } else {
+      const __m512 lo = _mm512_permutex2var_ps(t[0], idx, t[1]), hi = _mm512_permutex2var_ps(t[2], idx, t[3]);
+      return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), lo, hi);
+    }
+  }
+};
+
+template <int BITS, int R, int MT>
+void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+               int64_t n) {
+  static const Unpack<BITS> unpack;  // constants, built once
+  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    for (int r = 0; r < R; r++) {
+      const Lut<BITS> lut(unpack, sf[r * groups + g], bf[r * groups + g]);
+      const uint8_t* row = q.w + (n + r) * row_bytes;
+      for (int64_t j = 0; j < q.group; j += 16) {
+        const int64_t k = g * q.group + j;
+        const __m512 w = lut(unpack(row + k * BITS / 8, end));
+        for (int t = 0; t < MT; t++) acc[r][t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (m0 + t) * q.K + k), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
 template <int R, int MT>
 void q8_block(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
               int64_t ldy, int64_t n) {
@@ -188,8 +265,10 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
       for (; m + MT <= M; m += MT) {
         if constexpr (BITS == 4) {
           q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
-        } else {
+        } else if constexpr (BITS == 8) {
           q8_block<R, MT>(q, x, xsum, sf, bf, m, y, ldy, n);
+        } else {
+          lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
         }
       }
     };
@@ -210,7 +289,7 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
     s.xp.resize(M * q.K);
     split_even_odd(x, M, q.K, s.xp.data());
     xk = s.xp.data();
-  } else {
+  } else if constexpr (BITS == 8) {
     s.xsum.resize(M * groups);
     for (int64_t m = 0; m < M; m++) {
       for (int64_t g = 0; g < groups; g++) {
@@ -229,13 +308,18 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
 
 }  // namespace
 
-bool avx512_takes(const QMat& q) {
-  return (q.bits == 4 && q.group % 32 == 0) || (q.bits == 8 && q.group % 16 == 0);
-}
-
 void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (q.bits == 4 && q.group % 32 == 0) return rows_bits<4>(q, x, M, y, ldy, n0, n1);
-  if (q.bits == 8 && q.group % 16 == 0) return rows_bits<8>(q, x, M, y, ldy, n0, n1);
+  if (q.group % 16 == 0) {
+    switch (q.bits) {
+      case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
+      case 3: return rows_bits<3>(q, x, M, y, ldy, n0, n1);
+      case 5: return rows_bits<5>(q, x, M, y, ldy, n0, n1);
+      case 6: return rows_bits<6>(q, x, M, y, ldy, n0, n1);
+      case 8: return rows_bits<8>(q, x, M, y, ldy, n0, n1);
+      default: break;
+    }
+  }
   rows_avx2(q, x, M, y, ldy, n0, n1);
 }
 
@@ -303,6 +387,20 @@ void silu_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us, flo
       const __m512 a = load16(g + r * gs, i, n);
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a));
       store16(y + r * n, i, n, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), load16(u + r * us, i, n)));
+    }
+  }
+}
+
+void gelu_tanh_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  const __m512 c = _mm512_set1_ps(0.7978845608028654f), k = _mm512_set1_ps(0.044715f);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 a = load16(g + r * gs, i, n);
+      const __m512 z = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(k, a), _mm512_mul_ps(a, a), a));
+      // 0.5 (1 + tanh(z)) = sigmoid(2 z): no cancellation for either sign of z
+      const __m512 t = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_mul_ps(two, _mm512_sub_ps(_mm512_setzero_ps(), z)))));
+      store16(y + r * n, i, n, _mm512_mul_ps(_mm512_mul_ps(a, t), load16(u + r * us, i, n)));
     }
   }
 }

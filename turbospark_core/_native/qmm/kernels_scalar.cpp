@@ -129,4 +129,14 @@ void silu_mul_scalar(const float* g, int64_t gs, const float* u, int64_t us, flo
   }
 }
 
+void gelu_tanh_mul_scalar(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < n; i++) {
+      const float a = g[r * gs + i];
+      const float z = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+      y[r * n + i] = a / (1.0f + std::exp(-2.0f * z)) * u[r * us + i];  // 0.5 (1 + tanh z) = sigmoid(2 z)
+    }
+  }
+}
+
 }  // namespace tsq

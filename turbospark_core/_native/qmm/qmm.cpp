@@ -40,7 +40,8 @@ struct Runtime {
   DequantFn dequant = dequant_scalar;
   AttendFn attend = attend_scalar;
   RmsNormFn rms_norm = rms_norm_scalar;
-  SiluMulFn silu_mul = silu_mul_scalar;
+  GatedFn silu_mul = silu_mul_scalar;
+  GatedFn gelu_tanh_mul = gelu_tanh_mul_scalar;
   std::string kernel = "scalar";
   sgemm_fn sgemm = nullptr;
   // M at or above which panels go through sgemm (single-threaded OpenBLAS per
@@ -70,6 +71,7 @@ Runtime& runtime() {
       r->attend = attend_avx2;
       r->rms_norm = rms_norm_avx2;
       r->silu_mul = silu_mul_avx2;
+      r->gelu_tanh_mul = gelu_tanh_mul_avx2;
       r->kernel = "avx2";
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -78,6 +80,8 @@ Runtime& runtime() {
         r->attend = attend_avx512;
         r->rms_norm = rms_norm_avx512;
         r->silu_mul = silu_mul_avx512;
+        r->gelu_tanh_mul = gelu_tanh_mul_avx512;
+      r->gelu_tanh_mul = gelu_tanh_mul_avx512;
         r->kernel = "avx512";
       }
     }
@@ -88,6 +92,7 @@ Runtime& runtime() {
       r->attend = attend_scalar;
       r->rms_norm = rms_norm_scalar;
       r->silu_mul = silu_mul_scalar;
+      r->gelu_tanh_mul = gelu_tanh_mul_scalar;
       r->kernel = "scalar";
     }
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
@@ -557,42 +562,50 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), std::move(inputs));
 }
 
-class SiluMul : public mx::UnaryPrimitive {
+// act(gate) * up for a gated MLP's activation: silu (SwiGLU) or the tanh GELU (GeGLU).
+class GatedActivation : public mx::UnaryPrimitive {
  public:
-  explicit SiluMul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  GatedActivation(mx::Stream s, bool gelu) : mx::UnaryPrimitive(s), gelu_(gelu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[1]), yp = out.data<float>()]() mutable {
+    GatedFn fn = gelu_ ? runtime().gelu_tanh_mul : runtime().silu_mul;
+    enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[1]), yp = out.data<float>(), fn]() mutable {
       auto [gp, gs] = g.get();
       auto [up, us] = u.get();
       const int64_t n = g.n();
-      over_rows(g.rows(), n, [&](int64_t r0, int64_t r1) {
-        runtime().silu_mul(gp + r0 * gs, gs, up + r0 * us, us, yp + r0 * n, r1 - r0, n);
-      });
+      over_rows(g.rows(), n, [&](int64_t r0, int64_t r1) { fn(gp + r0 * gs, gs, up + r0 * us, us, yp + r0 * n, r1 - r0, n); });
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("turbospark silu_mul runs on the CPU only");
+    throw std::runtime_error("turbospark gated activations run on the CPU only");
   }
 
-  const char* name() const override { return "TurbosparkSiluMul"; }
+  const char* name() const override { return gelu_ ? "TurbosparkGeluTanhMul" : "TurbosparkSiluMul"; }
 
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return gelu_ == static_cast<const GatedActivation&>(other).gelu_;
+  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  bool gelu_;
 };
 
-mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+mx::array gated(const mx::array& gate, const mx::array& up, bool gelu, const char* what) {
   check(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape() && gate.ndim() >= 1,
-        "silu_mul: gate and up must be float32 arrays of one shape");
+        std::string(what) + ": gate and up must be float32 arrays of one shape");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(s), {gate, up});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<GatedActivation>(s, gelu), {gate, up});
 }
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up) { return gated(gate, up, false, "silu_mul"); }
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up) { return gated(gate, up, true, "gelu_tanh_mul"); }
 
 bool bind_blas(const std::string& path, const std::string& prefix) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -621,6 +634,8 @@ NB_MODULE(_qmm, m) {
         "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
   m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up"),
         "gate * mx.sigmoid(gate) * up for float32 arrays of one shape, as one op.");
+  m.def("gelu_tanh_mul", &tsq::gelu_tanh_mul, nb::arg("gate"), nb::arg("up"),
+        "mlx.nn.gelu_approx(gate) * up for float32 arrays of one shape, as one op.");
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
