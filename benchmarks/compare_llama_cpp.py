@@ -24,6 +24,11 @@ normal priority) beside every trial, to see how each runtime shares the cores.
 llama-cpp-python is a benchmark-only dependency: without it the script says how
 to install it and exits with status 0. Build it for this CPU with
 ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`` (a few minutes).
+Where the CPU reports AMX but the hypervisor does not enable it (seen here: a
+Firecracker VM on a Xeon with AMX), that build crashes on its first forward
+(SIGSEGV); build for the vector units instead with ``CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"``.
 
 Usage::
 
