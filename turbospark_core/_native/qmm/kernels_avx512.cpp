@@ -238,8 +238,8 @@ void q8_block(const QMat& q, const float* x, const float* xsum, const float* sf,
 // Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
 // then every tile of MT x rows passes over the block.
 template <int BITS, int R>
-void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n0,
-                int64_t n1, int64_t& n) {
+void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n1,
+                int64_t& n) {
   const int64_t groups = q.K / q.group;
   Scratch& s = scratch();
   s.scales.resize(R * groups);
@@ -277,7 +277,6 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
     if constexpr (R <= 4) tile(std::integral_constant<int, 2>{});
     tile(std::integral_constant<int, 1>{});
   }
-  (void)n0;
 }
 
 template <int BITS>
@@ -301,9 +300,9 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   }
   int64_t n = n0;
   // one x row: four weight rows at once; 2-3 rows: two; more: one weight row under tiles of up to 8 x rows
-  if (M == 1) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
-  if (M <= 3) row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
-  row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n0, n1, n);
+  if (M == 1) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  if (M <= 3) row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
 }
 
 }  // namespace

@@ -153,6 +153,15 @@ int scale_type(mx::Dtype d) {
   throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16");
 }
 
+// The output allocated and the stream's encoder told what a primitive's task reads and writes.
+mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  return enc;
+}
+
 // An input as its task reads it: its own buffer when row-contiguous, else a
 // dense copy made inside the task (inputs are traced without their layout
 // under mx.compile, so the layout is only known at eval).
@@ -198,10 +207,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
     const auto& biases = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     QMat q;
     q.scale_type = scale_type(scales.dtype());
     q.N = w.shape(0);
@@ -282,10 +288,7 @@ class Rope : public mx::UnaryPrimitive {
     const auto& x = inputs[0];
     const auto& offsets = inputs[1];
     const auto& freqs = inputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     const int64_t B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
     const int64_t sb = x.strides()[0], sh = x.strides()[1], sl = x.strides()[2], sd = x.strides()[3];
     const int64_t n_off = offsets.size();
@@ -360,10 +363,7 @@ class DecodeAttention : public mx::UnaryPrimitive {
     const auto& q = inputs[0];
     const auto& k = inputs[1];
     const auto& v = inputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     struct View {
       const float* p;
       int64_t sb, sh, st, sd;
@@ -520,10 +520,7 @@ class RmsNorm : public mx::UnaryPrimitive {
   RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     std::optional<Dense> w;
     if (inputs.size() > 1) w.emplace(inputs[1]);
     enc.dispatch([x = Rows(inputs[0]), w, yp = out.data<float>(), eps = eps_]() mutable {
@@ -568,10 +565,7 @@ class GatedActivation : public mx::UnaryPrimitive {
   GatedActivation(mx::Stream s, bool gelu) : mx::UnaryPrimitive(s), gelu_(gelu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     GatedFn fn = gelu_ ? runtime().gelu_tanh_mul : runtime().silu_mul;
     enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[1]), yp = out.data<float>(), fn]() mutable {
       auto [gp, gs] = g.get();
