@@ -90,6 +90,37 @@ def test_decode_attention_with_a_batch_mask() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [64, 80, 256, 512])
+def test_decode_attention_takes_a_ring_window_mask_at_every_head_size(head_dim: int) -> None:
+    # a sliding layer's [L, T] mask (by absolute position) runs natively, not as MLX's composition
+    kk, kv, kq = mx.random.split(mx.random.key(6), 3)
+    k, v = mx.random.normal((1, 2, 40, head_dim), key=kk), mx.random.normal((1, 2, 40, head_dim), key=kv)
+    q = mx.random.normal((1, 6, 1, head_dim), key=kq)
+    positions = mx.concatenate([mx.arange(30, 40), mx.arange(10, 30), mx.full((10,), -1, mx.int32)])
+    query = mx.array([[39]])
+    mask = (positions[None, :] <= query) & (positions[None, :] > query - 24) & (positions[None, :] >= 0)
+    assert native.decode_attention_supported(q, k, v, mask)
+    got = native.decode_attention(q, k, v, head_dim**-0.5, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=3e-6)
+
+
+@needs_native
+def test_decode_attention_does_not_depend_on_padding() -> None:
+    # a batch row's keys sit after masked padding columns: its result equals the row alone, bit for bit
+    kk, kv, kq = mx.random.split(mx.random.key(7), 3)
+    k, v = mx.random.normal((1, 2, 37, 64), key=kk), mx.random.normal((1, 2, 37, 64), key=kv)
+    q = mx.random.normal((1, 4, 1, 64), key=kq)
+    alone = native.decode_attention(q, k, v, 0.125)
+    for pad in (1, 5, 16, 23):
+        zeros = mx.zeros((1, 2, pad, 64))
+        kp, vp = mx.concatenate([zeros, k], axis=2), mx.concatenate([zeros, v], axis=2)
+        mask = (mx.arange(pad + 37) >= pad)[None, None, None, :]
+        padded = native.decode_attention(q, kp, vp, 0.125, mask)
+        assert np.array_equal(np.array(padded), np.array(alone)), pad
+
+
+@needs_native
 @pytest.mark.parametrize("mask", ["causal", "array"])
 def test_a_few_queries_equal_mlx_and_each_query_alone(mask: str) -> None:
     kk, kv, kq = mx.random.split(mx.random.key(5), 3)

@@ -59,6 +59,19 @@ def test_row_tails_and_wide_rows(bits: int, group: int, m: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 13, 16])
+def test_a_row_of_x_gets_the_same_result_in_any_tile(bits: int, m: int) -> None:
+    # batched decode and verify: a row's product does not depend on the rows beside it, bit for bit
+    x, w, s, b = _case(75, 576, m, bits, 32, mx.float16, seed=5)
+    spec = QuantSpec(bits=bits, group_size=32)
+    together = np.array(native.quantized_matmul(x, w, s, b, spec))
+    for i in range(m):
+        alone = np.array(native.quantized_matmul(x[i : i + 1], w, s, b, spec))
+        np.testing.assert_array_equal(together[i : i + 1], alone)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
     x, w, s, b = _case(40, 128, 6, 4, 32, dtype)
@@ -171,6 +184,7 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
     tests = [
         "tests/test_native_qmm.py::test_equals_mlx_quantized_matmul",
         "tests/test_native_qmm.py::test_row_tails_and_wide_rows",
+        "tests/test_native_qmm.py::test_a_row_of_x_gets_the_same_result_in_any_tile",
         "tests/test_native_ops.py",
     ]
     run = subprocess.run(

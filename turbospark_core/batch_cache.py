@@ -37,7 +37,16 @@ import numpy as np
 
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import OptionError
-from turbospark_core.kv_cache import Cache, KVCache, RecurrentState, RingKVCache, _Rows, _wht, stored_rotation
+from turbospark_core.kv_cache import (
+    Cache,
+    KVCache,
+    RecurrentState,
+    RingKVCache,
+    _Rows,
+    _wht,
+    stored_rotation,
+    visible_keys,
+)
 
 
 class BatchRows:
@@ -51,11 +60,19 @@ class BatchRows:
         self.offsets: list[int] = [int(o) for o in offsets]
         self.offset = mx.array(self.offsets, dtype=mx.int32)
         self.steps = 0  # forwards completed (a step's start is where rewinds may return)
+        self._queries: dict[int, mx.array] = {}
 
     def set(self, offsets: Sequence[int]) -> None:
         """Replace every row's position."""
         self.offsets = [int(o) for o in offsets]
         self.offset = mx.array(self.offsets, dtype=mx.int32)
+        self._queries = {}
+
+    def queries(self, n: int) -> mx.array:
+        """``[B, n]`` int32: the positions of each row's ``n`` new tokens (one array for every layer)."""
+        if n not in self._queries:
+            self._queries[n] = self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
+        return self._queries[n]
 
     def advance(self, n: int) -> None:
         """Every row consumed ``n`` tokens (one forward completed)."""
@@ -124,7 +141,7 @@ class BatchKVCache:
         keys, values = (_wht(keys) if rot_k else keys), (_wht(values) if rot_v else values)
         self._k.assign(self.length, end, _Rows.encode(keys, self.kv_bits, self.dtype))
         self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
-        self.positions[:, self.length : end] = self.rows.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
+        self.positions[:, self.length : end] = self.rows.queries(n)
         self.length = end
         k = self._k.map(lambda a: a[..., :end, :]).decode()
         v = self._v.map(lambda a: a[..., :end, :]).decode()
@@ -133,12 +150,8 @@ class BatchKVCache:
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
         assert self.positions is not None
-        q = (self.rows.offset[:, None] + mx.arange(n_queries, dtype=mx.int32)[None, :])[:, :, None]
-        k = self.positions[:, None, : self.length]
-        visible = (k >= 0) & (k <= q)
-        if self.window is not None:
-            visible = visible & (k > q - self.window)
-        return visible[:, None]
+        q = self.rows.queries(n_queries)[:, :, None]
+        return visible_keys(self.positions[:, None, : self.length], q, self.window)[:, None]
 
     @property
     def state(self) -> list[mx.array]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -36,6 +37,23 @@ def causal_mask(n: int, window: int | None = None) -> mx.array | str | None:
         return "causal"
     q, k = mx.arange(n)[:, None], mx.arange(n)[None, :]
     return (k <= q) & (k > q - window)
+
+
+@functools.cache
+def _visible_fn(window: int | None) -> Callable[[mx.array, mx.array], mx.array]:
+    def visible(keys: mx.array, queries: mx.array) -> mx.array:
+        seen = (keys >= 0) & (keys <= queries)
+        return seen if window is None else seen & (keys > queries - window)
+
+    return mx.compile(visible, shapeless=True)
+
+
+def visible_keys(keys: mx.array, queries: mx.array, window: int | None = None) -> mx.array:
+    """Boolean mask: key position ``k`` is visible to query position ``q`` when ``0 <= k <= q``
+    (and ``k > q - window``); ``-1`` marks an empty slot. The two broadcast (e.g. ``[1, S]``
+    keys against ``[L, 1]`` queries). One fused op per layer and step instead of about ten.
+    """
+    return _visible_fn(window)(keys, queries)
 
 
 KV_Q4_GROUPS = (32,)  # q4 rows use group 32: measured on SmolLM2 (benchmarks/kv_quant_quality.py)
@@ -379,9 +397,8 @@ class RingKVCache(_KVBuffers):
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[L, S]`` mask: causal and within the window, by absolute position."""
         assert self._fetched_positions is not None, "mask() follows update_and_fetch()"
-        q = mx.arange(self.offset - n_queries, self.offset)[:, None]
-        k = self._fetched_positions[None, :]
-        return (k <= q) & (k > q - self.window) & (k >= 0)
+        q = mx.arange(self.offset - n_queries, self.offset, dtype=mx.int32)[:, None]
+        return visible_keys(self._fetched_positions[None, :], q, self.window)
 
     @property
     def state(self) -> list[mx.array]:

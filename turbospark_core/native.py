@@ -102,14 +102,14 @@ def decode_attention_supported(
     """Whether :func:`decode_attention` takes these: 1..16 float32 queries per row and head, on the CPU.
 
     ``mask``: none, ``"causal"`` (queries are the last keys), or a boolean
-    ``[B, 1 or H, L, T]`` array (a batch's rows).
+    array that broadcasts to ``[B, H, L, T]`` (a ring's ``[L, T]`` window, a batch's rows).
     """
     if _MODULE is None or mx.default_device() != mx.cpu or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
     if isinstance(mask, str):
         if mask != "causal":
             return False
-    elif mask is not None and (mask.dtype != mx.bool_ or mask.ndim != 4):
+    elif mask is not None and (mask.dtype != mx.bool_ or not 2 <= mask.ndim <= 4):
         return False
     if not 1 <= q.shape[2] <= min(MAX_ATTENTION_QUERIES, k.shape[2]):
         return False

@@ -234,10 +234,10 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
       xp[j + 8 + i] = x[j + 2 * i + 1];
     }
   }
-  for (int64_t g = 0; g < groups; g++) {
-    float t = 0.0f;
-    for (int j = 0; j < q.group; j++) t += x[g * q.group + j];
-    xsum[g] = t;
+  for (int64_t g = 0; g < groups; g++) {  // as prepare_rows sums them (a batched row gets the same result)
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < q.group; j += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(x + g * q.group + j));
+    xsum[g] = hsum(a);
   }
   const __m256i low = _mm256_set1_epi32(0xf);
   for (int64_t n = n0; n < n1; n++) {

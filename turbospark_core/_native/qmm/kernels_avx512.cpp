@@ -7,15 +7,20 @@
 // registers (a lookup table), so a weight is one permute away from its float
 // value: no integer-to-float conversion, no separate scale or bias term, and
 // the sum is the plain dot product of the dequantized row with x (4-bit reads
-// bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit: integer values
-// times x per group, scaled once per group; the bias enters as bias . sum(x).
-// R weight rows and MT rows of x are computed together (R * MT <= 8), so each
-// weight is decoded once for all MT rows and 8+ FMA chains hide the latency.
+// bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit: integer
+// values times x per group, scaled once per group; the bias enters as
+// bias . sum(x). R weight rows and MT rows of x are computed together
+// (R * MT <= 16), so each weight is decoded once for all MT rows and 4+ FMA
+// chains hide the latency. Every tile sums a row's products in the same order,
+// so a row of x gets the same result whatever rows share its product (a batched
+// row equals the row alone, bit for bit).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "kernels.h"
@@ -24,8 +29,6 @@ namespace tsq {
 namespace {
 
 constexpr int64_t PREFETCH_BYTES = 4096;
-
-constexpr int64_t MAXC = 32;  // head sizes up to 512 in registers' worth of chunks
 
 inline __mmask16 tail16(int64_t i, int64_t n) {
   return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
@@ -64,9 +67,29 @@ void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
   }
 }
 
-// Per-thread scratch: rows' scales and biases as float32, x as the kernels read it.
+// Cache-line aligned storage: a 64-byte load that straddles two lines costs
+// about twice an aligned one, and the small-M kernels are bound by x's loads.
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  bool operator==(const Aligned64&) const { return true; }
+  bool operator!=(const Aligned64&) const { return false; }
+};
+
+// Per-thread scratch: rows' scales and biases as float32, x as the kernels read it
+// (each row of K floats starts on a cache line when K is a multiple of 16).
 struct Scratch {
-  std::vector<float> scales, biases, xp, xsum;
+  std::vector<float> scales, biases, xsum;
+  std::vector<float, Aligned64<float>> xp;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -90,32 +113,35 @@ void split_even_odd(const float* x, int64_t M, int64_t K, float* xp) {
 template <int R, int MT>
 void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
               int64_t n) {
-  const int64_t groups = q.K / q.group, row_bytes = q.K / 2, chunks = q.group / 32;
+  const int64_t groups = q.K / q.group, row_bytes = q.K / 2;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 lo[R][MT], hi[R][MT];
+  __m512 acc[R][MT];
   for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    __m512 lut[R];
-    for (int r = 0; r < R; r++)
-      lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
-    for (int64_t c = 0; c < chunks; c++) {
-      const int64_t k = g * q.group + c * 32;
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  __m512 lut[R];
+  // one flat loop over 32-value chunks (a group's table is rebuilt at its first chunk)
+  for (int64_t k = 0; k < q.K; k += 32) {
+    if (k % q.group == 0) {
+      const int64_t g = k / q.group;
+      for (int r = 0; r < R; r++)
+        lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+    }
+    {
+      __m512 we[R], wo[R];
       for (int r = 0; r < R; r++) {
         const __m512i b = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * row_bytes + k / 2)));
-        const __m512 we = _mm512_permutexvar_ps(b, lut[r]);  // the permute reads the low 4 bits
-        const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut[r]);
-        for (int t = 0; t < MT; t++) {
-          const float* xr = xp + (m0 + t) * q.K + k;
-          lo[r][t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xr), lo[r][t]);
-          hi[r][t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xr + 16), hi[r][t]);
-        }
+        we[r] = _mm512_permutexvar_ps(b, lut[r]);  // the permute reads the low 4 bits
+        wo[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut[r]);
+      }
+      for (int t = 0; t < MT; t++) {
+        const __m512 xe = _mm512_load_ps(xp + (m0 + t) * q.K + k), xo = _mm512_load_ps(xp + (m0 + t) * q.K + k + 16);
+        for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wo[r], xo, _mm512_fmadd_ps(we[r], xe, acc[r][t]));
       }
     }
   }
   for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r][t], hi[r][t]));
+    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 // Constant tables of the BITS-bit kernels: lane i of sixteen values takes the
@@ -272,8 +298,8 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
         }
       }
     };
-    if constexpr (R == 1) tile(std::integral_constant<int, 8>{});
-    if constexpr (R <= 2) tile(std::integral_constant<int, 4>{});
+    if constexpr (R <= 2 && BITS != 8) tile(std::integral_constant<int, 8>{});  // 8-bit: measured slower
+    if constexpr (R <= 2) tile(std::integral_constant<int, 4>{});  // the rest: 4 + 2 + 1
     if constexpr (R <= 4) tile(std::integral_constant<int, 2>{});
     tile(std::integral_constant<int, 1>{});
   }
@@ -283,12 +309,14 @@ template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   Scratch& s = scratch();
   const int64_t groups = q.K / q.group;
-  const float* xk = x;
+  s.xp.resize(M * q.K);
   if constexpr (BITS == 4) {
-    s.xp.resize(M * q.K);
     split_even_odd(x, M, q.K, s.xp.data());
-    xk = s.xp.data();
-  } else if constexpr (BITS == 8) {
+  } else {
+    std::memcpy(s.xp.data(), x, sizeof(float) * M * q.K);
+  }
+  const float* xk = s.xp.data();
+  if constexpr (BITS == 8) {
     s.xsum.resize(M * groups);
     for (int64_t m = 0; m < M; m++) {
       for (int64_t g = 0; g < groups; g++) {
@@ -299,9 +327,9 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
     }
   }
   int64_t n = n0;
-  // one x row: four weight rows at once; 2-3 rows: two; more: one weight row under tiles of up to 8 x rows
-  if (M == 1) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
-  if (M <= 3) row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  // 1-3 x rows: four weight rows at once; more: two weight rows under tiles of up to eight x rows (measured best)
+  if (M <= 3) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
   row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
 }
 
@@ -323,13 +351,23 @@ void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
 }
 
 // ------------------------------------------------------------ attention (one query)
-void attend_avx512(const AttnRow& a, float* p, float* y) {
-  const int64_t D = a.D, Dv = a.Dv;
-  // the query, scaled, in registers' worth of chunks (masked tail)
-  __m512 qv[MAXC];
-  const int64_t qc = (D + 16 - 1) / 16;
-  if (qc > MAXC) return attend_scalar(a, p, y);
-  for (int64_t c = 0; c < qc; c++) qv[c] = _mm512_mul_ps(load16(a.q, c * 16, D), _mm512_set1_ps(a.scale));
+// Lanes [16 c, 16 c + 16) of a row of n values (none past n).
+inline __mmask16 chunk_mask(int64_t c, int64_t n) { return c * 16 >= n ? (__mmask16)0 : tail16(c * 16, n); }
+
+// C chunks of sixteen (a compile-time count keeps the query and the output in
+// registers); chunks past the head size are masked off and add exact zeros
+// (EXACT: both head sizes are 16 C, no masks).
+template <int C, bool EXACT>
+void attend_chunks(const AttnRow& a, float* p, float* y) {
+  __m512 qv[C], yv[C];
+  __mmask16 qm[C], vm[C];
+#pragma GCC unroll 32
+  for (int c = 0; c < C; c++) {
+    qm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.D);
+    vm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.Dv);
+    qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(qm[c], a.q + c * 16), _mm512_set1_ps(a.scale));
+    yv[c] = _mm512_setzero_ps();
+  }
   float m = -INFINITY;
   for (int64_t t = 0; t < a.T; t++) {
     if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
@@ -338,28 +376,49 @@ void attend_avx512(const AttnRow& a, float* p, float* y) {
     }
     const float* kr = a.k + t * a.ks;
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < qc; c++) acc = _mm512_fmadd_ps(qv[c], load16(kr, c * 16, D), acc);
+#pragma GCC unroll 32
+    for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), acc);
     const float s = _mm512_reduce_add_ps(acc);
     p[t] = s;
     m = std::max(m, s);
   }
-  float sum = 0.0f;
-  for (int64_t t = 0; t < a.T; t++) {
-    p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - m);
-    sum += p[t];
+  // the exponentials sixteen at a time (masked keys: exact zeros); the sum key by key, in order, so a
+  // query's result does not depend on where padding puts its keys
+  const __m512 mv = _mm512_set1_ps(m), none = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < a.T; t += 16) {
+    const __m512 s = load16(p, t, a.T);
+    const __mmask16 live = _mm512_cmp_ps_mask(s, none, _CMP_NEQ_OQ);
+    store16(p, t, a.T, _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, mv))));
   }
-  const int64_t vc = (Dv + 16 - 1) / 16;
-  if (vc > MAXC) return attend_scalar(a, p, y);
-  __m512 yv[MAXC];
-  for (int64_t c = 0; c < vc; c++) yv[c] = _mm512_setzero_ps();
+  float sum = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) sum += p[t];
   for (int64_t t = 0; t < a.T; t++) {
     if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
     const float* vr = a.v + t * a.vs;
     const __m512 w = _mm512_set1_ps(p[t]);
-    for (int64_t c = 0; c < vc; c++) yv[c] = _mm512_fmadd_ps(w, load16(vr, c * 16, Dv), yv[c]);
+#pragma GCC unroll 32
+    for (int c = 0; c < C; c++) yv[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(vm[c], vr + c * 16), yv[c]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / sum);
-  for (int64_t c = 0; c < vc; c++) store16(y, c * 16, Dv, _mm512_mul_ps(yv[c], inv));
+#pragma GCC unroll 32
+  for (int c = 0; c < C; c++) _mm512_mask_storeu_ps(y + c * 16, vm[c], _mm512_mul_ps(yv[c], inv));
+}
+
+void attend_avx512(const AttnRow& a, float* p, float* y) {
+  const int64_t chunks = (std::max(a.D, a.Dv) + 15) / 16;
+  if (a.D == a.Dv && a.D == 16 * chunks) {
+    switch (chunks) {
+      case 4: return attend_chunks<4, true>(a, p, y);
+      case 8: return attend_chunks<8, true>(a, p, y);
+      case 16: return attend_chunks<16, true>(a, p, y);
+      default: break;
+    }
+  }
+  if (chunks <= 4) return attend_chunks<4, false>(a, p, y);
+  if (chunks <= 8) return attend_chunks<8, false>(a, p, y);
+  if (chunks <= 16) return attend_chunks<16, false>(a, p, y);
+  if (chunks <= 32) return attend_chunks<32, false>(a, p, y);  // to 512 (some of it spills)
+  attend_scalar(a, p, y);
 }
 
 // ------------------------------------------------------------ rms norm, silu * up

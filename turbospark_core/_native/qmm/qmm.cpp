@@ -423,11 +423,17 @@ class DecodeAttention : public mx::UnaryPrimitive {
         const float inv = 1.0f / sum;
         for (int64_t d = 0; d < Dv; d++) y[d] *= inv;
       };
-      const int64_t chunks = B * Hq * L;
-      if (chunks > 1 && T * (D + Dv) * chunks >= (1 << 16)) {
-        runtime().pool->run(chunks, one);
+      // a task is one query of every head that shares a kv head (GQA), one head after another: the
+      // group's keys and values come from memory once and from the core's cache for the other heads
+      const int64_t group = Hq / Hkv, tasks = B * Hkv * L;
+      auto heads = [&](int64_t c) {
+        const int64_t l = c % L, g = (c / L) % Hkv, b = c / (L * Hkv);
+        for (int64_t h = g * group; h < (g + 1) * group; h++) one((b * Hq + h) * L + l);
+      };
+      if (tasks > 1 && T * (D + Dv) * tasks * group >= (1 << 16)) {
+        runtime().pool->run(tasks, heads);
       } else {
-        for (int64_t c = 0; c < chunks; c++) one(c);
+        for (int64_t c = 0; c < tasks; c++) heads(c);
       }
     });
   }
@@ -471,7 +477,8 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   shape.back() = v.shape(3);
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) {
-    check(mask->dtype() == mx::bool_ && mask->ndim() == 4, "decode_attention: the mask must be boolean [B, 1|H, L, T]");
+    check(mask->dtype() == mx::bool_ && mask->ndim() >= 2 && mask->ndim() <= 4,
+          "decode_attention: the mask must be boolean [L, T], [1|H, L, T] or [B, 1|H, L, T]");
     inputs.push_back(mx::broadcast_to(*mask, {q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, s));
   }
   return mx::array(shape, mx::float32, std::make_shared<DecodeAttention>(s, scale, causal), std::move(inputs));
