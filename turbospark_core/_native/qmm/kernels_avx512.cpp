@@ -119,10 +119,11 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
   __m512 lut[R];
-  // one flat loop over 32-value chunks (a group's table is rebuilt at its first chunk)
-  for (int64_t k = 0; k < q.K; k += 32) {
-    if (k % q.group == 0) {
-      const int64_t g = k / q.group;
+  // one flat loop over 32-value chunks (a group's table is rebuilt at its first chunk; no division)
+  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 32) {
+    if (k == next) {
+      g++;
+      next += q.group;
       for (int r = 0; r < R; r++)
         lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
     }
@@ -169,8 +170,12 @@ struct Unpack {
   }
   // sixteen values from p (2 * BITS bytes) in the low BITS bits of 32-bit lanes (higher bits: neighbours)
   __m512i operator()(const uint8_t* p, const uint8_t* end) const {
-    const __m128i raw = p + 16 <= end ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
-                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), p);
+    if (p + 16 <= end) [[likely]] {  // one broadcast load (no shuffle-port work)
+      return _mm512_srlv_epi32(
+          _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), shuf),
+          shift);
+    }
+    const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), p);
     return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), shuf), shift);
   }
 };
@@ -180,7 +185,7 @@ template <int BITS>
 struct Lut {
   static constexpr int TABLES = Unpack<BITS>::TABLES;
   __m512 t[TABLES];
-  Lut(const Unpack<BITS>& u, float scale, float bias) {
+  void set(const Unpack<BITS>& u, float scale, float bias) {
     const __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
     for (int k = 0; k < TABLES; k++) t[k] = _mm512_fmadd_ps(u.iota[k], s, b);
   }
@@ -205,15 +210,20 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
   __m512 acc[R][MT];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    for (int r = 0; r < R; r++) {
-      const Lut<BITS> lut(unpack, sf[r * groups + g], bf[r * groups + g]);
-      const uint8_t* row = q.w + (n + r) * row_bytes;
-      for (int64_t j = 0; j < q.group; j += 16) {
-        const int64_t k = g * q.group + j;
-        const __m512 w = lut(unpack(row + k * BITS / 8, end));
-        for (int t = 0; t < MT; t++) acc[r][t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (m0 + t) * q.K + k), acc[r][t]);
-      }
+  Lut<BITS> lut[R];
+  // one flat loop over sixteen-value chunks (each row's tables rebuilt at a group's first chunk, no
+  // division), so the accumulators stay in registers
+  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 16) {
+    if (k == next) {
+      g++;
+      next += q.group;
+      for (int r = 0; r < R; r++) lut[r].set(unpack, sf[r * groups + g], bf[r * groups + g]);
+    }
+    __m512 w[R];
+    for (int r = 0; r < R; r++) w[r] = lut[r](unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end));
+    for (int t = 0; t < MT; t++) {
+      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
     }
   }
   for (int r = 0; r < R; r++)
