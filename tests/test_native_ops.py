@@ -67,10 +67,15 @@ def test_decode_attention_equals_mlx_on_cache_slices(heads: int, kv_heads: int, 
 
 @needs_native
 def test_decode_attention_refusals() -> None:
-    q, k = mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 20, 16))
-    assert not native.decode_attention_supported(q, k, k)  # 17 queries: MLX's kernel runs
-    with pytest.raises(ValueError, match="1 to 16 queries"):
+    q, k = mx.zeros((1, 4, 21, 16)), mx.zeros((1, 2, 20, 16))
+    assert not native.decode_attention_supported(q, k, k)  # more queries than keys: MLX's kernel runs
+    with pytest.raises(ValueError, match="more queries than keys"):
         native.decode_attention(q, k, k, 1.0)
+    many = native.MAX_ATTENTION_QUERIES + 1
+    long_q = long_k = mx.zeros((1, 1, many, 1))
+    assert not native.decode_attention_supported(long_q, long_k, long_k)
+    with pytest.raises(ValueError, match="1 to 65536 queries"):
+        native.decode_attention(long_q, long_k, long_k, 1.0)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         native.decode_attention(mx.zeros((1, 3, 1, 16)), k, k, 1.0)
 
@@ -106,6 +111,24 @@ def test_decode_attention_takes_a_ring_window_mask_at_every_head_size(head_dim: 
 
 
 @needs_native
+@pytest.mark.parametrize(("length", "window"), [(300, None), (300, 64), (64, None)])
+def test_prefill_attention_equals_mlx(length: int, window: int | None) -> None:
+    # a whole prompt (or a chunk after cached keys): causal, or a sliding window's boolean mask
+    kk, kv, kq = mx.random.split(mx.random.key(8), 3)
+    k, v = mx.random.normal((1, 3, length + 20, 64), key=kk), mx.random.normal((1, 3, length + 20, 64), key=kv)
+    q = mx.random.normal((1, 9, length, 64), key=kq)
+    mask: mx.array | str = "causal"
+    if window is not None:
+        pos = mx.arange(length + 20)
+        qpos = mx.arange(20, length + 20)[:, None]
+        mask = (pos[None, :] <= qpos) & (pos[None, :] > qpos - window)
+    assert native.decode_attention_supported(q, k, v, mask)
+    got = native.decode_attention(q, k, v, 0.125, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=3e-6)
+
+
+@needs_native
 def test_decode_attention_does_not_depend_on_padding() -> None:
     # a batch row's keys sit after masked padding columns: its result equals the row alone, bit for bit
     kk, kv, kq = mx.random.split(mx.random.key(7), 3)
@@ -134,8 +157,8 @@ def test_a_few_queries_equal_mlx_and_each_query_alone(mask: str) -> None:
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=2e-6)
     last = native.decode_attention(q[:, :, 2:], k, v, 0.25)  # the last query alone sees every key
     assert np.array_equal(np.array(got[:, :, 2:]), np.array(last))
-    assert not native.decode_attention_supported(
-        mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 40, 16)), mx.zeros((1, 2, 40, 16))
+    assert native.decode_attention_supported(  # a prefill chunk's queries run natively too
+        mx.zeros((1, 4, 17, 16)), mx.zeros((1, 2, 40, 16)), mx.zeros((1, 2, 40, 16)), "causal"
     )
 
 

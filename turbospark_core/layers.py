@@ -125,11 +125,12 @@ def fused_parts(fused: Linear, sizes: list[int]) -> list[Linear]:
 def attention(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | str | None = None
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention``; up to 16 queries per head run natively on the CPU.
+    """``mx.fast.scaled_dot_product_attention``; one native op on the CPU.
 
-    Families call it for attention over their caches: a decode step's
-    attention is then one op instead of MLX's CPU composition of about ten,
-    and each query's result is the same however many run together.
+    Families call it for attention over their caches and for prefill: it is
+    then one op instead of MLX's CPU composition of about ten (whose softmax
+    runs scalar exponentials), and each query's result is the same however
+    many run together.
     """
     if native.decode_attention_supported(q, k, v, mask):
         return native.decode_attention(q, k, v, scale, mask)

@@ -93,13 +93,13 @@ def rope(x: mx.array, dims: int, scale: float, offset: int | mx.array, freqs: mx
     return out
 
 
-MAX_ATTENTION_QUERIES = 16  # queries per row and head the native attention takes (decode, verify, batch steps)
+MAX_ATTENTION_QUERIES = 65536  # queries per row and head the native attention takes (decode, verify, prefill)
 
 
 def decode_attention_supported(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None = None
 ) -> bool:
-    """Whether :func:`decode_attention` takes these: 1..16 float32 queries per row and head, on the CPU.
+    """Whether :func:`decode_attention` takes these: float32 queries (up to as many as keys), on the CPU.
 
     ``mask``: none, ``"causal"`` (queries are the last keys), or a boolean
     array that broadcasts to ``[B, H, L, T]`` (a ring's ``[L, T]`` window, a batch's rows).
@@ -119,12 +119,14 @@ def decode_attention_supported(
 def decode_attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None = None
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` for a few queries, as one op.
+    """``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` as one op.
 
-    On the CPU MLX composes attention from matmuls, a softmax and reshapes;
-    this reads the cache's keys and values in place, each query alone (so a
-    query's result does not depend on how many run together). Check
-    :func:`decode_attention_supported` first.
+    On the CPU MLX composes attention from matmuls, a masked softmax with
+    scalar exponentials and reshapes (more than half of a 2,000-token
+    prefill); this reads the cache's keys and values in place, each query
+    alone with vectorized exponentials (so a query's result does not depend
+    on how many run together: decode, verify, batch rows and prefill chunks
+    alike). Check :func:`decode_attention_supported` first.
     """
     assert _MODULE is not None
     causal = isinstance(mask, str)

@@ -465,7 +465,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   check(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "decode_attention: q, k, v must be [B, H, L, D]");
   check(q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32,
         "decode_attention: q, k, v must be float32");
-  check(q.shape(2) >= 1 && q.shape(2) <= 16, "decode_attention: 1 to 16 queries per row and head");
+  check(q.shape(2) >= 1 && q.shape(2) <= 65536, "decode_attention: 1 to 65536 queries per row and head");
   check(q.shape(2) <= k.shape(2), "decode_attention: more queries than keys");
   check(!(causal && mask), "decode_attention: a mask array or causal, not both");
   check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1) && k.shape(2) == v.shape(2),
