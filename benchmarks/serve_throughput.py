@@ -20,7 +20,9 @@ Then the stall check (turbospark only): three streams are decoding when a
 request with a 2,000-token prompt joins. Its prompt is prefilled one chunk
 (512 tokens) per engine step between the decode steps, so the running streams'
 largest inter-token gap while it prefills should stay within about one prefill
-chunk's time (measured alone: a 512-token prompt's TTFT) plus a decode step.
+chunk's time (measured alone: a 512-token prompt's TTFT) plus a decode step;
+and a 24-token request sent while the long prompt prefills should get its first
+token within two chunks' time (a short prompt passes a long one mid-prefill).
 """
 
 from __future__ import annotations
@@ -224,7 +226,14 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
     time.sleep(1.5)  # the three are decoding
     joined: list[dict[str, Any]] = []
     t_join = time.perf_counter()
-    stream(port, "/v1/completions", {**completion, "prompt": prompt[::-1], "max_tokens": 4}, joined)
+    long_thread = threading.Thread(
+        target=stream, args=(port, "/v1/completions", {**completion, "prompt": prompt[::-1], "max_tokens": 4}, joined)
+    )
+    long_thread.start()
+    time.sleep(0.3)  # the long prompt is prefilling when a short request arrives behind it
+    short: list[dict[str, Any]] = []
+    stream(port, "/v1/completions", {**completion, "prompt": prompt[:24]}, short)
+    long_thread.join()
     t_first = joined[0]["stamps"][0] if joined[0]["stamps"] else time.perf_counter()
     stop.set()
     for t in threads:
@@ -240,6 +249,7 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
         "max_gap_during": max(during) if during else float("nan"),
         "gaps_during": len(during),
         "running_at_first": sum(1 for r in running if r["stamps"] and r["stamps"][-1] > t_first),
+        "short_ttft": short[0]["stamps"][0] - short[0]["t0"] if short[0]["stamps"] else float("nan"),
         "long_ttft": t_first - t_join,
     }
 
@@ -270,7 +280,7 @@ def main() -> int:
         mlx_dir = work / "mlx-lm"
         if not args.skip_mlx_lm:
             mlx_lm_dir_from_install(install, mlx_dir)
-        slots = max(*args.clients, 4)  # the stall check runs 3 streams and a joining request
+        slots = max(*args.clients, 5)  # the stall check runs 3 streams, a long joining request and a short one
         ts_bin = str(Path(sys.executable).parent / "turbospark")
         results: dict[str, dict[int, dict[str, float]]] = {}
         stall: dict[str, float] | None = None
@@ -338,6 +348,11 @@ def main() -> int:
             f"(mean chunk {mean_chunk * 1e3:.0f} ms), a {CHUNK_TOKENS}-token prompt's {stall['chunk_s'] * 1e3:.0f} ms. "
             f"{verdict} one (late) chunk + 2 decode steps ({bound * 1e3:.0f} ms); "
             f"joined TTFT {stall['long_ttft']:.2f} s"
+        )
+        short_verdict = "within" if stall["short_ttft"] <= 2 * stall["chunk_s"] else "OVER"
+        print(
+            f"a 24-token request arriving behind it: first token after {stall['short_ttft'] * 1e3:.0f} ms, "
+            f"{short_verdict} two prefill chunks' time ({2 * stall['chunk_s'] * 1e3:.0f} ms)"
         )
     return 0
 

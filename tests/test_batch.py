@@ -397,3 +397,34 @@ def test_server_refuses_a_bad_max_batch() -> None:
 
     with pytest.raises(OptionError, match="max_batch=0"):
         Scheduler(lambda: None, max_batch=0)  # type: ignore[arg-type, return-value]
+
+
+def test_a_short_prompt_passes_a_long_one_mid_prefill(llama: Any) -> None:
+    # a short request behind a long prompt gets its first token after one of the long prompt's chunks
+    long_prompt = [5 + (i * 7) % 50 for i in range(13)]  # 12 tokens prefilled alone: 3 chunks of 4
+    short_prompt = [5, 6, 7]
+    batch = llama.batch(max_rows=4, prefill_chunk=4)
+    long_row = batch.add(long_prompt, 4)
+    batch.step()  # the long prompt's first chunk
+    assert long_row.status == "prefill"
+    short_row = batch.add(short_prompt, 4)
+    batch.step()  # the short prompt goes first; the long one waits with its progress
+    assert short_row.status == "decoding" and long_row.status == "queued"
+    batch.run()
+    for row, prompt in ((long_row, long_prompt), (short_row, short_prompt)):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=4).tokens
+
+
+def test_a_long_prompt_lets_at_most_max_rows_pass(llama: Any) -> None:
+    long_prompt = [5 + (i * 7) % 50 for i in range(41)]  # 10 chunks of 4
+    batch = llama.batch(max_rows=2, prefill_chunk=4)
+    long_row = batch.add(long_prompt, 2)
+    batch.step()
+    shorts = [batch.add([5, 6, 7 + i], 1) for i in range(4)]
+    order = []
+    while not batch.idle:
+        batch.step()
+        order += [r.id for r in (long_row, *shorts) if r.status == "done" and r.id not in order]
+    assert order.index(long_row.id) == 2  # two short prompts passed it (max_rows), the others waited
+    assert long_row.result is not None and long_row.result.tokens == llama.generate(long_prompt, max_tokens=2).tokens
+    assert all(r.result is not None for r in shorts)

@@ -120,6 +120,7 @@ class _Seq:
     drafter: Drafter | None = None  # with a drafter open: this row's
     spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
     joining: bool = False  # in the batch with its last prompt token pending: the next decode samples its first token
+    passed: int = 0  # short prompts prefilled ahead of this long one (at most ``max_rows``)
 
 
 class Batch:
@@ -207,7 +208,7 @@ class Batch:
         """Stop a row now (its row leaves the batch before the next step); its result keeps what it had."""
         for seq in [*self._waiting, *self._decoding, *self._solo, *([self._prefilling] if self._prefilling else [])]:
             if seq.row is row and not row.done:
-                if seq is self._prefilling and seq.state is not None:
+                if seq.caches is not None and seq.state is not None:  # prefilling, or paused mid-prefill
                     seq.state.reset()  # a half-prefilled session holds no known prefix
                 self._finish(seq, "stop", flush=False)
         self._drop_finished()
@@ -230,6 +231,7 @@ class Batch:
         while budget > 0:
             if budget < self.prefill_chunk and self._waiting and len(self._waiting[0].ids) - 1 > budget:
                 break  # the next prompt does not fit what is left of this step's budget: it starts next step
+            self._let_short_prompt_pass(budget)
             self._admit()
             seq = self._prefilling
             if seq is None:
@@ -256,11 +258,33 @@ class Batch:
         for _ in self:
             pass
 
+    def _let_short_prompt_pass(self, budget: int) -> None:
+        """A waiting prompt that fits ``budget`` goes ahead of a long one mid-prefill (which keeps its progress).
+
+        So a short request behind a long prompt gets its first token after one
+        of the long prompt's chunks, not after all of them; a long prompt lets
+        at most ``max_rows`` pass, so it is never starved.
+        """
+        long = self._prefilling
+        if long is None or len(long.ids) - 1 - long.fed <= budget or long.passed >= self.max_rows:
+            return
+        short = next((q for q in self._waiting if q.caches is None and len(q.ids) - 1 <= budget), None)
+        if short is None or len(self._decoding) >= self.max_rows:
+            return
+        long.passed += 1
+        long.row.status = "queued"
+        self._waiting.remove(short)
+        self._waiting.appendleft(long)
+        self._waiting.appendleft(short)
+        self._prefilling = None
+
     def _admit(self) -> None:
         if self._prefilling is None and self._waiting and len(self._decoding) < self.max_rows:
             seq = self._waiting.popleft()
             seq.row.status = "prefill"
             self._prefilling = seq
+            if seq.caches is not None:
+                return  # a long prompt resuming after short ones passed it: its caches hold what it fed
             # rows asking for log probabilities or holding images decode in the batch, never speculatively
             setup = self.runner.opened.drafter if seq.top_logprobs is None and seq.vision is None else None
             if seq.state is None:
