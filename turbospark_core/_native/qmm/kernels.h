@@ -36,6 +36,8 @@ struct AttnRow {
   const bool* mask;
   int64_t ks, vs, ms, T, D, Dv, visible;
   float scale;
+  // whether key t gets no weight: past the causal limit, or false in the mask
+  bool hidden(int64_t t) const { return t >= visible || (mask && !mask[t * ms]); }
 };
 using AttendFn = void (*)(const AttnRow&, float* p, float* y);
 

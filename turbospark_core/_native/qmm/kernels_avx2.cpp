@@ -343,7 +343,7 @@ void attend_avx2(const AttnRow& a, float* p, float* y) {
   for (int64_t c = 0; c < qc; c++) qv[c] = _mm256_mul_ps(load8(a.q, c * 8, D), _mm256_set1_ps(a.scale));
   float m = -INFINITY;
   for (int64_t t = 0; t < a.T; t++) {
-    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+    if (a.hidden(t)) {
       p[t] = -INFINITY;
       continue;
     }

@@ -380,7 +380,7 @@ void attend_chunks(const AttnRow& a, float* p, float* y) {
   }
   float m = -INFINITY;
   for (int64_t t = 0; t < a.T; t++) {
-    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+    if (a.hidden(t)) {
       p[t] = -INFINITY;
       continue;
     }

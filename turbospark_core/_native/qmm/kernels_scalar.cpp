@@ -85,7 +85,7 @@ void rows_scalar(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
 void attend_scalar(const AttnRow& a, float* p, float* y) {
   float m = -INFINITY;
   for (int64_t t = 0; t < a.T; t++) {
-    if (t >= a.visible || (a.mask && !a.mask[t * a.ms])) {
+    if (a.hidden(t)) {
       p[t] = -INFINITY;
       continue;
     }

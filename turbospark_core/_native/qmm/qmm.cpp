@@ -35,14 +35,27 @@ namespace {
 
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
 
-struct Runtime {
-  RowsFn rows = rows_scalar;
-  DequantFn dequant = dequant_scalar;
-  AttendFn attend = attend_scalar;
-  RmsNormFn rms_norm = rms_norm_scalar;
-  GatedFn silu_mul = silu_mul_scalar;
-  GatedFn gelu_tanh_mul = gelu_tanh_mul_scalar;
-  std::string kernel = "scalar";
+// One kernel set: what the CPU runs (chosen once, at first use).
+struct Kernels {
+  RowsFn rows;
+  DequantFn dequant;
+  AttendFn attend;
+  RmsNormFn rms_norm;
+  GatedFn silu_mul, gelu_tanh_mul;
+  const char* kernel;
+};
+
+constexpr Kernels SCALAR{rows_scalar, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
+                         gelu_tanh_mul_scalar, "scalar"};
+#if defined(__x86_64__)
+constexpr Kernels AVX2{rows_avx2, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, "avx2"};
+// AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
+constexpr Kernels AVX512{rows_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
+                         gelu_tanh_mul_avx512, "avx512"};
+#endif
+
+struct Runtime : Kernels {
+  Runtime() : Kernels(SCALAR) {}
   sgemm_fn sgemm = nullptr;
   // M at or above which panels go through sgemm (single-threaded OpenBLAS per
   // panel measured 3-4x the row kernel's throughput at M = 64..256 here).
@@ -66,35 +79,13 @@ Runtime& runtime() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      r->rows = rows_avx2;
-      r->dequant = dequant_avx2;
-      r->attend = attend_avx2;
-      r->rms_norm = rms_norm_avx2;
-      r->silu_mul = silu_mul_avx2;
-      r->gelu_tanh_mul = gelu_tanh_mul_avx2;
-      r->kernel = "avx2";
-      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-          !std::getenv("TURBOSPARK_NATIVE_NO_AVX512")) {
-        r->rows = rows_avx512;
-        r->attend = attend_avx512;
-        r->rms_norm = rms_norm_avx512;
-        r->silu_mul = silu_mul_avx512;
-        r->gelu_tanh_mul = gelu_tanh_mul_avx512;
-      r->gelu_tanh_mul = gelu_tanh_mul_avx512;
-        r->kernel = "avx512";
-      }
+      const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          !std::getenv("TURBOSPARK_NATIVE_NO_AVX512");
+      static_cast<Kernels&>(*r) = avx512 ? AVX512 : AVX2;
     }
 #endif
-    if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) {
-      r->rows = rows_scalar;
-      r->dequant = dequant_scalar;
-      r->attend = attend_scalar;
-      r->rms_norm = rms_norm_scalar;
-      r->silu_mul = silu_mul_scalar;
-      r->gelu_tanh_mul = gelu_tanh_mul_scalar;
-      r->kernel = "scalar";
-    }
+    if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) static_cast<Kernels&>(*r) = SCALAR;
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
     r->pool = std::make_unique<Pool>(default_threads());
     return r;
@@ -640,7 +631,7 @@ NB_MODULE(_qmm, m) {
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
-  m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx2' or 'scalar'.");
+  m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
   m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether large-M products go through sgemm.");
   m.def("gemm_min_rows", [] { return tsq::runtime().gemm_min_rows; }, "Rows of x from which sgemm panels are used.");
