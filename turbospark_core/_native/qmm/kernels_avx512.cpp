@@ -52,6 +52,56 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Horizontal sums of N <= 16 accumulators at once: lane j of the result is
+// _mm512_reduce_add_ps(v[j]), summed by the same tree (lanes i + i^8, then i^4,
+// i^2, i^1), so bit for bit equal; lanes from N on are zero. Pairs of vectors
+// share each shuffle and add: about 3 instructions a sum instead of 8.
+template <int N>
+inline __m512 reduce_lanes(const __m512* v) {
+  static_assert(1 <= N && N <= 16);
+  const __m512 zero = _mm512_setzero_ps();
+  auto at = [&](const __m512* a, int i, int n) { return i < n ? a[i] : zero; };
+  __m512 u[8], w[4], x[2];
+  // lanes 0-7: v[2k]'s i + i^8, lanes 8-15: v[2k + 1]'s
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; k++) {
+    if (2 * k >= N) break;
+    const __m512 a = v[2 * k], b = at(v, 2 * k + 1, N);
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  constexpr int NU = (N + 1) / 2, NW = (N + 3) / 4, NX = (N + 7) / 8;
+  // 128-bit block c of w[m]: v[4m + c]'s partial sums (i + i^4)
+#pragma GCC unroll 4
+  for (int m = 0; m < NW; m++) {
+    const __m512 a = u[2 * m], b = at(u, 2 * m + 1, NU);
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // block c of x[h]: elements 0-1 v[8h + c]'s (i + i^2), elements 2-3 v[8h + 4 + c]'s
+#pragma GCC unroll 2
+  for (int h = 0; h < NX; h++) {
+    const __m512 a = w[2 * h], b = at(w, 2 * h + 1, NW);
+    x[h] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  const __m512 a = x[0], b = at(x, 1, NX);
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  // z's lane 4c + e holds v[4e + c]'s sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// y[(m0 + t) * ldy + n + r] = the sum of acc[r][t] (as _mm512_reduce_add_ps) plus extra's, when given.
+template <int R, int MT>
+inline void store_sums(const __m512 (&acc)[R][MT], int64_t m0, float* y, int64_t ldy, int64_t n,
+                       const __m512 (*extra)[MT] = nullptr) {
+  static_assert(R * MT <= 16);
+  alignas(64) float out[16], add[16];
+  _mm512_store_ps(out, reduce_lanes<R * MT>(&acc[0][0]));
+  if (extra != nullptr) _mm512_store_ps(add, reduce_lanes<R * MT>(&extra[0][0]));
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++)
+      y[(m0 + t) * ldy + n + r] = extra != nullptr ? out[r * MT + t] + add[r * MT + t] : out[r * MT + t];
+}
+
 // Scales (or biases) [first, first + n) as float32 into out.
 void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
   if (type == kF32) {
@@ -88,7 +138,7 @@ struct Aligned64 {
 // Per-thread scratch: rows' scales and biases as float32, x as the kernels read it
 // (each row of K floats starts on a cache line when K is a multiple of 16).
 struct Scratch {
-  std::vector<float> scales, biases, xsum;
+  std::vector<float> scales, biases;
   std::vector<float, Aligned64<float>> xp;
 };
 Scratch& scratch() {
@@ -141,8 +191,7 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
       }
     }
   }
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
 // Constant tables of the BITS-bit kernels: lane i of sixteen values takes the
@@ -226,56 +275,43 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
       for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
     }
   }
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
+// 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
 template <int R, int MT>
-void q8_block(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
-              int64_t ldy, int64_t n) {
+void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+              int64_t n) {
   const int64_t groups = q.K / q.group;
-  __m512 acc[R][MT];
+  __m512 acc[R][MT], scale[R], bias[R];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    __m512 ga[R][MT];
-    for (int r = 0; r < R; r++)
-      for (int t = 0; t < MT; t++) ga[r][t] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < q.group; j += 16) {
-      const int64_t k = g * q.group + j;
+  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 16) {
+    if (k == next) {
+      g++;
+      next += q.group;
       for (int r = 0; r < R; r++) {
-        const __m512 w = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k))));
-        for (int t = 0; t < MT; t++) ga[r][t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (m0 + t) * q.K + k), ga[r][t]);
+        scale[r] = _mm512_set1_ps(sf[r * groups + g]);
+        bias[r] = _mm512_set1_ps(bf[r * groups + g]);
       }
     }
+    __m512 w[R];
     for (int r = 0; r < R; r++) {
-      const __m512 s = _mm512_set1_ps(sf[r * groups + g]);
-      for (int t = 0; t < MT; t++) acc[r][t] = _mm512_fmadd_ps(ga[r][t], s, acc[r][t]);
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k)));
+      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), scale[r], bias[r]);
     }
-  }
-  for (int r = 0; r < R; r++) {
     for (int t = 0; t < MT; t++) {
-      // bias . per-group sums of x, sixteen groups at a time
-      __m512 bsum = _mm512_setzero_ps();
-      int64_t g = 0;
-      for (; g + 16 <= groups; g += 16)
-        bsum = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * groups + g), _mm512_loadu_ps(xsum + (m0 + t) * groups + g), bsum);
-      if (g < groups) {
-        const __mmask16 m = (__mmask16)((1u << (groups - g)) - 1);
-        bsum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bf + r * groups + g),
-                               _mm512_maskz_loadu_ps(m, xsum + (m0 + t) * groups + g), bsum);
-      }
-      y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(bsum);
+      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
     }
   }
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
 // Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
 // then every tile of MT x rows passes over the block.
 template <int BITS, int R>
-void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n1,
-                int64_t& n) {
+void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n1, int64_t& n) {
   const int64_t groups = q.K / q.group;
   Scratch& s = scratch();
   s.scales.resize(R * groups);
@@ -302,13 +338,13 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
         if constexpr (BITS == 4) {
           q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS == 8) {
-          q8_block<R, MT>(q, x, xsum, sf, bf, m, y, ldy, n);
+          q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else {
           lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
         }
       }
     };
-    if constexpr (R <= 2 && BITS != 8) tile(std::integral_constant<int, 8>{});  // 8-bit: measured slower
+    if constexpr (R <= 2) tile(std::integral_constant<int, 8>{});
     if constexpr (R <= 2) tile(std::integral_constant<int, 4>{});  // the rest: 4 + 2 + 1
     if constexpr (R <= 4) tile(std::integral_constant<int, 2>{});
     tile(std::integral_constant<int, 1>{});
@@ -326,21 +362,11 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
     std::memcpy(s.xp.data(), x, sizeof(float) * M * q.K);
   }
   const float* xk = s.xp.data();
-  if constexpr (BITS == 8) {
-    s.xsum.resize(M * groups);
-    for (int64_t m = 0; m < M; m++) {
-      for (int64_t g = 0; g < groups; g++) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = 0; j < q.group; j += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(x + m * q.K + g * q.group + j));
-        s.xsum[m * groups + g] = _mm512_reduce_add_ps(a);
-      }
-    }
-  }
   int64_t n = n0;
   // 1-3 x rows: four weight rows at once; more: two weight rows under tiles of up to eight x rows (measured best)
-  if (M <= 3) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
-  row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
-  row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  if (M <= 3) row_blocks<BITS, 4>(q, xk, M, y, ldy, n1, n);
+  row_blocks<BITS, 2>(q, xk, M, y, ldy, n1, n);
+  row_blocks<BITS, 1>(q, xk, M, y, ldy, n1, n);
 }
 
 }  // namespace
