@@ -82,21 +82,26 @@ def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("panel_rows", [None, 17])
-def test_large_m_row_kernel_and_panels(panel_rows: int | None) -> None:
+@pytest.mark.parametrize("path", ["native", "blas"])
+@pytest.mark.parametrize(("n", "k", "m", "bits", "group"), [(1000, 512, 33, 4, 64), (75, 576, 17, 5, 32), (130, 1152, 50, 8, 32), (64, 640, 255, 6, 32), (70, 96, 23, 3, 32), (33, 128, 19, 2, 128)])
+def test_large_m_products(path: str, n: int, k: int, m: int, bits: int, group: int) -> None:
     from turbospark_core._native import _qmm
 
-    # more activation rows than one tile, more weight rows than one sgemm panel
-    x, w, s, b = _case(1000, 512, 33, 4, 64, mx.float16)
-    before = _qmm.gemm_min_rows()
-    if panel_rows is not None:
-        if not _qmm.has_blas():
-            pytest.skip("no BLAS bound for the panel path")
-        _qmm.set_gemm_min_rows(panel_rows)
+    # more activation rows than the row kernels take: panels of weight rows (and their tails) through
+    # the native GEMM (rows of x in tiles of 6 and the rest) or through sgemm
+    if path == "blas" and not _qmm.has_blas():
+        pytest.skip("no BLAS bound for the panel path")
+    if path == "native" and _qmm.kernel() != "avx512":
+        pytest.skip("the native GEMM is AVX-512's")
+    x, w, s, b = _case(n, k, m, bits, group, mx.float16)
+    before = _qmm.gemm_path()
+    _qmm.set_gemm_path(path)
     try:
-        _close(native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=64)), _reference(x, w, s, b, 64, 4))
+        assert _qmm.gemm_path() == path
+        got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))
+        _close(got, _reference(x, w, s, b, group, bits))
     finally:
-        _qmm.set_gemm_min_rows(before)
+        _qmm.set_gemm_path(before)
 
 
 @needs_native

@@ -1,8 +1,11 @@
 """Native CPU kernels for quantized matrices (an MLX custom primitive built at install).
 
 With the extension, quantized weights stay quantized on the CPU and multiply
-through :func:`quantized_matmul` (AVX2/FMA or portable kernels, a thread pool
-that sleeps when idle). Without it (not built, built against another MLX, or
+through :func:`quantized_matmul` (AVX-512, AVX2/FMA or portable kernels, a thread
+pool that sleeps when idle): row kernels for up to 16 rows of x (decode, batched
+decode, verify), and from 17 rows a native GEMM over dequantized panels (AVX-512;
+``TURBOSPARK_QMM_GEMM=blas`` sends them through OpenBLAS's sgemm instead, as the
+AVX2 and portable sets always do). Without it (not built, built against another MLX, or
 ``TURBOSPARK_NATIVE=0``) the compute policy unpacks them as before;
 :data:`STATUS` says which, for ``turbospark inspect`` and the runner's stats.
 """
@@ -34,8 +37,9 @@ def _load() -> tuple[ModuleType | None, str]:
             f"native kernels built for mlx {_qmm.mlx_version()} but mlx {MLX_VERSION} is installed; "
             f"reinstall turbospark to rebuild them"
         )
-    panels = _bind_blas(_qmm) and _qmm.gemm_min_rows() < 2**62
-    gemm = f", dequantized panels through OpenBLAS from {_qmm.gemm_min_rows()} rows" if panels else ""
+    _bind_blas(_qmm)
+    how = {"native": "native GEMM", "blas": "dequantized panels through OpenBLAS"}.get(_qmm.gemm_path())
+    gemm = f", {how} from {_qmm.gemm_min_rows()} rows" if how else ""
     return _qmm, f"native {_qmm.kernel()} kernels, {_qmm.threads()} threads{gemm}"
 
 

@@ -369,6 +369,102 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   row_blocks<BITS, 1>(q, xk, M, y, ldy, n1, n);
 }
 
+// ------------------------------------------------------------ GEMM (many rows of x)
+// Prefill chunks and long verifies: each panel of GEMM_NB weight rows is dequantized
+// once (into floats, then transposed to [K][GEMM_NB] so a k's 64 weights are four
+// vectors) and every GEMM_MR rows of x run a register tile over it: 24 accumulators,
+// one broadcast of x and four FMAs per k and row, one FMA chain per output along k.
+// The panel stays in L2 while every row of x passes over it; no packing of x.
+constexpr int64_t GEMM_NB = 64;
+constexpr int GEMM_MR = 6;
+
+// 16 x 16 floats: rows r of `in` (stride ldi) become columns of `out` (stride ldo).
+inline void transpose16(const float* in, int64_t ldi, float* out, int64_t ldo) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ldi);
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single floats
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // pairs
+    for (int j = 0; j < 2; j++) {
+      r[i + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+      r[i + j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // 128-bit lanes
+    for (int j = 0; j < 4; j++) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; j++) {  // 256-bit halves
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+  // r[j] now holds column (j's position in the network): map back to the natural order
+  static constexpr int ORDER[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+  for (int j = 0; j < 16; j++) _mm512_storeu_ps(out + ORDER[j] * ldo, r[j]);
+}
+
+template <int MR>
+void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t cols) {
+  __m512 c[MR][4];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const float* b = panel + k * GEMM_NB;
+    const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), b2 = _mm512_load_ps(b + 32),
+                 b3 = _mm512_load_ps(b + 48);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+      c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(a, b3, c[i][3]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++) store16(y + i * ldy + j * 16, 0, cols - j * 16 < 0 ? 0 : cols - j * 16, c[i][j]);
+}
+
+struct GemmScratch {
+  std::vector<float, Aligned64<float>> rows, panel;
+};
+GemmScratch& gemm_scratch() {
+  thread_local GemmScratch s;
+  return s;
+}
+
+}  // namespace
+
+void gemm_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  GemmScratch& s = gemm_scratch();
+  s.rows.resize(GEMM_NB * q.K);
+  s.panel.resize(GEMM_NB * q.K);
+  for (int64_t p0 = n0; p0 < n1; p0 += GEMM_NB) {
+    const int64_t cols = std::min(GEMM_NB, n1 - p0);
+    dequant_avx2(q, s.rows.data(), p0, p0 + cols);
+    if (cols < GEMM_NB) std::fill(s.rows.begin() + cols * q.K, s.rows.end(), 0.0f);
+    for (int64_t k = 0; k < q.K; k += 16)
+      for (int64_t j = 0; j < GEMM_NB; j += 16)
+        transpose16(s.rows.data() + j * q.K + k, q.K, s.panel.data() + k * GEMM_NB + j, GEMM_NB);
+    const float* panel = s.panel.data();
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR) gemm_tile<GEMM_MR>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols);
+    switch (M - m) {
+      case 5: gemm_tile<5>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 4: gemm_tile<4>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 3: gemm_tile<3>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 2: gemm_tile<2>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 1: gemm_tile<1>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      default: break;
+    }
+  }
+}
+
+namespace {
 }  // namespace
 
 void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {

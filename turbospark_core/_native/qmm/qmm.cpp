@@ -38,6 +38,7 @@ using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int
 // One kernel set: what the CPU runs (chosen once, at first use).
 struct Kernels {
   RowsFn rows;
+  RowsFn gemm;  // many rows of x (nullptr: dequantized panels through sgemm)
   DequantFn dequant;
   AttendFn attend;
   RmsNormFn rms_norm;
@@ -45,12 +46,12 @@ struct Kernels {
   const char* kernel;
 };
 
-constexpr Kernels SCALAR{rows_scalar, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
+constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
                          gelu_tanh_mul_scalar, "scalar"};
 #if defined(__x86_64__)
-constexpr Kernels AVX2{rows_avx2, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, "avx2"};
+constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
-constexpr Kernels AVX512{rows_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
+constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
                          gelu_tanh_mul_avx512, "avx512"};
 #endif
 
@@ -60,6 +61,7 @@ struct Runtime : Kernels {
   // M at or above which panels go through sgemm (single-threaded OpenBLAS per
   // panel measured 3-4x the row kernel's throughput at M = 64..256 here).
   int64_t gemm_min_rows = 17;
+  bool blas_gemm = false;  // TURBOSPARK_QMM_GEMM=blas: panels through sgemm even where the native GEMM runs
   std::unique_ptr<Pool> pool;
 };
 
@@ -87,6 +89,7 @@ Runtime& runtime() {
 #endif
     if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) static_cast<Kernels&>(*r) = SCALAR;
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
+    if (const char* env = std::getenv("TURBOSPARK_QMM_GEMM")) r->blas_gemm = std::string(env) == "blas";
     r->pool = std::make_unique<Pool>(default_threads());
     return r;
   }();
@@ -131,8 +134,21 @@ void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
   });
 }
 
+// Many rows of x with the native GEMM: panels of its width spread over the pool.
+void run_gemm(const QMat& q, const float* x, int64_t M, float* y) {
+  Runtime& rt = runtime();
+  constexpr int64_t width = 64;  // the kernel's panel
+  const int64_t panels = (q.N + width - 1) / width;
+  const int64_t per = std::max<int64_t>(1, panels / (rt.pool->threads() * 4));  // a few chunks per thread
+  rt.pool->run((panels + per - 1) / per, [&](int64_t c) {
+    const int64_t n0 = c * per * width, n1 = std::min(q.N, n0 + per * width);
+    rt.gemm(q, x, M, y, q.N, n0, n1);
+  });
+}
+
 void compute(const QMat& q, const float* x, int64_t M, float* y) {
   Runtime& rt = runtime();
+  if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y);
   if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y);
   run_rows(q, x, M, y);
 }
@@ -633,8 +649,20 @@ NB_MODULE(_qmm, m) {
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
   m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
-  m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether large-M products go through sgemm.");
-  m.def("gemm_min_rows", [] { return tsq::runtime().gemm_min_rows; }, "Rows of x from which sgemm panels are used.");
+  m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether sgemm is bound (for dequantized panels).");
+  m.def(
+      "gemm_path",
+      [] {
+        auto& rt = tsq::runtime();
+        if (rt.gemm != nullptr && !rt.blas_gemm) return std::string("native");
+        return std::string(rt.sgemm != nullptr ? "blas" : "rows");
+      },
+      "How products from gemm_min_rows() rows of x run: 'native' GEMM, 'blas' (dequantized panels through "
+      "sgemm) or 'rows' (the row kernels).");
+  m.def(
+      "set_gemm_path", [](const std::string& path) { tsq::runtime().blas_gemm = path != "native"; }, nb::arg("path"),
+      "Use the native GEMM ('native', where the kernel set has one) or sgemm panels ('blas').");
+  m.def("gemm_min_rows", [] { return tsq::runtime().gemm_min_rows; }, "Rows of x from which the GEMM path is used.");
   m.def("set_gemm_min_rows", [](int64_t rows) { tsq::runtime().gemm_min_rows = rows; }, nb::arg("rows"),
         "Rows of x at or above which products dequantize panels and call sgemm.");
 }
