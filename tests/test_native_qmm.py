@@ -72,6 +72,20 @@ def test_a_row_of_x_gets_the_same_result_in_any_tile(bits: int, m: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_symmetric_matrices_need_no_biases(bits: int, m: int) -> None:
+    from turbospark_core._native import _qmm
+
+    # GGUF's Q8_0/Q4_0/Q5_0/Q6_K/Q3_K blocks: every bias is -2^(bits-1) * its scale, so the kernels derive it
+    x, w, s, _ = _case(70, 640, m, bits, 32, mx.float16, seed=9)
+    b = s * -(2 ** (bits - 1))
+    with_biases = np.array(_qmm.quantized_matmul(x, w, s, b, group_size=32, bits=bits))
+    without = np.array(_qmm.quantized_matmul(x, w, s, None, group_size=32, bits=bits))
+    np.testing.assert_array_equal(without, with_biases)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
     x, w, s, b = _case(40, 128, 6, 4, 32, dtype)

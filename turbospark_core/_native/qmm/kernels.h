@@ -15,7 +15,7 @@ enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 struct QMat {
   const uint8_t* w;      // [N, K * bits / 8] bytes
   const void* scales;    // [N, K / group]
-  const void* biases;    // [N, K / group]
+  const void* biases;    // [N, K / group]; null: symmetric, every bias is -2^(bits-1) * its scale
   int scale_type;        // ScaleType
   int64_t N, K;
   int group, bits;
@@ -73,5 +73,7 @@ void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, i
 
 float half_to_float(uint16_t h);
 float load_scale(const void* p, int type, int64_t i);
+// The bias of group i: stored, or -2^(bits-1) * scale for a symmetric matrix (exact: a power of two).
+inline float symmetric_bias(const QMat& q, float scale) { return -(float)(1 << (q.bits - 1)) * scale; }
 
 }  // namespace tsq

@@ -12,6 +12,11 @@
 namespace tsq {
 namespace {
 
+inline float scale_at(const void* p, int type, int64_t i);
+// The bias of group i (see QMat: symmetric matrices store none).
+inline float bias_at(const QMat& q, int64_t i) {
+  return q.biases ? scale_at(q.biases, q.scale_type, i) : symmetric_bias(q, scale_at(q.scales, q.scale_type, i));
+}
 inline float scale_at(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
   uint16_t h = static_cast<const uint16_t*>(p)[i];
@@ -108,7 +113,7 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
   }
   for (int64_t g = 0; g < groups; g++) {
     const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-    const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+    const float b = bias_at(q, n * groups + g);
     const int64_t k0 = g * q.group;
     for (int j = 0; j < q.group; j += 8) {
       const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
@@ -193,7 +198,7 @@ void small_tile(const QMat& q, const float* xp, const float* xsum, int64_t m0, f
         }
       }
       const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-      const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+      const float b = bias_at(q, n * groups + g);
       for (int t = 0; t < MT; t++) {
         acc[t] = _mm256_fmadd_ps(_mm256_add_ps(ga[t], gb[t]), s, acc[t]);
         bsum[t] += b * xsum[(m0 + t) * groups + g];
@@ -253,7 +258,7 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xp.data() + k0 + j + 8), a1);
       }
       acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g)), acc);
-      bsum += scale_at(q.biases, q.scale_type, n * groups + g) * xsum[g];
+      bsum += bias_at(q, n * groups + g) * xsum[g];
     }
     y[n] = hsum(acc) + bsum;
   }
@@ -301,7 +306,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     float* out = dst + (n - n0) * q.K;
     for (int64_t g = 0; g < groups; g++) {
       const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-      const __m256 b = _mm256_set1_ps(scale_at(q.biases, q.scale_type, n * groups + g));
+      const __m256 b = _mm256_set1_ps(bias_at(q, n * groups + g));
       const int64_t k0 = g * q.group;
       for (int j = 0; j < q.group; j += 8)
         _mm256_storeu_ps(out + k0 + j, _mm256_fmadd_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s, b));

@@ -325,11 +325,15 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
       const int64_t esize = q.scale_type == kF32 ? 4 : 2, first = (n + ahead) * groups * esize;
       for (int64_t b = 0; b < R * groups * esize; b += 64) {
         _mm_prefetch(static_cast<const char*>(q.scales) + first + b, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
+        if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
     to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
+    if (q.biases != nullptr) {
+      to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
+    } else {
+      for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+    }
     const float *sf = s.scales.data(), *bf = s.biases.data();
     int64_t m = 0;
     auto tile = [&](auto mt) {

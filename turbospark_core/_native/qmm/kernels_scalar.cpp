@@ -60,7 +60,7 @@ void dequant_scalar(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     float* out = dst + (n - n0) * q.K;
     for (int64_t g = 0; g < groups; g++) {
       float s = load_scale(q.scales, q.scale_type, n * groups + g);
-      float b = load_scale(q.biases, q.scale_type, n * groups + g);
+      float b = q.biases ? load_scale(q.biases, q.scale_type, n * groups + g) : symmetric_bias(q, s);
       for (int j = 0; j < q.group; j++) {
         int64_t i = g * q.group + j;
         out[i] = (float)value_at(row, i, q.bits) * s + b;

@@ -214,7 +214,6 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
-    const auto& biases = inputs[3];
     auto& enc = encoder_for(stream(), inputs, out);
     QMat q;
     q.scale_type = scale_type(scales.dtype());
@@ -223,11 +222,14 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     q.group = group_;
     q.bits = bits_;
     const int64_t M = x.size() / q.K;
-    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = Dense(biases), yp = out.data<float>(),
+    // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
+    std::optional<Dense> bd;
+    if (inputs.size() > 3) bd.emplace(inputs[3]);
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), yp = out.data<float>(),
                   M]() mutable {
       q.w = wd.get();
       q.scales = sd.get();
-      q.biases = bd.get();
+      q.biases = bd ? bd->get() : nullptr;
       compute(q, reinterpret_cast<const float*>(xd.get()), M, yp);
     });
   }
@@ -257,8 +259,8 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
-mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits) {
+mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                           const std::optional<mx::array>& biases, int group_size, int bits) {
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
         "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
@@ -270,8 +272,9 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   check(x_in.shape(-1) == K, shape_msg.str());
   check(K % group_size == 0, "the weight's columns must be a multiple of group_size");
   const mx::Shape sshape = {(int)N, (int)(K / group_size)};
-  check(scales.shape() == sshape && biases.shape() == sshape, "scales/biases must have shape [N, K / group_size]");
-  check(scales.dtype() == biases.dtype(), "scales and biases must share a dtype");
+  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
+        "scales/biases must have shape [N, K / group_size]");
+  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
   scale_type(scales.dtype());
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
@@ -279,8 +282,9 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
   auto out_shape = x.shape();
   out_shape.back() = (int)N;
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
-                     {x, w, scales, biases});
+  std::vector<mx::array> inputs = {x, w, scales};
+  if (biases) inputs.push_back(*biases);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
@@ -630,9 +634,10 @@ bool bind_blas(const std::string& path, const std::string& prefix) {
 
 NB_MODULE(_qmm, m) {
   m.doc() = "turbospark native quantized matmul (MLX custom primitive)";
-  m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
-        "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute.");
+  m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
+        "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
+        "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale.");
   m.def("rope", &tsq::rope, nb::arg("x"), nb::arg("dims"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs"),
         "mx.fast.rope(x, dims, traditional=False, base=None, scale, offset, freqs) for float32 [B, H, L, D] as one op.");
   m.def("decode_attention", &tsq::decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
