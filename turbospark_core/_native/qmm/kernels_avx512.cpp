@@ -279,6 +279,36 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
 }
 
 // 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
+// 5/6-bit weights in groups of sixteen (GGUF's Q6_K): a group is one chunk, so its
+// lookup tables would be rebuilt for every sixteen weights; instead each chunk's
+// integers are converted and dequantized with one FMA (scale * q + bias), once for
+// all MT rows of x.
+template <int BITS, int R, int MT>
+void narrow_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+                  int64_t n) {
+  static const Unpack<BITS> unpack;
+  const int64_t row_bytes = q.K * BITS / 8;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  const int64_t groups = q.K / 16;
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t k = g * 16;
+    __m512 w[R];
+    for (int r = 0; r < R; r++) {
+      const __m512i v = _mm512_and_si512(unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end), mask);
+      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+    }
+    for (int t = 0; t < MT; t++) {
+      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
+    }
+  }
+  store_sums<R, MT>(acc, m0, y, ldy, n);
+}
+
 template <int R, int MT>
 void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
               int64_t n) {
@@ -343,6 +373,12 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
           q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS == 8) {
           q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+        } else if constexpr (BITS >= 5) {
+          if (q.group == 16) {
+            narrow_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
+          } else {
+            lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
+          }
         } else {
           lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
         }
