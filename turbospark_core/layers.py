@@ -64,12 +64,14 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
     multiply, one dispatch and one pass over the input instead of several:
     thin models' decode steps are bound by per-op overhead. ``None`` when the
     parts are held differently (dense vs quantized, other bits or groups, some
-    with a bias), on another input size, or larger than :data:`FUSE_MAX_BYTES`
-    together (the fused copy is held beside the stored weights).
+    with a bias), on another input size, larger than :data:`FUSE_MAX_BYTES`
+    together (the fused copy is held beside the stored weights), or not plain
+    :class:`Linear` objects (a distributed rank's row-parallel or placeholder ones).
     """
     first = parts[0]
     same = all(
-        p.quant == first.quant
+        type(p) is Linear
+        and p.quant == first.quant
         and p.weight.dtype == first.weight.dtype
         and p.weight.shape[1:] == first.weight.shape[1:]
         and p.weight.ndim == 2

@@ -73,6 +73,7 @@ class OpenedModel:
         sessions: The session pool (open step 13).
         steering: The direction set of open step 14 (``None``: unsteered),
             applied to every request that names none.
+        distributed: This rank's mode and share (``None``: one process).
     """
 
     manifest: Manifest
@@ -280,6 +281,16 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
         arch (hidden size, layer range, values); a family whose
         ``steering_supported`` gave a reason refuses it by name;
     15. warm-up (one token), when ``options.warmup`` (diagnostics forget it).
+
+    Distributed (``options.distributed`` in a group of several processes, see
+    :mod:`turbospark_core.distributed`): after 10's layout the rank's share is
+    computed, every split refused first (:func:`~turbospark_core.distributed.setup.prepare`);
+    7's estimate counts only that share, and the ranks agree on the compute
+    policy; 8 reads only the rank's byte ranges; 10 reads only its experts'
+    records; 11 builds the flow from the per-rank arch (pipeline ranks then get
+    relays for other ranks' layers); the shape check runs, evaluated, on every
+    rank; MLX's generator is seeded alike on every rank. In a group of one
+    process none of this happens.
 
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
     estimate), expert_setup (the experts section, 10), weights_mapping (8, and

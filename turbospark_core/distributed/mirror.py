@@ -20,7 +20,7 @@ import attrs
 
 from turbospark_core.batch import PREFILL_CHUNK, Batch, BatchRow
 from turbospark_core.distributed.group import Group, world
-from turbospark_core.errors import DistributedError
+from turbospark_core.errors import DistributedError, TurbosparkError
 from turbospark_core.runner import Runner, Steering
 from turbospark_core.sessions import SequenceState, SessionPool
 from turbospark_core.steering import DirectionSet, fingerprint
@@ -177,7 +177,9 @@ def follow(runner: Runner, channel: Channel, steering_sets: Mapping[str, Directi
     ``steering_sets``: the sets requests may name (the server's), matched to
     rank 0's by their fingerprint. A call that fails here failed alike on
     rank 0 (same calls, same state), which reports it to its client; it is
-    logged and the next call follows.
+    logged and the next call follows. Anything else (an error rank 0 cannot
+    have had, a steering set this rank does not know) ends the follower: the
+    ranks would no longer run the same forwards.
     """
     known = [*(steering_sets or {}).values(), runner.steering]
     sets = {fingerprint(s): s for s in known if s is not None}
@@ -199,6 +201,11 @@ def follow(runner: Runner, channel: Channel, steering_sets: Mapping[str, Directi
                 states.pop(op["key"], None)
             elif kind == "add" and batch is not None:
                 steering = op["steering"]
+                if isinstance(steering, str) and steering not in sets:
+                    raise DistributedError(
+                        f"rank 0 steers with a set this rank was not given ({steering}); pass "
+                        "every rank the same --steering and --steering-set options"
+                    )
                 chosen = sets[steering] if isinstance(steering, str) else steering
                 state = None if op["state"] is None else states[op["state"]]
                 row = batch.add(
@@ -215,5 +222,7 @@ def follow(runner: Runner, channel: Channel, steering_sets: Mapping[str, Directi
                 rows = {i: r for i, r in rows.items() if not r.done}
             elif kind == "cancel" and batch is not None and op["row"] in rows:
                 batch.cancel(rows.pop(op["row"]))
-        except Exception as e:  # noqa: BLE001 - rank 0 failed alike and answers its client
+        except TurbosparkError as e:  # rank 0 was refused alike and answers its client
+            if isinstance(e, DistributedError):
+                raise
             log.warning("%s call failed (as on rank 0): %s", kind, e)

@@ -129,7 +129,9 @@ class StageModel:
 
     After each forward it advances the cache entries of other ranks' layers by
     the tokens run (their positions follow the sequence, they hold nothing).
-    Everything else is the family model's (attribute access falls through).
+    Everything else is the family model's: attribute access falls through, and
+    it passes for an instance of the family's class (a plugin's multi-token
+    prediction head checks the trunk it reuses the embedding and head of).
     """
 
     def __init__(self, model: FamilyModel, stage: Stage, remote: Sequence[int]) -> None:
@@ -163,6 +165,10 @@ class StageModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+    @property  # type: ignore[misc]  # a proxy: isinstance() sees the family's class
+    def __class__(self) -> type:
+        return self.model.__class__
 
 
 def check_layers(model: FamilyModel, num_layers: int, family: str) -> None:

@@ -287,7 +287,8 @@ class StageOpen(DistributedOpen):
     def share(self) -> str:
         """The decoder layers this rank runs."""
         a, b = self.layers
-        return f"decoder layers {a}-{b - 1} of {self.num_layers}"
+        held = f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}"
+        return f"decoder {held} of {self.num_layers}"
 
 
 def prepare(
