@@ -171,58 +171,70 @@ def leading(opener: Callable[[], Runner], group: Group | None = None) -> Callabl
     return lambda: LeaderRunner(opener(), Channel(group))
 
 
+class Follower:
+    """Another rank's side of a served group: rank 0's calls, made on this rank's runner (see :func:`follow`)."""
+
+    def __init__(self, runner: Runner, steering_sets: Mapping[str, DirectionSet] | None = None) -> None:
+        self.runner = runner
+        known = [*(steering_sets or {}).values(), runner.steering]
+        self.sets = {fingerprint(s): s for s in known if s is not None}
+        self.batch: Batch | None = None
+        self.rows: dict[int, BatchRow] = {}
+        self.states: dict[str, SequenceState] = {}
+
+    def make(self, op: dict[str, Any]) -> None:
+        """Rank 0's call ``op`` (one of the kinds :class:`LeaderRunner` sends)."""
+        kind = op.get("op")
+        if kind == "batch":
+            self.batch, self.rows = self.runner.batch(max_rows=op["max_rows"], prefill_chunk=op["prefill_chunk"]), {}
+        elif kind == "acquire":
+            self.states[op["key"]] = self.runner.sessions.acquire(op["key"])
+        elif kind == "drop":
+            self.runner.sessions.drop(op["key"])
+            self.states.pop(op["key"], None)
+        elif kind == "add" and self.batch is not None:
+            state = None if op["state"] is None else self.states[op["state"]]
+            row = self.batch.add(
+                op["prompt"],
+                op["max_tokens"],
+                state=state,
+                steering=self._steering(op["steering"]),
+                logprobs=op["logprobs"],
+                **op["sampling"],
+            )
+            self.rows[row.id] = row
+        elif kind == "step" and self.batch is not None:
+            self.batch.step()
+            self.rows = {i: r for i, r in self.rows.items() if not r.done}
+        elif kind == "cancel" and self.batch is not None and op["row"] in self.rows:
+            self.batch.cancel(self.rows.pop(op["row"]))
+
+    def _steering(self, ref: str | bool | None) -> Steering:
+        if not isinstance(ref, str):
+            return None if ref is None else False
+        if ref not in self.sets:
+            raise DistributedError(
+                f"rank 0 steers with a set this rank was not given ({ref}); pass every rank the same "
+                f"--steering and --steering-set options"
+            )
+        return self.sets[ref]
+
+
 def follow(runner: Runner, channel: Channel, steering_sets: Mapping[str, DirectionSet] | None = None) -> None:
     """Another rank of a served group: make rank 0's calls (from ``channel``) on ``runner`` until it stops.
 
     ``steering_sets``: the sets requests may name (the server's), matched to
-    rank 0's by their fingerprint. A call that fails here failed alike on
+    rank 0's by their fingerprint. A call refused here was refused alike on
     rank 0 (same calls, same state), which reports it to its client; it is
     logged and the next call follows. Anything else (an error rank 0 cannot
     have had, a steering set this rank does not know) ends the follower: the
     ranks would no longer run the same forwards.
     """
-    known = [*(steering_sets or {}).values(), runner.steering]
-    sets = {fingerprint(s): s for s in known if s is not None}
-    batch: Batch | None = None
-    rows: dict[int, BatchRow] = {}
-    states: dict[str, SequenceState] = {}
-    while True:
-        op = channel.receive()
-        kind = op.get("op")
-        if kind == STOP:
-            return
+    follower = Follower(runner, steering_sets)
+    while (op := channel.receive()).get("op") != STOP:
         try:
-            if kind == "batch":
-                batch, rows = runner.batch(max_rows=op["max_rows"], prefill_chunk=op["prefill_chunk"]), {}
-            elif kind == "acquire":
-                states[op["key"]] = runner.sessions.acquire(op["key"])
-            elif kind == "drop":
-                runner.sessions.drop(op["key"])
-                states.pop(op["key"], None)
-            elif kind == "add" and batch is not None:
-                steering = op["steering"]
-                if isinstance(steering, str) and steering not in sets:
-                    raise DistributedError(
-                        f"rank 0 steers with a set this rank was not given ({steering}); pass "
-                        "every rank the same --steering and --steering-set options"
-                    )
-                chosen = sets[steering] if isinstance(steering, str) else steering
-                state = None if op["state"] is None else states[op["state"]]
-                row = batch.add(
-                    op["prompt"],
-                    op["max_tokens"],
-                    state=state,
-                    steering=chosen,
-                    logprobs=op["logprobs"],
-                    **op["sampling"],
-                )
-                rows[row.id] = row
-            elif kind == "step" and batch is not None:
-                batch.step()
-                rows = {i: r for i, r in rows.items() if not r.done}
-            elif kind == "cancel" and batch is not None and op["row"] in rows:
-                batch.cancel(rows.pop(op["row"]))
+            follower.make(op)
+        except DistributedError:
+            raise
         except TurbosparkError as e:  # rank 0 was refused alike and answers its client
-            if isinstance(e, DistributedError):
-                raise
-            log.warning("%s call failed (as on rank 0): %s", kind, e)
+            log.warning("%s call refused (as on rank 0): %s", op.get("op"), e)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import attrs
@@ -21,7 +22,7 @@ from turbospark_core.distributed.pipeline import Stage, StageModel, check_layers
 from turbospark_core.distributed.plan import DistributedPlan, PipelinePlan, TensorPlan
 from turbospark_core.distributed.reader import ShardReader
 from turbospark_core.distributed.share import StageShare, TensorShare, layer_costs
-from turbospark_core.distributed.shares import head_share, layer_ranges, per_rank_arch
+from turbospark_core.distributed.shares import layer_ranges, per_rank_arch
 from turbospark_core.distributed.store import ShardedWeightStore, StageWeightStore
 from turbospark_core.errors import DistributedError
 from turbospark_core.experts.layout import ExpertLayout, LayerLayout
@@ -107,7 +108,7 @@ def mode_plan(plan: DistributedPlan | None, mode: str, hooks: FamilyHooks, model
     raise DistributedError(f"{who} refuses distributed={mode!r} for model type {model_type!r}: {why}; {fix}")
 
 
-class DistributedOpen:
+class DistributedOpen(abc.ABC):
     """The distributed parts of one open (see :func:`prepare`); the loader calls them in order."""
 
     mode = ""
@@ -125,17 +126,17 @@ class DistributedOpen:
         """The caches this rank allocates (and the memory guard counts)."""
         return layout
 
+    @abc.abstractmethod
     def held_index(self) -> TensorIndex:
         """The tensors (or slices) this rank reads."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def held_experts(self) -> ExpertLayout | None:
         """The experts.bin records this rank reads: a layout of only them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def weights(self, policy: ComputePolicy) -> WeightStore:
         """This rank's weight store."""
-        raise NotImplementedError
 
     def finish(self, model: FamilyModel, family: str) -> FamilyModel:
         """The model the runner calls (after ``build_family_state``)."""
@@ -149,9 +150,9 @@ class DistributedOpen:
         """Seed MLX's global generator alike on every rank (unseeded sampling then agrees)."""
         mx.random.seed(self.group.shared_seed())
 
+    @abc.abstractmethod
     def share(self) -> str:
         """What this rank holds, in words."""
-        raise NotImplementedError
 
     def info(self) -> DistributedInfo:
         """The record ``inspect`` shows."""
@@ -213,7 +214,6 @@ class TensorOpen(DistributedOpen):
 
     def share(self) -> str:
         """Heads per rank, experts and vocabulary rows held."""
-        size = self.group.size
         arch = self.manifest.arch
         parts = [
             f"{key} {self._arch_value(self._arch, key)} of {self._arch_value(arch, key)}"
@@ -222,7 +222,7 @@ class TensorOpen(DistributedOpen):
         ]
         if self.experts is not None:
             layer = next(iter(self.experts.layers.values()))
-            first, count = head_share(layer.num_experts, size, self.group.rank, "experts", replicate=False)
+            first, count = self.tensors.experts_share(layer.num_experts, layer.prefix)
             parts.append(f"experts {first}-{first + count - 1} of {layer.num_experts} per routed layer")
         vocab = [(b, self.tensors.vocab_rows(b)) for b in self.plan.vocab]
         parts += [f"{b} rows {r[0]}-{r[1] - 1}" for b, r in vocab if r is not None]
