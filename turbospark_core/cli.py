@@ -301,7 +301,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             text = turns.pop(0)
         else:
             try:
-                text = input(">>> ")
+                text = input("" if _follower(args) else ">>> ")
             except EOFError:
                 return
             if not text.strip():
