@@ -42,8 +42,9 @@ import attrs
 Section = tuple[int, int]  # (heads, width): `heads` units of `width` rows (or columns) each
 
 
-def _sections(value: object) -> tuple[Section, ...]:
-    return tuple((int(h), int(w)) for h, w in value)  # type: ignore[attr-defined]
+def _pairs(value: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Pairs of ints as a tuple (a plugin may give lists)."""
+    return tuple((int(a), int(b)) for a, b in value)
 
 
 @attrs.frozen
@@ -56,7 +57,7 @@ class Split:
     """
 
     axis: Literal["out", "in"]
-    sections: tuple[Section, ...] = attrs.field(default=(), converter=_sections)
+    sections: tuple[Section, ...] = attrs.field(default=(), converter=_pairs)
 
     @classmethod
     def out(cls, *sections: Section) -> Split:
@@ -91,10 +92,6 @@ class TensorPlan:
     splits: dict[str, Split] = attrs.field(factory=dict, converter=_splits)
     per_rank: tuple[str, ...] = attrs.field(default=(), converter=_names)
     vocab: tuple[str, ...] = attrs.field(default=(), converter=_names)
-
-
-def _pairs(value: object) -> tuple[tuple[int, int], ...]:
-    return tuple((int(a), int(b)) for a, b in value)  # type: ignore[attr-defined]
 
 
 @attrs.frozen(kw_only=True)
