@@ -129,6 +129,16 @@ def test_install_with_an_unservable_quantization_is_refused_at_open(q4_copy: Pat
     names(e, repr(base), f"{entry['bits']}-bit", entry["mode"], "no kernel")
 
 
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_scales_that_do_not_fit_the_group_are_refused_at_open(q4_copy: Path, tamper, group: int, names) -> None:
+    """A group entry that disagrees with the scales would otherwise broadcast silently (16) or fail deep in MLX."""
+    base = "model.layers.0.self_attn.q_proj"
+    tamper.edit(q4_copy, lambda raw: raw["quantization"][base].__setitem__("group_size", group))
+    with pytest.raises(TensorStorageError) as e:
+        turbospark_core.open(q4_copy)
+    names(e, repr(base), "scales [64, 1]", f"groups of {group}", "turbospark convert")
+
+
 def test_packed_weight_without_a_quantization_entry(q4_copy: Path, tamper, names) -> None:
     base = "model.layers.0.mlp.gate_proj"
     tamper.edit(q4_copy, lambda raw: raw["quantization"].pop(base))

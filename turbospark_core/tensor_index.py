@@ -250,3 +250,22 @@ def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
                 f"but packed matrices have at least two dimensions; re-run `turbospark convert`"
             )
             raise TensorStorageError(msg)
+        _check_groups(base, spec, tensors)
+
+
+def _check_groups(base: str, spec: QuantSpec, tensors: dict[str, TensorInfo]) -> None:
+    """Scales (and biases) hold one value per group of the packed rows (a mismatch would broadcast silently)."""
+    *rows, words = tensors[f"{base}.weight"].shape
+    bits_per_row = words * 32
+    expected = (*rows, bits_per_row // spec.bits // spec.group_size)
+    for leaf in ("scales", "biases"):
+        info = tensors.get(f"{base}.{leaf}")
+        if info is None:
+            continue
+        if bits_per_row % (spec.bits * spec.group_size) or info.shape != expected:
+            msg = (
+                f"quantized matrix {base!r}: {leaf} {list(info.shape)} do not fit {spec.bits}-bit weights "
+                f"{[*rows, words]} in groups of {spec.group_size} (expected {list(expected)}); the install is "
+                f"corrupt or its quantization entry was altered, re-run `turbospark convert`"
+            )
+            raise TensorStorageError(msg)
