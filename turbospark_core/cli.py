@@ -264,7 +264,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
     )
     for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):
-        print(f"dequantized {len(names)} tensors ({kind}, no exact MLX form) to float: {', '.join(names)}")
+        print(f"dequantized {len(names)} tensors ({kind}, no exact affine form) to float: {', '.join(names)}")
     if args.vision:
         from turbospark_core.vision.convert import convert_sidecar
 
@@ -484,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=("q3", "q4", "q8"))
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
-        "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"
+        "--strict",
+        action="store_true",
+        help="GGUF: refuse block types with no exact affine form instead of dequantizing",
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
     p.add_argument(

@@ -7,6 +7,8 @@ import mlx.core as mx
 
 from turbospark_core import native
 
+GPU_COMPUTE_DTYPE = mx.bfloat16  # activations on a GPU: float16 overflows in some families (Gemma)
+
 
 @attrs.frozen(kw_only=True)
 class ComputePolicy:
@@ -39,8 +41,7 @@ class ComputePolicy:
         """
         on_cpu = mx.default_device() == mx.cpu
         if not on_cpu:
-            # bf16 activations: float16 overflows in some families (Gemma)
-            return cls(unpack=False, compute_dtype=mx.bfloat16, reason="gpu: stored weights, quantized kernels")
+            return cls(unpack=False, compute_dtype=GPU_COMPUTE_DTYPE, reason="gpu: stored weights, quantized kernels")
         kernels = _native_note()
         if unpack and unpacked_bytes <= budget:
             return cls(

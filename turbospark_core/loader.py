@@ -14,7 +14,7 @@ import mlx.core as mx
 from turbospark_core import hadamard, native, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
-from turbospark_core.compute import ComputePolicy
+from turbospark_core.compute import GPU_COMPUTE_DTYPE, ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
 from turbospark_core.diagnostics import Diagnostics
 from turbospark_core.distributed.setup import DistributedInfo, DistributedOpen, prepare
@@ -58,7 +58,7 @@ from turbospark_core.sessions import SessionPool
 from turbospark_core.speculative.factory import DrafterSetup, draft_length, make_drafter, refuse_hadamard
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.steering import DirectionSet
-from turbospark_core.tensor_index import TensorIndex, build_index
+from turbospark_core.tensor_index import QuantSpec, TensorIndex, build_index
 from turbospark_core.weights import WeightStore
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -508,7 +508,7 @@ def _plan_memory(
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
     if dist is not None and not dist.agree(policy.unpack):
         policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes, unpack=False)
-    weight_bytes = _unpacked_bytes(index) if policy.unpack else index.stored_bytes()
+    weight_bytes = _unpacked_bytes(index) if policy.unpack else _stored_bytes(index)
     estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
     try:
         _check_expert_budget(estimate, plan, opts, max_context)
@@ -525,9 +525,22 @@ def _plan_memory(
 def _unpacked_bytes(index: TensorIndex) -> int:
     """Weight bytes under the CPU's unpacking policy: float32, except the 2-D quantized
     matrices the native kernels multiply in stored form (expert stacks are unpacked)."""
-    if mx.default_device() != mx.cpu or not native.available():
-        return index.float_bytes(4)
-    return index.float_bytes(4, keep=lambda base, spec: native.supports(spec) and len(index.logical_shape(base)) == 2)
+    return index.float_bytes(4, keep=lambda base, spec: _native_keeps(index, base, spec))
+
+
+def _stored_bytes(index: TensorIndex) -> int:
+    """Weight bytes under the stored-form policy: as stored, except narrow-group matrices
+    (no MLX kernel) that the native kernels do not multiply, unpacked to the compute dtype."""
+    itemsize = (mx.float32 if mx.default_device() == mx.cpu else GPU_COMPUTE_DTYPE).size
+    return index.stored_bytes(
+        unpack=lambda base, spec: not spec.mlx_kernels and not _native_keeps(index, base, spec), itemsize=itemsize
+    )
+
+
+def _native_keeps(index: TensorIndex, base: str, spec: QuantSpec) -> bool:
+    """Whether the native kernels multiply matrix ``base`` as stored (2-D, on the CPU, a layout they take)."""
+    on_cpu = mx.default_device() == mx.cpu
+    return on_cpu and native.supports(spec) and len(index.logical_shape(base)) == 2
 
 
 def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:
@@ -549,7 +562,7 @@ def _choose_policy(
     float32 streamed, stored streamed, the first that fits the budget (residency permitting;
     ``unpack=False``: only the stored forms)."""
     room = max(0, opts.memory_budget - kv_bytes)
-    f32, stored = _unpacked_bytes(index), index.stored_bytes()
+    f32, stored = _unpacked_bytes(index), _stored_bytes(index)
     if layout is None:
         return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room, unpack=unpack), None
     for residency in residencies(opts.residency, opts.expert_slots, layout):
