@@ -71,6 +71,41 @@ def test_a_row_of_x_gets_the_same_result_in_any_tile(bits: int, m: int) -> None:
         np.testing.assert_array_equal(together[i : i + 1], alone)
 
 
+def _narrow_case(n: int, k: int, m: int, bits: int, scale_dtype: type, seed: int = 0):
+    """A group-16 matrix (GGUF K-quant sub-blocks; mx.quantize refuses the group) and its unpacked fallback."""
+    from turbospark_core.convert.gguf_reader import _pack
+    from turbospark_core.dequant import dequantize
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2**bits, (n, k // 16, 16), dtype=np.uint8)
+    s = mx.array(rng.uniform(-0.05, 0.05, (n, k // 16)).astype(scale_dtype))
+    b = mx.array(rng.uniform(-0.5, 0.5, (n, k // 16)).astype(scale_dtype))
+    w = mx.array(_pack(codes, bits))
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    spec = QuantSpec(bits=bits, group_size=16)
+    return x, w, s, b, spec, np.array(x @ dequantize(w, s, b, spec, mx.float32).T)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [*range(1, 17), 17, 33])
+def test_group_16_equals_the_unpacked_fallback(bits: int, m: int) -> None:
+    # 75 weight rows (row tails); 1280 columns: 80 groups of 16, more than 16 groups per row
+    x, w, s, b, spec, want = _narrow_case(75, 1280, m, bits, np.float32, seed=bits * 100 + m)
+    got = native.quantized_matmul(x, w, s, b, spec)
+    assert got.shape == (m, 75) and got.dtype == mx.float32
+    _close(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+@pytest.mark.parametrize("m", [1, 5])
+def test_group_16_rows_of_odd_group_counts_and_half_scales(bits: int, m: int) -> None:
+    # 272 columns: 17 groups of 16, not whole groups of 32 (even bits only: odd ones would not fill words)
+    x, w, s, b, spec, want = _narrow_case(40, 272, m, bits, np.float16, seed=bits)
+    _close(native.quantized_matmul(x, w, s, b, spec), want)
+
+
 @needs_native
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("m", [1, 8, 40])
@@ -204,6 +239,8 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
         "tests/test_native_qmm.py::test_equals_mlx_quantized_matmul",
         "tests/test_native_qmm.py::test_row_tails_and_wide_rows",
         "tests/test_native_qmm.py::test_a_row_of_x_gets_the_same_result_in_any_tile",
+        "tests/test_native_qmm.py::test_group_16_equals_the_unpacked_fallback",
+        "tests/test_native_qmm.py::test_group_16_rows_of_odd_group_counts_and_half_scales",
         "tests/test_native_ops.py",
     ]
     run = subprocess.run(

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
 from turbospark_core.layers import Activation, ExpertBank, Experts
@@ -35,10 +36,10 @@ def q4_dir(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def _store(root: Path, unpack: bool) -> WeightStore:
+def _store(root: Path, unpack: bool, native_kernels: bool = False, dtype: mx.Dtype = mx.float32) -> WeightStore:
     manifest = load_manifest(root)
     index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)
-    policy = ComputePolicy(unpack=unpack, compute_dtype=mx.float32, reason="test")
+    policy = ComputePolicy(unpack=unpack, compute_dtype=dtype, reason="test", native=native_kernels)
     return WeightStore(manifest.path(WEIGHTS), index, policy)
 
 
@@ -55,6 +56,36 @@ def test_weight_store_hides_unpacking_from_families(q4_dir: Path) -> None:
     # a float tensor asked of a quantized matrix comes back dequantized either way
     _close(packed.tensor(base), unpacked.tensor(base), atol=1e-6)
     unpacked.materialize()
+
+
+@pytest.mark.parametrize(
+    ("unpack", "native_kernels", "dtype"),
+    [(True, True, mx.float32), (True, False, mx.float32), (False, True, mx.float32), (False, False, mx.bfloat16)],
+    ids=["cpu-native", "cpu-native-off", "stored-native", "stored-mlx-kernels (gpu-like)"],
+)
+def test_group_16_matrices_stay_quantized_only_where_native_kernels_multiply_them(
+    k_quant_installs: dict[str, Path], unpack: bool, native_kernels: bool, dtype: mx.Dtype
+) -> None:
+    store = _store(k_quant_installs["quantized"], unpack, native_kernels and native.available(), dtype)
+    reference = _store(k_quant_installs["float"], unpack=True)
+    kept = native_kernels and native.available()
+    x = _normal((1, 3, 512), 7)
+    for base in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
+        lin, want = store.linear(base), reference.linear(base)
+        assert (lin.quant is not None) == kept, base
+        if kept:  # the native kernel against the float reference's matmul
+            xin = x[..., : want.weight.shape[1]]
+            _close(lin(xin), want(xin))
+        else:  # unpacked exactly, held in the compute dtype
+            assert lin.weight.dtype == dtype
+            assert mx.array_equal(lin.weight, want.weight.astype(dtype)).item()
+        assert mx.array_equal(store.tensor(base), reference.tensor(f"{base}.weight").astype(dtype)).item()
+        assert store.linear(base, native_ok=False).quant is None  # as expert stacks: they gather
+    ids = mx.array([[0, 5, 259]])  # embedding rows gathered, then unpacked (or from the unpacked table)
+    rows = store.embedding("model.embed_tokens")(ids)
+    assert rows.dtype == dtype
+    assert mx.array_equal(rows, reference.embedding("model.embed_tokens")(ids).astype(dtype)).item()
+    store.materialize()
 
 
 def test_experts_come_from_the_container_without_a_source(q4_dir: Path) -> None:

@@ -18,7 +18,7 @@ from turbospark_core.names import NAME  # noqa: E402
 if TYPE_CHECKING:
     from typing_extensions import Never
 
-    from turbospark_core.options import ExpertSlots, KVQuant, Residency
+    from turbospark_core.options import Distributed, ExpertSlots, KVQuant, Residency
     from turbospark_core.steering import DirectionSet
 
 __version__ = "0.1.0"
@@ -49,6 +49,7 @@ def open(  # noqa: A001 - the API's name
     mtp: int | Literal["auto"] | None = None,
     num_draft_tokens: int | None = None,
     dflash: str | Path | None = None,
+    distributed: Distributed | None = None,
     **unknown: Never,
 ) -> Runner:
     """Open a turbospark install and return a :class:`Runner`.
@@ -141,6 +142,20 @@ def open(  # noqa: A001 - the API's name
             one forward that reads the model's outputs of those layers (captured
             only while it is open) and uses the model's embedding and LM head.
             With another drafter it is refused (``mtp="auto"`` yields to it).
+        distributed: ``"tensor"`` or ``"pipeline"``: in a process started by
+            ``mlx.launch``, split the model over ``mx.distributed.init()``'s group
+            (see ``docs/distributed.md``). ``"tensor"``: every rank holds a share
+            of each layer's heads, of the MLP columns, of the vocabulary rows and
+            of each routed layer's experts (expert parallelism), as the family's
+            ``distributed_plan`` declares; ``"pipeline"``: every rank runs a
+            contiguous range of decoder layers. Each rank reads only its own byte
+            ranges of the install, and the memory guard counts only its share.
+            Every rank must make the same calls (``logits``, ``generate``...),
+            which return the full result on every rank. In a group of one
+            process (no ``mlx.launch``) nothing changes. Refused: a family
+            without a plan for the mode, a split the group size cannot make
+            (the message names the numbers), histograms, ``vision``, and a
+            drafter without a fixed ``num_draft_tokens``.
         **unknown: Refused: a misspelled option raises ``OptionError`` naming it.
 
     Raises:
@@ -179,6 +194,7 @@ def open(  # noqa: A001 - the API's name
             "mtp": mtp,
             "num_draft_tokens": num_draft_tokens,
             "dflash": dflash,
+            "distributed": distributed,
         }
     )
     opened = open_install(path, options)  # steps 3-15

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark_core import native
+from turbospark_core import dequant, native
 from turbospark_core.tensor_index import QuantSpec
 
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -64,12 +64,14 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
     multiply, one dispatch and one pass over the input instead of several:
     thin models' decode steps are bound by per-op overhead. ``None`` when the
     parts are held differently (dense vs quantized, other bits or groups, some
-    with a bias), on another input size, or larger than :data:`FUSE_MAX_BYTES`
-    together (the fused copy is held beside the stored weights).
+    with a bias), on another input size, larger than :data:`FUSE_MAX_BYTES`
+    together (the fused copy is held beside the stored weights), or not plain
+    :class:`Linear` objects (a distributed rank's row-parallel or placeholder ones).
     """
     first = parts[0]
     same = all(
-        p.quant == first.quant
+        type(p) is Linear
+        and p.quant == first.quant
         and p.weight.dtype == first.weight.dtype
         and p.weight.shape[1:] == first.weight.shape[1:]
         and p.weight.ndim == 2
@@ -182,17 +184,8 @@ class Embedding:
         if t.quant is None or t.scales is None:
             return t.weight[ids]
         # only the gathered rows are dequantized; affine scales widened first, as at unpacking
-        scales, biases = t.scales[ids], None if t.biases is None else t.biases[ids]
-        if self.dtype is not None and t.quant.mode == "affine":
-            scales = scales.astype(self.dtype)
-            biases = None if biases is None else biases.astype(self.dtype)
-        return mx.dequantize(
-            t.weight[ids],
-            scales,
-            biases,
-            group_size=t.quant.group_size,
-            bits=t.quant.bits,
-            mode=t.quant.mode,
+        return dequant.dequantize(
+            t.weight[ids], t.scales[ids], None if t.biases is None else t.biases[ids], t.quant, self.dtype
         )
 
     def as_linear(self, x: mx.array) -> mx.array:

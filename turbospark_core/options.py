@@ -15,11 +15,13 @@ from turbospark_core.memory import parse_budget
 
 Residency = Literal["resident", "auto", "streamed"]
 KVQuant = Literal["q8", "q4"]
+Distributed = Literal["tensor", "pipeline"]
 ExpertSlots = int | Literal["auto"]
 
 # routed MoE experts: every expert in memory, by budget, or an LRU of slots
 RESIDENCY: tuple[Residency, ...] = ("resident", "auto", "streamed")
 KV_QUANT: tuple[KVQuant | None, ...] = (None, "q8", "q4")
+DISTRIBUTED: tuple[Distributed | None, ...] = (None, "tensor", "pipeline")
 
 _C = TypeVar("_C")
 
@@ -143,6 +145,10 @@ def _kv_quant(value: object) -> KVQuant | None:
     return _choice("kv_quant", value, KV_QUANT)
 
 
+def _distributed(value: object) -> Distributed | None:
+    return _choice("distributed", value, DISTRIBUTED)
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         msg = f"{name}={value!r} is invalid; use True or False"
@@ -185,6 +191,7 @@ class OpenOptions:
     mtp: int | str | None = attrs.field(default=None, converter=_mtp)  # depth | "auto" | None
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
     dflash: Any = attrs.field(default=None, converter=_dflash)  # Path | None
+    distributed: Distributed | None = attrs.field(default=None, converter=_distributed)
 
     def __attrs_post_init__(self) -> None:
         named = self.drafters_named()

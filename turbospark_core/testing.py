@@ -195,6 +195,34 @@ def _close(got: np.ndarray, want: np.ndarray) -> bool:
     return bool(np.abs(got - want).max() <= INCREMENTAL_ABS_TOL * max(1.0, float(np.abs(want).max())))
 
 
+# ------------------------------------------------------------------ distributed plans
+def distributed_open(install: Path, mode: str, size: int, rank: int = 0, **options: Any) -> Any:
+    """What rank ``rank`` of ``size`` makes of ``install`` with ``distributed=mode``, without a group.
+
+    The :class:`~turbospark_core.distributed.setup.DistributedOpen` of open's
+    distributed steps (every refusal, the per-rank arch, the shares, the cache
+    layout, the pipeline ranges), computed in one process: how a plugin tests
+    its ``distributed_plan`` against an install before launching ranks.
+    """
+    from turbospark_core import plugins
+    from turbospark_core.distributed.group import Group
+    from turbospark_core.distributed.setup import prepare
+    from turbospark_core.experts.layout import ExpertLayout
+    from turbospark_core.manifest import EXPERTS, WEIGHTS, load_manifest
+    from turbospark_core.options import OpenOptions
+    from turbospark_core.tensor_index import build_index
+
+    class Placed(Group):
+        def __init__(self) -> None:  # a rank's place; the steps computed here use no collective
+            self.handle, self.size, self.rank = None, size, rank
+
+    m = load_manifest(Path(install))
+    index = build_index(m.path(WEIGHTS), m.files[WEIGHTS].size, m.quantization)
+    experts = None if m.experts is None else ExpertLayout.from_section(m.experts, m.files[EXPERTS].size, "experts")
+    opts = OpenOptions.from_kwargs({**options, "distributed": mode})
+    return prepare(m, plugins.family_hooks(m.model_type), index, experts, opts, Placed())
+
+
 # ------------------------------------------------------------------ tiny random checkpoints
 def llama_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a Hugging Face Llama-layout checkpoint of ``config``.

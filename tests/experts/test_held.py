@@ -52,3 +52,25 @@ def test_held_form_is_float32_when_unpacked_and_as_stored_otherwise(
     assert linear_of(proj, stored, unpack=False).quant == proj.quant
     slots = empty_slots(proj, 2, ComputePolicy(unpack=True, compute_dtype=mx.float32, reason="test"))
     assert slots["weight"].shape == (2, 64, 64) and not mx.any(slots["weight"]).item()
+
+
+def test_group_16_is_held_unpacked_under_every_policy(synthetic: Callable[[str], ExpertLayout], tmp_path: Path) -> None:
+    """MLX's gather_qmm has no kernel for groups of 16: the experts are unpacked (exactly) whatever the policy."""
+    from turbospark_core.dequant import dequantize
+
+    layout = synthetic("g16")
+    layer = layout.layers[LAYER0]
+    records = np.fromfile(tmp_path / EXPERTS, np.uint8)[layer.offset : layer.end].reshape(
+        layer.num_experts, layer.stride
+    )
+    proj = layer.projections["down_proj"]
+    assert proj.quant is not None and not proj.quant.mlx_kernels and proj.unpacked(False)
+    assert proj.held_bytes(False) == proj.held_bytes(True) == 4 * 64 * 64
+    stored = from_records(proj, records)
+    want = dequantize(stored["weight"], stored["scales"], stored["biases"], proj.quant, mx.float32)
+    for unpack, dtype in ((True, mx.float32), (False, mx.float32), (False, mx.bfloat16)):
+        policy = ComputePolicy(unpack=unpack, compute_dtype=dtype, reason="test")
+        held = held_form(proj, stored, policy)
+        assert mx.array_equal(held["weight"], want.astype(dtype)).item()
+        assert linear_of(proj, held, unpack=unpack).quant is None
+        assert empty_slots(proj, 2, policy)["weight"].shape == (2, 64, 64)

@@ -21,7 +21,7 @@ LAYER0 = "model.layers.0.mlp.experts"
 ROLES = ("gate_proj", "up_proj", "down_proj")
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "mxfp4"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "mxfp4", "g16"])
 @pytest.mark.parametrize(
     ("unpack", "in_place"),
     [(True, True), (True, False), (False, False)],

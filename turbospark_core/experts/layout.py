@@ -90,9 +90,14 @@ class ProjectionLayout:
         cols = self.tensors["weight"].shape[-1]
         return cols if self.quant is None else cols * 32 // self.quant.bits
 
+    def unpacked(self, unpack: bool) -> bool:
+        """Whether the projection is held unpacked: when the policy unpacks, and always at a
+        narrow group (MLX's ``gather_qmm`` has no kernel for it)."""
+        return unpack or (self.quant is not None and not self.quant.mlx_kernels)
+
     def held_bytes(self, unpack: bool) -> int:
         """Bytes one expert's projection takes in memory (float32 when unpacked, else as stored)."""
-        if not unpack:
+        if not self.unpacked(unpack):
             return sum(t.nbytes for t in self.tensors.values())
         bias = self.tensors.get("bias")
         return 4 * (self.out_features * self.in_features + (0 if bias is None else math.prod(bias.shape)))
