@@ -38,7 +38,7 @@ from turbospark_core.experts.plan import (
     residencies,
 )
 from turbospark_core.experts.store import ExpertStore
-from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
+from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, kv_recent_default, make_caches
 from turbospark_core.manifest import (
     EXPERTS,
     HADAMARD,
@@ -308,7 +308,8 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     max_context = _max_context(manifest.arch, options)
     with timer.phase("expert_setup"):
         expert_layout = _expert_layout(manifest, index, options)  # 10, read before the estimate that counts slots
-    policy, plan, estimate = _plan_memory(index, expert_layout, layout, options, max_context)
+    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
+    policy, plan, estimate = _plan_memory(index, expert_layout, layout, options, max_context, slack)
     diagnostics = Diagnostics.from_options(options)  # None unless asked for: then nothing is wrapped
     with timer.phase("weights_mapping"):
         if diagnostics is None:
@@ -324,7 +325,6 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
             model = diagnostics.attach(model, manifest.model_type, experts)
     with timer.phase("weights_mapping"):
         weights.materialize()
-    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
     new_cache = _cache_maker(layout, max_context, policy, options, slack)
     if not options.warmup and (plan is None or plan.residency != STREAMED):
         with timer.phase("family_state"):
@@ -440,7 +440,7 @@ def _cache_maker(
     ring_slack: int = 0,
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
-    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    kv_bits, kv_recent = _kv_storage(opts)
     return functools.partial(
         make_caches,
         list(layout),
@@ -450,7 +450,14 @@ def _cache_maker(
         kv_bits,
         opts.kv_rotate,
         ring_slack,
+        kv_recent,
     )
+
+
+def _kv_storage(opts: OpenOptions) -> tuple[int | None, int]:
+    """The KV bits (``None``: unquantized) and how many recent tokens attention reads exact."""
+    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    return kv_bits, kv_recent_default(kv_bits) if opts.kv_recent is None else opts.kv_recent
 
 
 def _plan_memory(
@@ -459,11 +466,15 @@ def _plan_memory(
     layout: tuple[CacheSpec | StateSpec, ...],
     opts: OpenOptions,
     max_context: int,
+    ring_slack: int = 0,
 ) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
     """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
-    bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    bits, recent = _kv_storage(opts)
     itemsize = 4 if bits is None else bits / 8 + 8 / (32 if bits == 4 else 64)  # + scales/biases per group
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
+    if bits is not None and recent:  # the recent tokens' exact ring (window + the verify's spare slots)
+        exact = [attrs.evolve(s, window=recent + ring_slack) for s in layout if isinstance(s, CacheSpec)]
+        per_sequence += int(sum(spec.bytes_at(max_context, 4) for spec in exact))
     kv_bytes = per_sequence * opts.session_slots
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
     weight_bytes = _unpacked_bytes(index) if policy.unpack else index.stored_bytes()
