@@ -109,4 +109,8 @@ def test_estimate_counts_the_exact_recent_tokens(turbospark_install) -> None:
     drafting = turbospark_core.open(path, max_context=100, kv_quant="q4", kv_recent=8, ngram=3).opened.estimate.kv
     per_token = 2 * 2 * 2 * 32 * 4  # 2 layers x (K + V) x 2 kv heads x head_dim 32 x float32
     assert recent - plain == 8 * per_token
+    default = turbospark_core.open(path, max_context=100, kv_quant="q4").opened.estimate.kv
+    assert default - plain == 32 * per_token  # q4's default: the last 32 tokens exact
+    q8 = [turbospark_core.open(path, max_context=100, kv_quant="q8", kv_recent=r).opened.estimate.kv for r in (None, 0)]
+    assert q8[0] == q8[1]  # q8's default keeps none exact
     assert drafting - plain == (8 + 3 + 1) * per_token  # ngram=3 verifies trim up to 4 tokens
