@@ -43,6 +43,7 @@ def open(  # noqa: A001 - the API's name
     verify: bool = False,
     steering: str | Path | DirectionSet | None = None,
     kv_rotate: bool = True,
+    kv_recent: int | None = None,
     vision: str | Path | None = None,
     draft_model: str | Path | None = None,
     ngram: int | None = None,
@@ -98,6 +99,12 @@ def open(  # noqa: A001 - the API's name
             a normalized Hadamard transform (rotated back when read, so the
             attention is unchanged in exact math; 4-bit KV loses far less).
             Applies to head dims that are powers of two; ``False`` turns it off.
+        kv_recent: With ``kv_quant``, attention reads each query's most recent
+            ``kv_recent`` tokens unquantized (every token is still stored
+            quantized; the recent ones are also kept exact in a small ring per
+            layer, counted by the memory estimate). ``None``: 32 for ``"q4"``
+            (SmolLM2 perplexity +0.2% over unquantized instead of +4.2%), 0 for
+            ``"q8"``; ``0`` turns it off.
         vision: A vision sidecar directory (``turbospark convert SRC DST --vision
             SIDECAR``) to attach after the open: chat messages may then hold
             images. It must fit the install (family, hidden size, placeholder
@@ -106,7 +113,7 @@ def open(  # noqa: A001 - the API's name
         draft_model: Speculative decoding with a draft model (open step 12):
             the path of another install with the same vocabulary (checked:
             a mismatch is refused naming it), opened with this open's
-            ``max_context``, ``kv_quant``, ``kv_rotate``, ``residency``,
+            ``max_context``, ``kv_quant``, ``kv_rotate``, ``kv_recent``, ``residency``,
             ``expert_slots``, ``memory_budget``, ``ring_capacity``,
             ``verify`` and ``warmup``; it runs unsteered. It proposes tokens,
             the model checks them in one forward: greedy output is identical
@@ -188,6 +195,7 @@ def open(  # noqa: A001 - the API's name
             "verify": verify,
             "steering": steering,
             "kv_rotate": kv_rotate,
+            "kv_recent": kv_recent,
             "vision": vision,
             "draft_model": draft_model,
             "ngram": ngram,

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -543,8 +544,135 @@ def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | No
 
 # --- end rotated quantized KV ----------------------------------------------------------
 
+# --- the most recent tokens read exact beside quantized KV (issue 18) -------------------
+# Every token is quantized as it is written, and the last ``recent`` tokens are also kept
+# unquantized in a small ring. Attention reads both sets: each query position ``q`` sees
+# the keys at ``p <= q - recent`` quantized and those at ``q - recent < p <= q`` exact. The
+# rule is per query, so a prefill chunk, a speculative verify, a batched step and a
+# one-token decode read the same keys for the same query (what KIVI's full-precision
+# residual does, without making results depend on how tokens were grouped into steps).
 
-Cache = KVCache | RingKVCache | RecurrentState
+
+KV_RECENT_DEFAULT = {4: 32}  # kv bits -> recent tokens kept exact by default (measured: docs/rotation-quality.md)
+
+
+def kv_recent_default(kv_bits: int | None) -> int:
+    """How many recent tokens stay exact by default beside ``kv_bits`` KV (``0``: none)."""
+    return 0 if kv_bits is None else KV_RECENT_DEFAULT.get(kv_bits, 0)
+
+
+@functools.cache
+def _split_fn(recent: int, window: int | None) -> Callable[..., tuple[mx.array, mx.array]]:
+    def split(quantized: mx.array, exact: mx.array, queries: mx.array, held: mx.array) -> tuple[mx.array, mx.array]:
+        cut = mx.minimum(queries, mx.maximum(queries - recent, held - 1))
+        q_seen = (quantized >= 0) & (quantized <= cut)
+        e_seen = (exact > cut) & (exact <= queries)
+        if window is not None:
+            q_seen = q_seen & (quantized > queries - window)
+            e_seen = e_seen & (exact > queries - window)
+        return q_seen, e_seen
+
+    return mx.compile(split, shapeless=True)
+
+
+def recent_split_mask(
+    quantized: mx.array, exact: mx.array, queries: mx.array, recent: int, window: int | None
+) -> mx.array:
+    """The mask over quantized keys then exact keys (positions, ``-1`` empty) for ``queries``.
+
+    Each visible key appears once: quantized at ``p <= q - recent``, exact above. The
+    arrays broadcast (``[1, S]``/``[1, T]`` keys against ``[L, 1]`` queries, or a batch's
+    ``[B, 1, S]`` against ``[B, L, 1]``).
+    """
+    # the lowest position the exact rows still hold (they hold a contiguous run up to the newest):
+    # a rewind deeper than their spare slots leaves the older recent keys read quantized, never dropped
+    held = mx.min(mx.where(exact >= 0, exact, mx.iinfo(mx.int32).max), axis=-1, keepdims=True)
+    q_seen, e_seen = _split_fn(recent, window)(quantized, exact, queries, held)
+    return mx.concatenate([q_seen, e_seen], axis=-1)
+
+
+class ExactRecentKVCache:
+    """Quantized keys/values (a :class:`KVCache` or :class:`RingKVCache`, rotated or not) whose
+    most recent ``recent`` tokens attention reads unquantized.
+
+    ``quantized`` holds every token; ``exact`` is an unquantized ring of window ``recent``
+    with ``slack`` spare slots, so a speculative verify's rejected drafts are trimmed without
+    losing any recent token (a deeper trim leaves the lost ones quantized: still attended,
+    never dropped). :meth:`update_and_fetch` hands back the quantized rows followed by the
+    exact ones, and :meth:`mask` picks, per query, which copy of each key it reads.
+    """
+
+    def __init__(self, quantized: KVCache | RingKVCache, recent: int, slack: int = 0) -> None:
+        if recent < 1:
+            raise ValueError(f"ExactRecentKVCache needs recent >= 1, got {recent}")
+        self.quantized = quantized
+        self.recent = recent
+        spec = attrs.evolve(quantized.spec, window=recent)
+        self.exact = RingKVCache(spec, quantized.max_context, quantized.dtype, slack=slack)
+
+    @property
+    def spec(self) -> CacheSpec:
+        """The layer's cache requirement."""
+        return self.quantized.spec
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Dtype of the keys and values handed back."""
+        return self.quantized.dtype
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The quantized rows' bits."""
+        return self.quantized.kv_bits
+
+    @property
+    def offset(self) -> int:
+        """Tokens consumed so far."""
+        return self.quantized.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add ``keys``/``values`` ``[B, H, L, D]``; the quantized rows, then the exact recent ones."""
+        k_q, v_q = self.quantized.update_and_fetch(keys, values)
+        k_e, v_e = self.exact.update_and_fetch(keys, values)
+        return mx.concatenate([k_q, k_e], axis=2), mx.concatenate([v_q, v_e], axis=2)
+
+    def mask(self, n_queries: int) -> mx.array:
+        """Boolean ``[L, S + T]``: each query's keys, quantized below its recent window, exact within."""
+        q = self.quantized
+        if isinstance(q, RingKVCache):
+            assert q._fetched_positions is not None, "mask() follows update_and_fetch()"
+            held = q._fetched_positions
+        else:
+            held = mx.arange(q.offset, dtype=mx.int32)
+        exact = self.exact._fetched_positions
+        assert exact is not None, "mask() follows update_and_fetch()"
+        queries = mx.arange(self.offset - n_queries, self.offset, dtype=mx.int32)[:, None]
+        return recent_split_mask(held[None, :], exact[None, :], queries, self.recent, self.spec.window)
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (see :meth:`RingKVCache.trim` for the exact ring); returns how many."""
+        self.exact.trim(n)
+        return self.quantized.trim(n)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A checkpoint of both parts."""
+        return {"quantized": self.quantized.snapshot(), "exact": self.exact.snapshot()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Return to a checkpoint taken by :meth:`snapshot` on this cache."""
+        self.quantized.restore(snap["quantized"])
+        self.exact.restore(snap["exact"])
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate together with the step's output."""
+        return [*self.quantized.state, *self.exact.state]
+
+
+# --- end exact recent tokens -------------------------------------------------------------
+
+
+Cache = KVCache | RingKVCache | ExactRecentKVCache | RecurrentState
 
 
 class AttentionCache(Protocol):
@@ -569,20 +697,28 @@ def make_cache(
     kv_bits: int | None = None,
     kv_rotate: bool = False,
     ring_slack: int = 0,
+    kv_recent: int = 0,
 ) -> Cache:
     """The cache object a layer's spec asks for (``kv_rotate``: quantized KV stored Hadamard-rotated).
 
     ``ring_slack``: extra ring slots so a speculative verify of that many
     tokens can be trimmed without losing the window (see :meth:`RingKVCache.trim`).
+    ``kv_recent``: with ``kv_bits``, attention reads the last that many tokens
+    unquantized (:class:`ExactRecentKVCache`).
     """
     if isinstance(spec, StateSpec):
         return RecurrentState(spec, max_context)
     rotated = _rotated_kv_class(spec) if kv_rotate and kv_bits is not None else None
+    cache: KVCache | RingKVCache
     if spec.window is None:
         full = KVCache if rotated is None else RotatedKVCache
-        return full(spec, max_context, dtype, kv_bits=kv_bits)
-    ring = RingKVCache if rotated is None else RotatedRingKVCache
-    return ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits, slack=ring_slack)
+        cache = full(spec, max_context, dtype, kv_bits=kv_bits)
+    else:
+        ring = RingKVCache if rotated is None else RotatedRingKVCache
+        cache = ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits, slack=ring_slack)
+    if kv_bits is None or kv_recent == 0:
+        return cache
+    return ExactRecentKVCache(cache, kv_recent, ring_slack)
 
 
 def make_caches(
@@ -593,9 +729,13 @@ def make_caches(
     kv_bits: int | None = None,
     kv_rotate: bool = False,
     ring_slack: int = 0,
+    kv_recent: int = 0,
 ) -> list[Cache]:
     """One cache per layer, as the family's layout asks."""
-    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate, ring_slack) for spec in specs]
+    return [
+        make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate, ring_slack, kv_recent)
+        for spec in specs
+    ]
 
 
 def trimmable(caches: list[Cache]) -> bool:

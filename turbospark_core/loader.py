@@ -39,7 +39,7 @@ from turbospark_core.experts.plan import (
     residencies,
 )
 from turbospark_core.experts.store import ExpertStore
-from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
+from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, kv_recent_default, make_caches
 from turbospark_core.manifest import (
     EXPERTS,
     HADAMARD,
@@ -332,7 +332,8 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
         if dist is None
         else (dist.held_index(), dist.held_experts(), dist.held_layout(layout))
     )
-    policy, plan, estimate = _plan_memory(held_index, held_experts, held_layout, options, max_context, dist)
+    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
+    policy, plan, estimate = _plan_memory(held_index, held_experts, held_layout, options, max_context, dist, slack)
     diagnostics = Diagnostics.from_options(options)  # None unless asked for: then nothing is wrapped
     with timer.phase("weights_mapping"):
         if dist is not None:
@@ -352,7 +353,6 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
             model = dist.finish(model, hooks.spec.name)
     with timer.phase("weights_mapping"):
         weights.materialize()
-    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
     new_cache = _cache_maker(held_layout, max_context, policy, options, slack)
     if dist is not None and not options.warmup:  # every rank runs (and evaluates) the same check
         with timer.phase("family_state"):
@@ -474,7 +474,7 @@ def _cache_maker(
     ring_slack: int = 0,
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
-    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    kv_bits, kv_recent = _kv_storage(opts)
     return functools.partial(
         make_caches,
         list(layout),
@@ -484,7 +484,14 @@ def _cache_maker(
         kv_bits,
         opts.kv_rotate,
         ring_slack,
+        kv_recent,
     )
+
+
+def _kv_storage(opts: OpenOptions) -> tuple[int | None, int]:
+    """The KV bits (``None``: unquantized) and how many recent tokens attention reads exact."""
+    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    return kv_bits, kv_recent_default(kv_bits) if opts.kv_recent is None else opts.kv_recent
 
 
 def _plan_memory(
@@ -494,6 +501,7 @@ def _plan_memory(
     opts: OpenOptions,
     max_context: int,
     dist: DistributedOpen | None = None,
+    ring_slack: int = 0,
 ) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
     """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal.
 
@@ -501,9 +509,12 @@ def _plan_memory(
     share (the guard applies per rank), and the ranks agree on the policy (one
     that cannot unpack keeps every rank's weights stored: they compute alike).
     """
-    bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    bits, recent = _kv_storage(opts)
     itemsize = 4 if bits is None else bits / 8 + 8 / (32 if bits == 4 else 64)  # + scales/biases per group
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
+    if bits is not None and recent:  # the recent tokens' exact ring (window + the verify's spare slots)
+        exact = [attrs.evolve(s, window=recent + ring_slack) for s in layout if isinstance(s, CacheSpec)]
+        per_sequence += int(sum(spec.bytes_at(max_context, 4) for spec in exact))
     kv_bytes = per_sequence * opts.session_slots
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
     if dist is not None and not dist.agree(policy.unpack):

@@ -149,6 +149,18 @@ def _distributed(value: object) -> Distributed | None:
     return _choice("distributed", value, DISTRIBUTED)
 
 
+def _kv_recent(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = (
+            f"kv_recent={value!r} is invalid; use a number of tokens >= 0 (0: every token quantized) "
+            f"or None (the default for the kv_quant)"
+        )
+        raise OptionError(msg)
+    return value
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         msg = f"{name}={value!r} is invalid; use True or False"
@@ -185,6 +197,7 @@ class OpenOptions:
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
     kv_rotate: bool = True
+    kv_recent: int | None = attrs.field(default=None, converter=_kv_recent)
     vision: Any = attrs.field(default=None, converter=_vision)  # Path | None
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
@@ -194,6 +207,12 @@ class OpenOptions:
     distributed: Distributed | None = attrs.field(default=None, converter=_distributed)
 
     def __attrs_post_init__(self) -> None:
+        if self.kv_recent and self.kv_quant is None:
+            msg = (
+                f"kv_recent={self.kv_recent} keeps recent tokens unquantized beside quantized KV, but kv_quant "
+                f"is None (nothing is quantized); pass kv_quant='q4' or 'q8', or leave kv_recent out"
+            )
+            raise OptionError(msg)
         named = self.drafters_named()
         if len(named) > 1:
             given = " and ".join(f"{n}={getattr(self, n)!r}" for n in named)
