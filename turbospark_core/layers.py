@@ -22,7 +22,12 @@ SORT_THRESHOLD = 64  # (token, expert) pairs from which ExpertBank.glu groups ro
 
 
 class Linear:
-    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul."""
+    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul.
+
+    An affine quantized matrix held with ``biases=None`` is symmetric: each
+    group's bias is ``-2^(bits-1)`` times its scale (GGUF's Q8_0/Q4_0/Q6_K...),
+    derived where needed instead of stored and read.
+    """
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import mlx.core as mx  # before the extension: it finds libmlx because mlx loaded it
 
+from turbospark_core import dequant
 from turbospark_core.tensor_index import QuantSpec
 
 OFF_ENV = "TURBOSPARK_NATIVE"
@@ -69,10 +70,16 @@ def supports(quant: QuantSpec) -> bool:
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, quant: QuantSpec
 ) -> mx.array:
-    """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel."""
-    if _MODULE is not None and biases is not None and supports(quant) and mx.default_device() == mx.cpu:
+    """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel.
+
+    ``biases=None`` with an affine ``quant``: a symmetric matrix (each bias is
+    ``-2^(bits-1)`` times its scale), whose biases the native kernels derive.
+    """
+    if _MODULE is not None and supports(quant) and mx.default_device() == mx.cpu:
         out: mx.array = _MODULE.quantized_matmul(x, w, scales, biases, group_size=quant.group_size, bits=quant.bits)
         return out
+    if biases is None and quant.mode == "affine":
+        biases = dequant.symmetric_biases(scales, quant.bits)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
