@@ -185,3 +185,21 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     assert _MODULE is not None
     out: mx.array = _MODULE.gelu_tanh_mul(gate, up)
     return out
+
+
+def kv_rows_supported(w: mx.array, scales: mx.array) -> bool:
+    """Whether :func:`kv_rows` takes these: quantized KV rows on the CPU (groups a multiple of 8)."""
+    if _MODULE is None or mx.default_device() != mx.cpu or w.ndim < 1 or scales.ndim != w.ndim:
+        return False
+    return w.dtype == mx.uint32 and scales.shape[-1] > 0
+
+
+def kv_rows(w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, rotated: bool) -> mx.array:
+    """Quantized KV rows as float32 (``rotated``: then each row's normalized Hadamard transform), one op.
+
+    ``mx.dequantize`` (and ``mx.hadamard_transform``) row by row, reading a
+    cache buffer's slice in place. Check :func:`kv_rows_supported` first.
+    """
+    assert _MODULE is not None
+    out: mx.array = _MODULE.kv_rows(w, scales, biases, bits, rotated)
+    return out

@@ -71,6 +71,16 @@ void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, i
 void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 #endif
 
+// One cached key or value row: `D` values in MLX's affine bit stream `w` (groups of `group`,
+// `bits` bits; `biases` null: symmetric), dequantized into `out`, and with `rotate` the
+// normalized Walsh-Hadamard transform of length D (a power of two) applied after.
+using KVRowFn = void (*)(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D,
+                         int group, int bits, bool rotate, float* out);
+void kv_row_scalar(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
+#if defined(__x86_64__) || defined(_M_X64)
+void kv_row_avx512(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
+#endif
+
 float half_to_float(uint16_t h);
 float load_scale(const void* p, int type, int64_t i);
 // The bias of group i: stored, or -2^(bits-1) * scale for a symmetric matrix (exact: a power of two).

@@ -635,4 +635,86 @@ void gelu_tanh_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us
   }
 }
 
+// ------------------------------------------------------------ quantized KV rows
+namespace {
+
+// sixteen codes of a `BITS`-bit row from p (the row ends at end) as floats
+template <int BITS>
+inline __m512 codes16(const uint8_t* p, const uint8_t* end) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    static const Unpack<BITS> unpack;
+    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+}
+
+// The normalized Walsh-Hadamard transform of C chunks of sixteen floats, in place.
+template <int C>
+void wht(__m512 (&v)[C]) {
+#pragma GCC unroll 8
+  for (int h = 1; h < C; h <<= 1)
+    for (int i = 0; i < C; i++)
+      if (!(i & h)) {
+        const __m512 a = v[i], b = v[i + h];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + h] = _mm512_sub_ps(a, b);
+      }
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 4
+  for (int h = 1; h < 16; h <<= 1) {
+    // lane i: x[i ^ h] + (i & h ? -1 : 1) * x[i]
+    const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    const __m512 sign = _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    for (int i = 0; i < C; i++) v[i] = _mm512_fmadd_ps(v[i], sign, _mm512_permutexvar_ps(partner, v[i]));
+  }
+  const __m512 norm = _mm512_set1_ps(1.0f / std::sqrt(16.0f * C));
+  for (int i = 0; i < C; i++) v[i] = _mm512_mul_ps(v[i], norm);
+}
+
+template <int BITS, int C>
+void kv_row(const uint8_t* w, const void* scales, const void* biases, int scale_type, int group, bool rotate, float* out) {
+  const int64_t D = 16 * C;
+  alignas(64) float sf[C * 16 / 8], bf[C * 16 / 8];  // groups of at least 8
+  const int64_t groups = D / group;
+  to_f32(scales, scale_type, 0, groups, sf);
+  if (biases) {
+    to_f32(biases, scale_type, 0, groups, bf);
+  } else {
+    for (int64_t g = 0; g < groups; g++) bf[g] = -(float)(1 << (BITS - 1)) * sf[g];
+  }
+  const uint8_t* end = w + D * BITS / 8;
+  __m512 v[C];
+#pragma GCC unroll 32
+  for (int c = 0; c < C; c++) {
+    const int64_t g = c * 16 / group;
+    v[c] = _mm512_fmadd_ps(codes16<BITS>(w + c * 16 * BITS / 8, end), _mm512_set1_ps(sf[g]), _mm512_set1_ps(bf[g]));
+  }
+  if (rotate) wht<C>(v);
+  for (int c = 0; c < C; c++) _mm512_storeu_ps(out + c * 16, v[c]);
+}
+
+template <int BITS>
+bool kv_row_bits(const uint8_t* w, const void* s, const void* b, int st, int64_t D, int group, bool rotate, float* out) {
+  switch (D) {
+    case 32: kv_row<BITS, 2>(w, s, b, st, group, rotate, out); return true;
+    case 64: kv_row<BITS, 4>(w, s, b, st, group, rotate, out); return true;
+    case 128: kv_row<BITS, 8>(w, s, b, st, group, rotate, out); return true;
+    case 256: kv_row<BITS, 16>(w, s, b, st, group, rotate, out); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+void kv_row_avx512(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D, int group,
+                   int bits, bool rotate, float* out) {
+  // groups of sixteen or more: each chunk of sixteen values lies in one group
+  const bool done = group % 16 == 0 && (bits == 8   ? kv_row_bits<8>(w, scales, biases, scale_type, D, group, rotate, out)
+                                        : bits == 4 ? kv_row_bits<4>(w, scales, biases, scale_type, D, group, rotate, out)
+                                                    : false);
+  if (!done) kv_row_scalar(w, scales, biases, scale_type, D, group, bits, rotate, out);
+}
+
 }  // namespace tsq

@@ -139,4 +139,25 @@ void gelu_tanh_mul_scalar(const float* g, int64_t gs, const float* u, int64_t us
   }
 }
 
+void kv_row_scalar(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D, int group,
+                   int bits, bool rotate, float* out) {
+  for (int64_t g = 0; g < D / group; g++) {
+    const float s = load_scale(scales, scale_type, g);
+    const float b = biases ? load_scale(biases, scale_type, g) : -(float)(1 << (bits - 1)) * s;
+    for (int j = 0; j < group; j++) out[g * group + j] = (float)value_at(w, g * group + j, bits) * s + b;
+  }
+  if (!rotate) return;
+  for (int64_t h = 1; h < D; h <<= 1) {
+    for (int64_t i = 0; i < D; i += 2 * h) {
+      for (int64_t j = i; j < i + h; j++) {
+        const float a = out[j], c = out[j + h];
+        out[j] = a + c;
+        out[j + h] = a - c;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt((float)D);
+  for (int64_t i = 0; i < D; i++) out[i] *= norm;
+}
+
 }  // namespace tsq

@@ -43,16 +43,18 @@ struct Kernels {
   AttendFn attend;
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
+  KVRowFn kv_row;
   const char* kernel;
 };
 
 constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
-                         gelu_tanh_mul_scalar, "scalar"};
+                         gelu_tanh_mul_scalar, kv_row_scalar, "scalar"};
 #if defined(__x86_64__)
-constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, "avx2"};
+constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
+                       "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
 constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
-                         gelu_tanh_mul_avx512, "avx512"};
+                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
 #endif
 
 struct Runtime : Kernels {
@@ -568,6 +570,111 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+// Rows of an array (all axes but the last) read through its strides: a cache's rows are a
+// slice of a larger buffer. An array whose last axis is not one run of values is copied
+// dense first (layouts are only known at eval).
+class RowIndex {
+ public:
+  explicit RowIndex(const mx::array& a) : item_(a.itemsize()) {
+    const bool runs = a.ndim() == 0 || a.strides().back() == 1 || a.shape(-1) == 1;
+    if (!runs) dense_.emplace(a);
+    int64_t stride = a.ndim() ? a.shape(-1) : 1;
+    for (int d = (int)a.ndim() - 2; d >= 0; d--) {
+      shape_.insert(shape_.begin(), a.shape(d));
+      strides_.insert(strides_.begin(), runs ? (int64_t)a.strides()[d] : stride);
+      stride *= a.shape(d);
+    }
+    base_ = runs ? a.data<uint8_t>() : nullptr;
+  }
+  // call once, in the task, before row()
+  void ready() {
+    if (dense_) base_ = dense_->get();
+  }
+  const uint8_t* row(int64_t r) const {
+    int64_t off = 0;
+    for (int d = (int)shape_.size() - 1; d >= 0; d--) {
+      off += (r % shape_[d]) * strides_[d];
+      r /= shape_[d];
+    }
+    return base_ + off * (int64_t)item_;
+  }
+
+ private:
+  std::optional<Dense> dense_;
+  const uint8_t* base_ = nullptr;
+  size_t item_;
+  std::vector<int64_t> shape_, strides_;
+};
+
+// Quantized KV rows back to float32 (and rotated back), one native op: MLX composes the
+// dequantization from about ten ops and its CPU hadamard_transform is scalar.
+class KVRows : public mx::UnaryPrimitive {
+ public:
+  KVRows(mx::Stream s, int bits, bool rotate) : mx::UnaryPrimitive(s), bits_(bits), rotate_(rotate) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& w = inputs[0];
+    const auto& scales = inputs[1];
+    auto& enc = encoder_for(stream(), inputs, out);
+    const int64_t D = out.shape(-1), rows = D ? out.size() / D : 0;
+    const int group = (int)(D / scales.shape(-1));
+    std::optional<RowIndex> bi;
+    if (inputs.size() > 2) bi.emplace(inputs[2]);
+    enc.dispatch([wi = RowIndex(w), si = RowIndex(scales), bi = std::move(bi), st = scale_type(scales.dtype()),
+                  yp = out.data<float>(), D, rows, group, bits = bits_, rotate = rotate_,
+                  fn = runtime().kv_row]() mutable {
+      wi.ready();
+      si.ready();
+      if (bi) bi->ready();
+      over_rows(rows, D, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) fn(wi.row(r), si.row(r), bi ? bi->row(r) : nullptr, st, D, group, bits, rotate, yp + r * D);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark kv_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkKVRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const KVRows&>(other);
+    return bits_ == o.bits_ && rotate_ == o.rotate_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = shape.back() * 32 / bits_;
+    return {shape};
+  }
+
+ private:
+  int bits_;
+  bool rotate_;
+};
+
+mx::array kv_rows(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases, int bits,
+                  bool rotate) {
+  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+        "kv_rows: bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  check(w.dtype() == mx::uint32 && w.ndim() >= 1, "kv_rows: w must be a uint32 array");
+  const int64_t D = (int64_t)w.shape(-1) * 32 / bits;
+  check(scales.ndim() == w.ndim() && scales.shape(-1) > 0 && D % scales.shape(-1) == 0 && (D / scales.shape(-1)) % 8 == 0,
+        "kv_rows: scales must hold one value per group (a multiple of 8 values) of each row");
+  for (int d = 0; d + 1 < (int)w.ndim(); d++) check(scales.shape(d) == w.shape(d), "kv_rows: scales and w disagree");
+  check(!biases || (biases->shape() == scales.shape() && biases->dtype() == scales.dtype()),
+        "kv_rows: biases must match scales");
+  check(!rotate || (D >= 2 && (D & (D - 1)) == 0), "kv_rows: rotated rows need a power-of-two length");
+  scale_type(scales.dtype());
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {w, scales};
+  if (biases) inputs.push_back(*biases);
+  auto out_shape = w.shape();
+  out_shape.back() = (int)D;
+  return mx::array(out_shape, mx::float32, std::make_shared<KVRows>(s, bits, rotate), std::move(inputs));
+}
+
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
   check(x.ndim() >= 1 && x.dtype() == mx::float32, "rms_norm: x must be a float32 array");
   check(!w || (w->dtype() == mx::float32 && w->ndim() == 1 && w->shape(0) == x.shape(-1)),
@@ -644,6 +751,10 @@ NB_MODULE(_qmm, m) {
         nb::arg("mask") = nb::none(), nb::arg("causal") = false,
         "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one float32 query per head "
         "(mask: None or boolean), as one op.");
+  m.def("kv_rows", &tsq::kv_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("bits"),
+        nb::arg("rotate"),
+        "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
+        "Walsh-Hadamard transform of each row (mx.hadamard_transform).");
   m.def("rms_norm", &tsq::rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
   m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up"),
