@@ -132,7 +132,17 @@ def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
 
 @needs_native
 @pytest.mark.parametrize("path", ["native", "blas"])
-@pytest.mark.parametrize(("n", "k", "m", "bits", "group"), [(1000, 512, 33, 4, 64), (75, 576, 17, 5, 32), (130, 1152, 50, 8, 32), (64, 640, 255, 6, 32), (70, 96, 23, 3, 32), (33, 128, 19, 2, 128)])
+@pytest.mark.parametrize(
+    ("n", "k", "m", "bits", "group"),
+    [
+        (1000, 512, 33, 4, 64),
+        (75, 576, 17, 5, 32),
+        (130, 1152, 50, 8, 32),
+        (64, 640, 255, 6, 32),
+        (70, 96, 23, 3, 32),
+        (33, 128, 19, 2, 128),
+    ],
+)
 def test_large_m_products(path: str, n: int, k: int, m: int, bits: int, group: int) -> None:
     from turbospark_core._native import _qmm
 
