@@ -197,13 +197,47 @@ def test_odd_shapes_are_refused() -> None:
         _qmm.quantized_matmul(x, w, s[:, :1], b[:, :1], group_size=32, bits=4)
 
 
-def test_unsupported_layouts_use_mlx() -> None:
+@needs_native
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_mxfp4_equals_mlx(m: int) -> None:
+    # gpt-oss's experts: e2m1 codes times uint8 power-of-two scales (the lookup tables are e2m1 values times the scale)
     spec = QuantSpec(bits=4, group_size=32, mode="mxfp4")
-    assert not native.supports(spec)
-    w, s = mx.quantize(mx.random.normal((16, 64)), group_size=32, bits=4, mode="mxfp4")
-    x = mx.random.normal((2, 64))
-    want = mx.quantized_matmul(x, w, s, None, transpose=True, group_size=32, bits=4, mode="mxfp4")
-    np.testing.assert_array_equal(np.array(native.quantized_matmul(x, w, s, None, spec)), np.array(want))
+    assert native.supports(spec)
+    w, s = mx.quantize(mx.random.normal((75, 640)) * 4, group_size=32, bits=4, mode="mxfp4")
+    x = mx.random.normal((m, 640))
+    dense = mx.dequantize(w, s, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+    _close(native.quantized_matmul(x, w, s, None, spec), np.array(x @ dense.T))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("mode", "bits", "group"), [("affine", 4, 32), ("affine", 8, 64), ("affine", 6, 16), ("mxfp4", 4, 32)]
+)
+def test_gathered_experts_equal_mlx(mode: str, bits: int, group: int) -> None:
+    # routed experts: each token's rows times its chosen experts' matrices (decode: broadcast x over k choices;
+    # a prefill's sorted path: runs of one expert as one many-row product)
+    spec = QuantSpec(bits=bits, group_size=group, mode=mode)
+    w = mx.random.normal((6, 40, 128), key=mx.random.key(bits))
+    if mode == "mxfp4":
+        (wq, s), b = mx.quantize(w, group_size=32, bits=4, mode="mxfp4"), None
+        dense = mx.dequantize(wq, s, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+    else:
+        from turbospark_core.dequant import dequantize
+
+        wq, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
+        if group == 16:  # a narrow group: scales per 16 values
+            s, b = mx.repeat(s, 2, axis=-1), mx.repeat(b, 2, axis=-1)
+        dense = dequantize(wq, s, b, spec, mx.float32)
+    x = mx.random.normal((5, 1, 1, 128))
+    idx = mx.array(np.random.default_rng(0).integers(0, 6, (5, 3)).astype(np.uint32))
+    want = mx.stack([mx.stack([x[t, 0, 0] @ dense[int(e)].T for e in idx[t].tolist()]) for t in range(5)])
+    got = native.gather_quantized_matmul(x, wq, s, b, idx, spec)
+    assert got.shape == (5, 3, 1, 40)
+    _close(got[:, :, 0], np.array(want))
+    rows = mx.random.normal((40, 1, 128))
+    order = mx.array(np.sort(np.random.default_rng(1).integers(0, 6, 40)).astype(np.uint32))
+    want = mx.stack([rows[p, 0] @ dense[int(e)].T for p, e in enumerate(order.tolist())])
+    _close(native.gather_quantized_matmul(rows, wq, s, b, order, spec)[:, 0], np.array(want))
 
 
 _CHILD = """

@@ -57,7 +57,8 @@ def dequantize(
 
 def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
     """The biases of a symmetric affine matrix: ``-2^(bits-1) * scale`` for each group (exact: a power of two)."""
-    return scales * -(2 ** (bits - 1))
+    biases: mx.array = scales * -(2 ** (bits - 1))
+    return biases
 
 
 def is_symmetric(scales: mx.array, biases: mx.array, bits: int) -> bool:

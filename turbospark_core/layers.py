@@ -268,18 +268,7 @@ def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = Fals
     if proj.quant is None or proj.scales is None:
         y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
     else:
-        y = mx.gather_qmm(
-            x,
-            proj.weight,
-            proj.scales,
-            proj.biases,
-            rhs_indices=indices,
-            sorted_indices=is_sorted,
-            transpose=True,
-            group_size=proj.quant.group_size,
-            bits=proj.quant.bits,
-            mode=proj.quant.mode,
-        )
+        y = native.gather_quantized_matmul(x, proj.weight, proj.scales, proj.biases, indices, proj.quant)
     if proj.bias is not None:
         y = y + mx.expand_dims(proj.bias[indices], -2)
     return y

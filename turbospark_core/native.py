@@ -63,8 +63,17 @@ def available() -> bool:
 
 
 def supports(quant: QuantSpec) -> bool:
-    """Whether the native kernels multiply matrices stored as ``quant``."""
-    return _MODULE is not None and quant.mode == "affine" and quant.bits in BITS and quant.group_size % 8 == 0
+    """Whether the native kernels multiply matrices stored as ``quant`` (affine 2-8 bit, any group of 8k; mxfp4)."""
+    if _MODULE is None:
+        return False
+    if quant.mode == "mxfp4":
+        return (quant.bits, quant.group_size) == (4, 32)
+    return quant.mode == "affine" and quant.bits in BITS and quant.group_size % 8 == 0
+
+
+def keeps(quant: QuantSpec) -> bool:
+    """Whether matrices stored as ``quant`` stay as stored here: the native kernels multiply them on the CPU."""
+    return supports(quant) and mx.default_device() == mx.cpu
 
 
 def quantized_matmul(
@@ -75,14 +84,39 @@ def quantized_matmul(
     ``biases=None`` with an affine ``quant``: a symmetric matrix (each bias is
     ``-2^(bits-1)`` times its scale), whose biases the native kernels derive.
     """
-    if _MODULE is not None and supports(quant) and mx.default_device() == mx.cpu:
-        out: mx.array = _MODULE.quantized_matmul(x, w, scales, biases, group_size=quant.group_size, bits=quant.bits)
+    if _MODULE is not None and keeps(quant):
+        out: mx.array = _MODULE.quantized_matmul(
+            x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
+        )
         return out
     if biases is None and quant.mode == "affine":
         biases = dequant.symmetric_biases(scales, quant.bits)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
+
+
+def gather_quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, quant: QuantSpec
+) -> mx.array:
+    """Routed experts: ``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)``.
+
+    Native on the CPU when supported (each element's rows of x times its
+    expert's stored matrix; a sorted prefill's runs of one expert as one
+    many-row product), else MLX's own kernel.
+    """
+    if _MODULE is not None and keeps(quant):
+        out: mx.array = _MODULE.gather_quantized_matmul(
+            x, w, scales, biases, indices.astype(mx.uint32), group_size=quant.group_size, bits=quant.bits,
+            mode=quant.mode,
+        )  # fmt: skip
+        return out
+    if biases is None and quant.mode == "affine":
+        biases = dequant.symmetric_biases(scales, quant.bits)
+    return mx.gather_qmm(
+        x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=quant.group_size, bits=quant.bits,
+        mode=quant.mode,
+    )  # fmt: skip
 
 
 def rope_supported(x: mx.array, offset: int | mx.array) -> bool:

@@ -139,9 +139,7 @@ class WeightStore:
         if self._experts is not None and self._experts.has(prefix):
             return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
-            self.linear(f"{prefix}.{gate}", native_ok=False),
-            self.linear(f"{prefix}.{up}", native_ok=False),
-            self.linear(f"{prefix}.{down}", native_ok=False),
+            self.linear(f"{prefix}.{gate}"), self.linear(f"{prefix}.{up}"), self.linear(f"{prefix}.{down}")
         )
 
     def materialize(self) -> None:

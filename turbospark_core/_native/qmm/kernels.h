@@ -10,7 +10,11 @@
 
 namespace tsq {
 
-enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };  // kE8M0: uint8 exponents 2^(e - 127) (mxfp4)
+
+// mxfp4's e2m1 values by code (sign bit 3); a weight is kFp4[code] times its group's scale.
+inline constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 struct QMat {
   const uint8_t* w;      // [N, K * bits / 8] bytes
@@ -19,6 +23,7 @@ struct QMat {
   int scale_type;        // ScaleType
   int64_t N, K;
   int group, bits;
+  bool fp4 = false;      // mxfp4: 4-bit e2m1 codes times kE8M0 scales, no biases
 };
 
 // y[m, n] for n in [n0, n1), all m < M; x is [M, K] row-major, y is [M, ldy].
@@ -82,6 +87,7 @@ void kv_row_avx512(const uint8_t*, const void*, const void*, int, int64_t, int, 
 #endif
 
 float half_to_float(uint16_t h);
+float e8m0_to_float(uint8_t e);
 float load_scale(const void* p, int type, int64_t i);
 // The bias of group i: stored, or -2^(bits-1) * scale for a symmetric matrix (exact: a power of two).
 inline float symmetric_bias(const QMat& q, float scale) { return -(float)(1 << (q.bits - 1)) * scale; }

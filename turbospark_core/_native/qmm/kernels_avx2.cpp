@@ -19,6 +19,7 @@ inline float bias_at(const QMat& q, int64_t i) {
 }
 inline float scale_at(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
+  if (type == kE8M0) return e8m0_to_float(static_cast<const uint8_t*>(p)[i]);
   uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (type == kF16) return _cvtsh_ss(h);
   uint32_t bits = (uint32_t)h << 16;
@@ -317,6 +318,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
 }  // namespace
 
 void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (q.fp4) return rows_scalar(q, x, M, y, ldy, n0, n1);  // mxfp4 on AVX2: the portable kernel
   switch (q.bits) {
     case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
     case 3: return rows_bits<3>(q, x, M, y, ldy, n0, n1);
@@ -328,6 +330,7 @@ void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
 }
 
 void dequant_avx2(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  if (q.fp4) return dequant_scalar(q, dst, n0, n1);
   switch (q.bits) {
     case 2: return dequant_bits<2>(q, dst, n0, n1);
     case 3: return dequant_bits<3>(q, dst, n0, n1);

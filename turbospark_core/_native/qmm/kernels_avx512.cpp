@@ -108,6 +108,10 @@ void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
     std::memcpy(out, static_cast<const float*>(p) + first, sizeof(float) * n);
     return;
   }
+  if (type == kE8M0) {
+    for (int64_t i = 0; i < n; i++) out[i] = e8m0_to_float(static_cast<const uint8_t*>(p)[first + i]);
+    return;
+  }
   const uint16_t* h = static_cast<const uint16_t*>(p) + first;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
@@ -160,11 +164,12 @@ void split_even_odd(const float* x, int64_t M, int64_t K, float* xp) {
   }
 }
 
-template <int R, int MT>
+// FP4: mxfp4 codes, each group's table its e2m1 values times the group's scale (no bias)
+template <int R, int MT, bool FP4 = false>
 void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
               int64_t n) {
   const int64_t groups = q.K / q.group, row_bytes = q.K / 2;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 iota = FP4 ? _mm512_loadu_ps(kFp4) : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[R][MT];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -175,7 +180,8 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
       g++;
       next += q.group;
       for (int r = 0; r < R; r++)
-        lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+        lut[r] = FP4 ? _mm512_mul_ps(iota, _mm512_set1_ps(sf[r * groups + g]))
+                     : _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
     }
     {
       __m512 we[R], wo[R];
@@ -352,14 +358,16 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
       for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-      const int64_t esize = q.scale_type == kF32 ? 4 : 2, first = (n + ahead) * groups * esize;
+      const int64_t esize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2, first = (n + ahead) * groups * esize;
       for (int64_t b = 0; b < R * groups * esize; b += 64) {
         _mm_prefetch(static_cast<const char*>(q.scales) + first + b, _MM_HINT_T0);
         if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
     to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    if (q.biases != nullptr) {
+    if (q.fp4) {
+      // no biases: the tables are e2m1 values times the scale
+    } else if (q.biases != nullptr) {
       to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
     } else {
       for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
@@ -370,7 +378,11 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
       constexpr int MT = decltype(mt)::value;
       for (; m + MT <= M; m += MT) {
         if constexpr (BITS == 4) {
-          q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+          if (q.fp4) {
+            q4_block<R, MT, true>(q, x, sf, bf, m, y, ldy, n);
+          } else {
+            q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+          }
         } else if constexpr (BITS == 8) {
           q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS >= 5) {
@@ -509,6 +521,7 @@ namespace {
 
 void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (q.bits == 4 && q.group % 32 == 0) return rows_bits<4>(q, x, M, y, ldy, n0, n1);
+  if (q.fp4) return rows_scalar(q, x, M, y, ldy, n0, n1);
   if (q.group % 16 == 0) {
     switch (q.bits) {
       case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);

@@ -34,8 +34,16 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
+float e8m0_to_float(uint8_t e) {
+  const uint32_t bits = e == 0 ? 0x00400000u : (uint32_t)e << 23;  // 2^-127 is a subnormal
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 float load_scale(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
+  if (type == kE8M0) return e8m0_to_float(static_cast<const uint8_t*>(p)[i]);
   uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (type == kF16) return half_to_float(h);
   uint32_t bits = (uint32_t)h << 16;
@@ -60,6 +68,10 @@ void dequant_scalar(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     float* out = dst + (n - n0) * q.K;
     for (int64_t g = 0; g < groups; g++) {
       float s = load_scale(q.scales, q.scale_type, n * groups + g);
+      if (q.fp4) {
+        for (int j = 0; j < q.group; j++) out[g * q.group + j] = kFp4[value_at(row, g * q.group + j, 4)] * s;
+        continue;
+      }
       float b = q.biases ? load_scale(q.biases, q.scale_type, n * groups + g) : symmetric_bias(q, s);
       for (int j = 0; j < q.group; j++) {
         int64_t i = g * q.group + j;

@@ -160,7 +160,8 @@ int scale_type(mx::Dtype d) {
   if (d == mx::float32) return kF32;
   if (d == mx::float16) return kF16;
   if (d == mx::bfloat16) return kBF16;
-  throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16");
+  if (d == mx::uint8) return kE8M0;
+  throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16 (uint8 for mxfp4)");
 }
 
 // The output allocated and the stream's encoder told what a primitive's task reads and writes.
@@ -210,7 +211,8 @@ class Dense {
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream s, int group, int bits) : mx::UnaryPrimitive(s), group_(group), bits_(bits) {}
+  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
+      : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -223,6 +225,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     q.K = x.shape(-1);
     q.group = group_;
     q.bits = bits_;
+    q.fp4 = fp4_;
     const int64_t M = x.size() / q.K;
     // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
     std::optional<Dense> bd;
@@ -244,7 +247,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -255,6 +258,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int group_, bits_;
+  bool fp4_;
 };
 
 void check(bool ok, const std::string& msg) {
@@ -262,7 +266,12 @@ void check(bool ok, const std::string& msg) {
 }
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits) {
+                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode) {
+  check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
+  const bool fp4 = mode == "mxfp4";
+  check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
+        "mxfp4 takes 4-bit codes in groups of 32, uint8 scales and no biases");
+  check(fp4 || scales.dtype() != mx::uint8, "uint8 scales are mxfp4's; affine scales are floats");
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
         "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
@@ -286,10 +295,162 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   out_shape.back() = (int)N;
   std::vector<mx::array> inputs = {x, w, scales};
   if (biases) inputs.push_back(*biases);
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits), inputs);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
+
+// Routed experts: y[b] = x[b] @ dequantize(w[indices[b]]).T for every batch element b
+// (x's and indices' batch axes broadcast), MLX's gather_qmm with transpose=True. Each
+// (rows of x, expert) task runs the row kernels on that expert's matrix; consecutive
+// elements routed to one expert whose rows of x follow each other (the sorted path of a
+// prefill) are one task of many rows, whose tiles share each decoded weight.
+class GatherQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  GatherQuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
+      : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& indices = inputs[3];
+    auto& enc = encoder_for(stream(), inputs, out);
+    QMat q;
+    q.scale_type = scale_type(scales.dtype());
+    q.N = w.shape(1);
+    q.K = x.shape(-1);
+    q.group = group_;
+    q.bits = bits_;
+    q.fp4 = fp4_;
+    const int64_t M = x.shape(-2), E = w.shape(0);
+    // batch element b (row-major over out's batch axes) -> its x matrix and its expert
+    const int nb = (int)out.ndim() - 2;
+    std::vector<int64_t> bshape(nb), xstep(nb, 0), istep(nb, 0);
+    int64_t batch = 1;
+    for (int d = nb - 1, xs = 1, is = 1; d >= 0; d--) {
+      bshape[d] = out.shape(d);
+      batch *= bshape[d];
+      const int xd = d - (nb - ((int)x.ndim() - 2)), id = d - (nb - (int)indices.ndim());
+      if (xd >= 0) {
+        if (x.shape(xd) != 1) xstep[d] = xs;
+        xs *= x.shape(xd);
+      }
+      if (id >= 0) {
+        if (indices.shape(id) != 1) istep[d] = is;
+        is *= indices.shape(id);
+      }
+    }
+    std::optional<Dense> bd;
+    if (inputs.size() > 4) bd.emplace(inputs[4]);
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), id = Dense(indices),
+                  itype = indices.dtype(), yp = out.data<float>(), M, E, batch, bshape, xstep, istep]() mutable {
+      const auto* xp = reinterpret_cast<const float*>(xd.get());
+      const uint8_t* wp = wd.get();
+      const uint8_t* sp = sd.get();
+      const uint8_t* bp = bd ? bd->get() : nullptr;
+      const uint8_t* ip = id.get();
+      const int64_t groups = q.K / q.group, row_bytes = q.K * q.bits / 8;
+      const int64_t ssize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
+      auto locate = [&](int64_t b, int64_t& xi, int64_t& ii) {
+        xi = ii = 0;
+        for (int d = (int)bshape.size() - 1; d >= 0; d--) {
+          const int64_t c = b % bshape[d];
+          b /= bshape[d];
+          xi += c * xstep[d];
+          ii += c * istep[d];
+        }
+      };
+      auto expert_at = [&](int64_t i) -> int64_t {
+        return itype == mx::uint32 ? (int64_t)reinterpret_cast<const uint32_t*>(ip)[i]
+                                   : (int64_t)reinterpret_cast<const int32_t*>(ip)[i];
+      };
+      for (int64_t b = 0; b < batch;) {
+        int64_t xi, ii;
+        locate(b, xi, ii);
+        const int64_t e = expert_at(ii);
+        int64_t end = b + 1;  // following elements of the same expert with the following rows of x
+        for (int64_t xn, in; end < batch; end++) {
+          locate(end, xn, in);
+          if (expert_at(in) != e || xn != xi + (end - b)) break;
+        }
+        if (e < 0 || e >= E) {  // no such expert (a router's bug, checked by the banks): zeros, never a stray read
+          std::fill(yp + b * M * q.N, yp + end * M * q.N, 0.0f);
+          b = end;
+          continue;
+        }
+        QMat qe = q;
+        qe.w = wp + e * q.N * row_bytes;
+        qe.scales = sp + e * q.N * groups * ssize;
+        qe.biases = bp ? bp + e * q.N * groups * ssize : nullptr;
+        // the row kernels at any count of rows (never the GEMM): an element's result is the same bits however
+        // the elements are grouped (the streamed bank's slot-fulls equal the resident bank's prefill)
+        run_rows(qe, xp + xi * M * q.K, (end - b) * M, yp + b * M * q.N);
+        b = end;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark gather_quantized_matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkGatherQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {gather_shape(inputs[0], inputs[3], inputs[1].shape(1))};
+  }
+
+  static mx::Shape gather_shape(const mx::array& x, const mx::array& indices, int n) {
+    const mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
+    auto shape = mx::broadcast_shapes(xb, indices.shape());
+    shape.push_back(x.shape(-2));
+    shape.push_back(n);
+    return shape;
+  }
+
+ private:
+  int group_, bits_;
+  bool fp4_;
+};
+
+mx::array gather_quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                                  const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
+                                  int bits, const std::string& mode) {
+  check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
+  const bool fp4 = mode == "mxfp4";
+  check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
+        "mxfp4 takes 4-bit codes in groups of 32, uint8 scales and no biases");
+  check(fp4 || scales.dtype() != mx::uint8, "uint8 scales are mxfp4's; affine scales are floats");
+  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+        "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
+  check(w.dtype() == mx::uint32 && w.ndim() == 3, "w must be a 3-D uint32 array [experts, rows, words]");
+  check(x_in.ndim() >= 2, "x must have at least two dimensions [..., rows, K]");
+  check(indices.dtype() == mx::uint32 || indices.dtype() == mx::int32, "indices must be uint32 or int32");
+  const int64_t N = w.shape(1), K = (int64_t)w.shape(2) * 32 / bits;
+  check(x_in.shape(-1) == K, "x's last dimension does not match the experts' columns");
+  check(K % group_size == 0, "the experts' columns must be a multiple of group_size");
+  const mx::Shape sshape = {w.shape(0), (int)N, (int)(K / group_size)};
+  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
+        "scales/biases must have shape [experts, rows, K / group_size]");
+  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
+  scale_type(scales.dtype());
+  auto s = mx::default_stream(mx::Device::cpu);
+  const mx::Dtype out_dtype = x_in.dtype();
+  check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
+  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  std::vector<mx::array> inputs = {x, w, scales, indices};
+  if (biases) inputs.push_back(*biases);
+  auto shape = GatherQuantizedMatmul::gather_shape(x, indices, (int)N);
+  auto y = mx::array(shape, mx::float32, std::make_shared<GatherQuantizedMatmul>(s, group_size, bits, fp4), inputs);
+  return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
+}
 
 // RoPE (Hugging Face half-split layout) over the first `dims` features of each
 // head of x [B, H, L, D], position of query l in row b = offsets[b or 0] + l;
@@ -742,9 +903,15 @@ bool bind_blas(const std::string& path, const std::string& prefix) {
 NB_MODULE(_qmm, m) {
   m.doc() = "turbospark native quantized matmul (MLX custom primitive)";
   m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"), nb::arg("mode") = "affine",
         "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
-        "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale.");
+        "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale; mode 'mxfp4': e2m1 codes times "
+        "uint8 exponent scales.");
+  m.def("gather_quantized_matmul", &tsq::gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases").none(), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("mode") = "affine",
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for routed experts: each "
+        "element's rows of x times its expert's matrix, float32 compute.");
   m.def("rope", &tsq::rope, nb::arg("x"), nb::arg("dims"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs"),
         "mx.fast.rope(x, dims, traditional=False, base=None, scale, offset, freqs) for float32 [B, H, L, D] as one op.");
   m.def("decode_attention", &tsq::decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
