@@ -76,8 +76,10 @@ int default_threads() {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
+#if defined(__linux__)
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
