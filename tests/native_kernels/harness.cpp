@@ -7,7 +7,7 @@
 // - every result is within float32 rounding of an exact (double) reference, and so is the
 //   scalar kernel's (the tolerances scale with the sum of the magnitudes of the terms; the
 //   report gives the largest error as a fraction of its tolerance, for the set and for scalar);
-// - quantized rows: a row of x gets the same bits in every tile (1..17 rows of x), in any
+// - quantized rows (affine and mxfp4): a row of x gets the same bits in every tile (1..17 rows of x), in any
 //   chunk of weight rows, and a symmetric matrix without biases the same bits as with its
 //   derived biases stored; the GEMM likewise for 17+ rows;
 // - attention: a query's result does not depend on hidden keys inserted among its keys.
@@ -163,6 +163,10 @@ std::string fmt(const char* f, ...) {
 // ------------------------------------------------------------ quantized matrices
 // A stored scale or bias of the given type near v (f16: some subnormal when v is tiny).
 void store_scale(void* p, int type, int64_t i, float v) {
+  if (type == kE8M0) {  // the nearest power of two at or below |v| (mxfp4 scales)
+    static_cast<uint8_t*>(p)[i] = (uint8_t)std::clamp(127 + (int)std::floor(std::log2(std::fabs(v))), 0, 254);
+    return;
+  }
   if (type == kF32) {
     static_cast<float*>(p)[i] = v;
     return;
@@ -186,17 +190,21 @@ void store_scale(void* p, int type, int64_t i, float v) {
   static_cast<uint16_t*>(p)[i] = h;
 }
 
+constexpr int scale_bytes(int type) { return type == kF32 ? 4 : type == kE8M0 ? 1 : 2; }
+
+// A quantized matrix: affine (scale and bias per group; a symmetric one's biases derived) or, with
+// scale type kE8M0, mxfp4 (e2m1 codes times power-of-two scales, groups of 32, no biases).
 struct Matrix {
   int64_t N, K;
   int group, bits, scale_type;
-  bool symmetric;
+  bool symmetric, fp4;
   Guarded<uint8_t> w;
   Guarded<uint8_t> scales, biases;  // biases: stored even for a symmetric matrix (the derived values)
   std::vector<uint32_t> codes;
 
   Matrix(int64_t n, int64_t k, int g, int b, int st, bool sym)
-      : N(n), K(k), group(g), bits(b), scale_type(st), symmetric(sym), w((size_t)(n * k * b / 8)),
-        scales((size_t)(n * (k / g) * (st == kF32 ? 4 : 2))), biases((size_t)(n * (k / g) * (st == kF32 ? 4 : 2))),
+      : N(n), K(k), group(g), bits(b), scale_type(st), symmetric(sym), fp4(st == kE8M0), w((size_t)(n * k * b / 8)),
+        scales((size_t)(n * (k / g) * scale_bytes(st))), biases((size_t)(n * (k / g) * scale_bytes(st))),
         codes((size_t)(n * k)) {
     std::memset(w.data(), 0, w.size());
     for (int64_t i = 0; i < n * k; i++) {
@@ -206,6 +214,10 @@ struct Matrix {
         if (codes[i] >> j & 1) w[(size_t)((bit + j) >> 3)] |= (uint8_t)(1u << ((bit + j) & 7));
     }
     for (int64_t i = 0; i < n * (k / g); i++) {
+      if (fp4) {  // 2^-10 .. 2^3, and a few 2^-127 (a subnormal)
+        static_cast<uint8_t*>(scales.data())[i] = pick(0, 15) == 0 ? 0 : (uint8_t)pick(117, 130);
+        continue;
+      }
       // a few tiny scales (f16 subnormals), the rest around what quantized checkpoints hold
       const float s = pick(0, 15) == 0 ? uniform(-2e-6f, 2e-6f) : uniform(-0.05f, 0.05f);
       store_scale(scales.data(), st, i, s);
@@ -218,17 +230,20 @@ struct Matrix {
     }
   }
   QMat q(bool with_biases) {
-    return QMat{w.data(), scales.data(), with_biases ? biases.data() : nullptr, scale_type, N, K, group, bits};
+    QMat m{w.data(), scales.data(), with_biases && !fp4 ? biases.data() : nullptr, scale_type, N, K, group, bits};
+    m.fp4 = fp4;
+    return m;
   }
   double scale(int64_t n, int64_t k) const { return load_scale(scales.data(), scale_type, n * (K / group) + k / group); }
-  double bias(int64_t n, int64_t k) const { return load_scale(biases.data(), scale_type, n * (K / group) + k / group); }
-  // the exact weight and its magnitude bound |q s| + |b|
-  double weight(int64_t n, int64_t k) const { return codes[n * K + k] * scale(n, k) + bias(n, k); }
-  double size(int64_t n, int64_t k) const {
-    return std::fabs(codes[n * K + k] * scale(n, k)) + std::fabs(bias(n, k));
+  double bias(int64_t n, int64_t k) const {
+    return fp4 ? 0.0 : load_scale(biases.data(), scale_type, n * (K / group) + k / group);
   }
+  double value(int64_t n, int64_t k) const { return fp4 ? kFp4[codes[n * K + k]] : codes[n * K + k]; }
+  // the exact weight and its magnitude bound |q s| + |b|
+  double weight(int64_t n, int64_t k) const { return value(n, k) * scale(n, k) + bias(n, k); }
+  double size(int64_t n, int64_t k) const { return std::fabs(value(n, k) * scale(n, k)) + std::fabs(bias(n, k)); }
   std::string name() const {
-    static const char* types[] = {"f32", "f16", "bf16"};
+    static const char* types[] = {"f32", "f16", "bf16", "mxfp4"};
     return fmt("bits %d group %d %s%s N %lld K %lld", bits, group, types[scale_type], symmetric ? " symmetric" : "",
                (long long)N, (long long)K);
   }
@@ -352,6 +367,14 @@ void quantized(const std::vector<Set>& sets, bool quick) {
               if (set.gemm != nullptr) check_gemm(set, b);
           }
         }
+  for (int i = 0; i < (quick ? 2 : 6); i++) {  // mxfp4: groups of 32
+    Matrix a(heights[i % 5], 32 * widths[i % 3], 32, 4, kE8M0, false);
+    for (const Set& set : sets) {
+      check_rows(set, a);
+      check_dequant(set, a);
+      if (set.gemm != nullptr) check_gemm(set, a);
+    }
+  }
 }
 
 // ------------------------------------------------------------ attention

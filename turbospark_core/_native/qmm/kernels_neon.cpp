@@ -13,6 +13,8 @@
 //   (Per-group tables of the sixteen 4-bit values, AVX-512's design, cost as many instructions
 //   per weight on NEON - four TBLs and eight zips to assemble floats from byte planes - plus
 //   twelve to build each group's table and four registers per weight row.)
+// - mxfp4: the same bytes, each e2m1 code's value looked up by TBL in a constant table (four
+//   byte planes of kFp4) and multiplied by its group's power-of-two scale.
 // - every other layout (2/3/5/6 bits, 4-bit in groups of 8 or 16, 8-bit in groups of 8): eight
 //   values at a time from exactly their BITS bytes, broadcast, shifted per lane and masked.
 // R weight rows and MT rows of x are computed together: a chunk of weights is decoded once for
@@ -44,6 +46,7 @@ namespace {
 
 inline float scale_at(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
+  if (type == kE8M0) return e8m0_to_float(static_cast<const uint8_t*>(p)[i]);
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (type == kF16) return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
   const uint32_t bits = (uint32_t)h << 16;
@@ -56,6 +59,10 @@ inline float scale_at(const void* p, int type, int64_t i) {
 void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
   if (type == kF32) {
     std::memcpy(out, static_cast<const float*>(p) + first, sizeof(float) * n);
+    return;
+  }
+  if (type == kE8M0) {
+    for (int64_t i = 0; i < n; i++) out[i] = e8m0_to_float(static_cast<const uint8_t*>(p)[first + i]);
     return;
   }
   const uint16_t* h = static_cast<const uint16_t*>(p) + first;
@@ -209,6 +216,7 @@ struct Widen {
 // split the same way (split_even_odd).
 struct Q4 {
   static constexpr int BITS = 4, CHUNK = 32, PARTS = 2, VECS = 4, SMALL_R = 3;
+  static constexpr bool EVEN_ODD = true;
   Widen widen;
   inline void operator()(const uint8_t* row, int64_t k, int part, float32x4_t s, float32x4_t b,
                          float32x4_t (&w)[4]) const {
@@ -217,9 +225,44 @@ struct Q4 {
   }
 };
 
+// mxfp4 (4-bit e2m1 codes in groups of 32, power-of-two scales, no biases): bytes as Q4's; each
+// code's value is looked up in kFp4 held as four byte planes (byte j of every value's float in
+// one register: four TBLs, then two rounds of zips assemble the floats) and multiplied by the
+// scale (exact: the same bits as the portable kernel's kFp4[code] * scale).
+struct FP4 {
+  static constexpr int BITS = 4, CHUNK = 32, PARTS = 2, VECS = 4, SMALL_R = 2;  // 3 rows spill here
+  static constexpr bool EVEN_ODD = true;
+  uint8x16_t plane[4];
+  FP4() {
+    alignas(16) uint8_t t[16];
+    for (int j = 0; j < 4; j++) {
+      for (int i = 0; i < 16; i++) {
+        uint32_t bits;
+        std::memcpy(&bits, &kFp4[i], 4);
+        t[i] = (uint8_t)(bits >> (8 * j));
+      }
+      plane[j] = vld1q_u8(t);
+    }
+  }
+  inline void operator()(const uint8_t* row, int64_t k, int part, float32x4_t s, float32x4_t,
+                         float32x4_t (&w)[4]) const {
+    const uint8x16_t bytes = vld1q_u8(row + k / 2);
+    const uint8x16_t idx = part == 0 ? vandq_u8(bytes, vdupq_n_u8(0xf)) : vshrq_n_u8(bytes, 4);
+    const uint8x16_t b0 = vqtbl1q_u8(plane[0], idx), b1 = vqtbl1q_u8(plane[1], idx);
+    const uint8x16_t b2 = vqtbl1q_u8(plane[2], idx), b3 = vqtbl1q_u8(plane[3], idx);
+    const uint16x8_t lo0 = vreinterpretq_u16_u8(vzip1q_u8(b0, b1)), lo1 = vreinterpretq_u16_u8(vzip2q_u8(b0, b1));
+    const uint16x8_t hi0 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3)), hi1 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3));
+    w[0] = vmulq_f32(vreinterpretq_f32_u16(vzip1q_u16(lo0, hi0)), s);
+    w[1] = vmulq_f32(vreinterpretq_f32_u16(vzip2q_u16(lo0, hi0)), s);
+    w[2] = vmulq_f32(vreinterpretq_f32_u16(vzip1q_u16(lo1, hi1)), s);
+    w[3] = vmulq_f32(vreinterpretq_f32_u16(vzip2q_u16(lo1, hi1)), s);
+  }
+};
+
 // 8-bit, groups of 16k: sixteen values from sixteen bytes, in order.
 struct Q8 {
   static constexpr int BITS = 8, CHUNK = 16, PARTS = 1, VECS = 4, SMALL_R = 3;
+  static constexpr bool EVEN_ODD = false;
   Widen widen;
   inline void operator()(const uint8_t* row, int64_t k, int, float32x4_t s, float32x4_t b, float32x4_t (&w)[4]) const {
     widen(vld1q_u8(row + k), s, b, w);
@@ -230,6 +273,7 @@ struct Q8 {
 template <int B>
 struct Packed {
   static constexpr int BITS = B, CHUNK = 8, PARTS = 1, VECS = 2, SMALL_R = 4;
+  static constexpr bool EVEN_ODD = false;
   inline void operator()(const uint8_t* row, int64_t k, int, float32x4_t s, float32x4_t b, float32x4_t (&w)[2]) const {
     uint32x4_t lo, hi;
     unpack8<B>(row + k * B / 8, lo, hi);
@@ -238,7 +282,7 @@ struct Packed {
   }
 };
 
-// x rows with each 32 values split into the 16 even then the 16 odd ones (Q4's order).
+// x rows with each 32 values split into the 16 even then the 16 odd ones (Q4's and FP4's order).
 void split_even_odd(const float* x, int64_t M, int64_t K, float* xp) {
   for (int64_t m = 0; m < M; m++) {
     for (int64_t j = 0; j < K; j += 32) {
@@ -316,7 +360,9 @@ void row_blocks(const Dec& dec, const QMat& q, const float* x, int64_t M, float*
   s.biases.resize(R * groups);
   for (; n + R <= n1; n += R) {
     to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    if (q.biases != nullptr) {
+    if (q.fp4) {
+      // no biases: e2m1 values times the scale
+    } else if (q.biases != nullptr) {
       to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
     } else {
       for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
@@ -344,7 +390,7 @@ template <class Dec>
 void rows_with(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   static const Dec dec;  // constants, built once
   const float* xk = x;
-  if constexpr (std::is_same_v<Dec, Q4>) {
+  if constexpr (Dec::EVEN_ODD) {
     Scratch& s = scratch();
     s.xp.resize(M * q.K);
     split_even_odd(x, M, q.K, s.xp.data());
@@ -443,6 +489,7 @@ GemmScratch& gemm_scratch() {
 }  // namespace
 
 void rows_neon(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (q.fp4) return rows_with<FP4>(q, x, M, y, ldy, n0, n1);  // groups of 32 (qmm.cpp checks)
   switch (q.bits) {
     case 2: return rows_with<Packed<2>>(q, x, M, y, ldy, n0, n1);
     case 3: return rows_with<Packed<3>>(q, x, M, y, ldy, n0, n1);
@@ -458,6 +505,7 @@ void rows_neon(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
 }
 
 void dequant_neon(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  if (q.fp4) return dequant_scalar(q, dst, n0, n1);  // mxfp4 panels: the portable kernel, as on x86
   switch (q.bits) {
     case 2: return dequant_bits<2>(q, dst, n0, n1);
     case 3: return dequant_bits<3>(q, dst, n0, n1);
