@@ -48,6 +48,8 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "qwen3_5_moe": {"residency": "streamed", "expert_slots": 2},  # streamed experts under expert parallelism
     "qwen3_5_mtp": {"mtp": 2, "num_draft_tokens": 2},
 }
+DUMMY = {"model_type": "dummy_lm", "hidden_size": 16, "vocab_size": 32}  # the test plugin's family: no plan
+DUMMY_TENSORS = {"model.embed_tokens.weight": (32, 16), "lm_head.weight": (32, 16)}
 INDIVISIBLE = {  # three query and key/value heads: two ranks cannot split them
     "model_type": "llama",
     "hidden_size": 48,
@@ -130,11 +132,15 @@ def _prompt(fixtures: Path, name: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def installs(turbospark_install: Callable[..., Path], turbospark_fixtures: Path) -> dict[str, Path]:
+def installs(
+    turbospark_install: Callable[..., Path],
+    turbospark_tiny_install: Callable[..., Path],
+    turbospark_fixtures: Path,
+) -> dict[str, Path]:
     paths = {name: turbospark_install(name) for name in FIXTURES}
     paths["dflash"] = turbospark_install("llama_dflash")
     paths["dflash_drafter"] = turbospark_install("dflash", root=turbospark_fixtures / "llama_dflash")
-    paths["deepseek_v2"] = turbospark_install("deepseek_v2")
+    paths["dummy"] = turbospark_tiny_install("dummy", DUMMY, DUMMY_TENSORS)
     return paths
 
 
@@ -201,7 +207,7 @@ def _job(mode: str, installs: dict[str, Path], fixtures: Path, tmp_path: Path, t
     refusals = [
         {"path": str(installs["llama"]), "options": {"router_histogram": True}},
         {"path": str(installs["llama"]), "options": {"ngram": 3}},
-        {"path": str(installs["deepseek_v2"])},
+        {"path": str(installs["dummy"])},
         {"path": str(tiny)},
     ]
     features = {
@@ -264,7 +270,7 @@ def _check_refusals(messages: list[str], mode: str) -> None:
     histogram, adaptive, no_plan, heads = messages
     assert histogram.startswith("DistributedError: router_histogram=True with distributed=")
     assert "needs num_draft_tokens=K" in adaptive
-    assert "family 'deepseek' (turbospark-deepseek) declares no distributed plan" in no_plan
+    assert "family 'dummy' (turbospark-dummy) declares no distributed plan" in no_plan
     if mode == "tensor":
         assert "cannot split num_attention_heads=3 (neither divides the other)" in heads
         assert "use distributed='pipeline'" in heads
