@@ -233,7 +233,6 @@ class Block:
     def __init__(self, args: Args, w: WeightStore, i: int) -> None:
         prefix = f"model.layers.{i}"
         self.eps = args.rms_norm_eps
-        self.is_sliding = args.layer_types[i] == SLIDING
         self.self_attn = Attention(args, w, f"{prefix}.self_attn", args.layer_types[i])
         self.mlp = MLP(w, f"{prefix}.mlp")
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
@@ -249,6 +248,7 @@ class Model:
         self.args = args
         self.embedding = w.embedding("model.embedding")
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.sliding = [kind == SLIDING for kind in args.layer_types]  # per layer (not read from the blocks)
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = None if args.tie_word_embeddings else w.linear("lm_head")
 
@@ -259,7 +259,7 @@ class Model:
         full_mask = "causal" if L > 1 else None
         window_mask = causal_mask(L, self.args.sliding_window) if cache is None else None
         for i, block in enumerate(self.blocks):
-            mask = window_mask if block.is_sliding else full_mask
+            mask = window_mask if self.sliding[i] else full_mask
             h = steer(block(h, mask, None if cache is None else cache[i]), i)
         h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embedding.as_linear(h) if self.lm_head is None else self.lm_head(h)
