@@ -85,6 +85,7 @@ def test_greedy_matches_mlx_lm_with_its_latent_cache(v3_runner: turbospark_core.
 class TestDeepSeekV3Tiny(TinyRandomConformance):
     """Caching, batching, sessions, steering and the hook contract on the V3 routing."""
 
+    compiled_decode = True  # its one-token decode step runs compiled
     tiny_configs: ClassVar[Mapping[str, Mapping[str, Any]]] = {"deepseek_v3": V3, "deepseek_v3_plain": V3_PLAIN}
 
     def tiny_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
