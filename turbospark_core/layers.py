@@ -46,6 +46,9 @@ class Linear:
         self.quant = quant
         self.scales = scales
         self.biases = biases
+        # a dense matrix's transposed view, made once: a new ``weight.T`` per call would be one more graph
+        # node per product and step
+        self._weight_t = weight.T if quant is None else None
 
     @property
     def out_features(self) -> int:
@@ -53,8 +56,9 @@ class Linear:
         return self.weight.shape[-2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None or self.scales is None:  # __init__ gives every quantized Linear its scales
-            return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        if self._weight_t is not None:
+            return x @ self._weight_t if self.bias is None else mx.addmm(self.bias, x, self._weight_t)
+        assert self.quant is not None and self.scales is not None  # __init__ gives every quantized Linear its scales
         y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
