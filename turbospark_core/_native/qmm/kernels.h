@@ -77,7 +77,8 @@ void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, i
 #endif
 #if defined(__aarch64__)
 // NEON (aarch64, no run-time check): every layout (4-bit in groups of 32k and 8-bit in groups of
-// 16k widened by TBL lookups). GEMM: panels of 16 dequantized weight rows, 4 x 16 register tiles.
+// 16k widened by TBL lookups, mxfp4 by a TBL value table). GEMM: panels of 16 dequantized weight
+// rows, 4 x 16 register tiles.
 void rows_neon(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 void dequant_neon(const QMat&, float*, int64_t, int64_t);
 void gemm_neon(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);

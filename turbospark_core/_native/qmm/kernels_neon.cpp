@@ -181,7 +181,7 @@ inline void store_sums(const float32x4_t (&acc)[R][MT], int64_t m0, float* y, in
     for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = out[r * MT + t];
 }
 
-// Per-thread scratch: a block's scales and biases as float32; x as the 4-bit kernel reads it.
+// Per-thread scratch: a block's scales and biases as float32; x as the 4-bit kernels read it.
 struct Scratch {
   std::vector<float> scales, biases, xp;
 };
@@ -192,7 +192,8 @@ Scratch& scratch() {
 
 // ------------------------------------------------------------ decoders: a chunk of weights as floats
 // Each decodes part p (of PARTS) of the CHUNK values of a row from value k on: VECS vectors of
-// fma(q, scale, bias), in the order x is read (x itself for all but Q4).
+// weights (affine: fma(q, scale, bias); mxfp4: kFp4[code] * scale) in the order x is read (as
+// stored for all but Q4 and FP4, which read it split into evens and odds).
 
 // Sixteen bytes (lanes of v) as four vectors of fma(byte, s, b): a TBL puts each byte in its own
 // 32-bit lane (the other three bytes zero), then a convert and an FMA.
