@@ -17,7 +17,8 @@ what="${1:-all}"
 [ $# -gt 0 ] && shift
 out="$(mktemp -d "${TMPDIR:-/tmp}/turbospark-kernels.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
-# the flags CMakeLists.txt compiles each kernel file with (warnings: the harness and the NEON file)
+# each kernel file with its flags from CMakeLists.txt, at -O2 rather than -O3 (with -ffp-contract=off
+# the results do not depend on the level); warnings for the harness and the NEON file
 std=(-std=c++20 -O2 -I"$src")
 warn=(-Wall -Wextra)
 host="$(uname -m)"
