@@ -8,4 +8,11 @@ elsewhere on the machine imports neither mlx nor the BLAS shim. pytest honours
 ``plugins/*/tests`` and ``examples/*/tests`` alike.
 """
 
+import os
+
 pytest_plugins = ["turbospark_core.testing"]
+
+# Which kernel multiplies a quantized layout is chosen by measured speed in real use
+# (turbospark_core.kernel_speed); the tests pin the native kernels, so that what a test
+# checks never depends on how loaded the machine running it is.
+os.environ.setdefault("TURBOSPARK_KERNEL_CHOICE", "native")

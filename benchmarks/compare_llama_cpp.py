@@ -112,13 +112,19 @@ def decode_bytes_turbospark(opened: Any) -> int:
     """Weight bytes one decode step reads as turbospark holds them (an untied input embedding reads one row).
 
     As the weight store decides: a quantized matrix stays packed where the native
-    kernels multiply it (2-D) or, under the stored-form policy, where MLX's kernels
-    take its group; otherwise (and always at a narrow group of 16 without the native
-    kernels) it is unpacked to the compute dtype.
+    kernels multiply it (2-D; under the unpacking policy, where its layout measured
+    faster than float32) or, under the stored-form policy, where MLX's kernels take
+    its group; otherwise (and always at a narrow group of 16 without the native
+    kernels) it is unpacked to the compute dtype. A symmetric matrix is held
+    without its biases (the kernels derive them).
     """
-    from turbospark_core import native
+    import mlx.core as mx
+
+    from turbospark_core import dequant, kernel_speed, native
+    from turbospark_core.manifest import WEIGHTS
 
     index, policy = opened.index, opened.policy
+    stored = mx.load(str(opened.manifest.path(WEIGHTS)))
     itemsize = policy.compute_dtype.size
     tied = not any(n.startswith("lm_head") for n in index.tensors)
     total = 0
@@ -130,7 +136,10 @@ def decode_bytes_turbospark(opened: Any) -> int:
         if quant is None:
             total += math.prod(info.shape) * itemsize if policy.unpack else info.nbytes
             continue
-        native_here = policy.native and native.supports(quant) and len(index.logical_shape(b)) == 2
+        takes = kernel_speed.stays_quantized(quant) if policy.unpack else native.supports(quant)
+        native_here = policy.native and takes and len(index.logical_shape(b)) == 2
+        if native_here and leaf == "biases" and dequant.is_symmetric(stored[f"{b}.scales"], stored[name], quant.bits):
+            continue  # held as None
         if native_here or (not policy.unpack and quant.mlx_kernels):
             total += info.nbytes  # stays quantized: packed weight, scales, biases
         elif leaf == "weight":

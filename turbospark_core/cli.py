@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from turbospark_core import blas
+from turbospark_core import blas, kernel_speed
 from turbospark_core.errors import TurbosparkError
 
 PACKAGE_PREFIX = "pkg:"
@@ -344,6 +344,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
+    for speed in kernel_speed.measured():
+        print(f"kernels      {speed.describe()}")
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
     if opened.distributed is not None:
         print(f"distributed  {opened.distributed.describe()}")

@@ -66,5 +66,5 @@ class ComputePolicy:
 
 def _native_note() -> str:
     if native.available():
-        return f"quantized matrices stay quantized ({native.STATUS})"
+        return f"quantized matrices stay quantized where faster than float32 ({native.STATUS})"
     return f"quantized matrices unpacked: {native.STATUS}"

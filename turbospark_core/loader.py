@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import hadamard, native, plugins
+from turbospark_core import hadamard, kernel_speed, native, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import GPU_COMPUTE_DTYPE, ComputePolicy
@@ -535,8 +535,9 @@ def _plan_memory(
 
 def _unpacked_bytes(index: TensorIndex) -> int:
     """Weight bytes under the CPU's unpacking policy: float32, except the quantized
-    matrices (and expert stacks) the native kernels multiply in stored form."""
-    return index.float_bytes(4, keep=lambda base, spec: native.keeps(spec))
+    matrices (and expert stacks) whose layout stays quantized for the native kernels
+    (faster than float32 on this machine, :mod:`turbospark_core.kernel_speed`)."""
+    return index.float_bytes(4, keep=lambda base, spec: kernel_speed.stays_quantized(spec))
 
 
 def _stored_bytes(index: TensorIndex) -> int:

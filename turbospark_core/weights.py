@@ -7,7 +7,7 @@ from typing import Protocol, cast
 
 import mlx.core as mx
 
-from turbospark_core import dequant, native
+from turbospark_core import dequant, kernel_speed, native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
@@ -116,7 +116,8 @@ class WeightStore:
         quant = self.index.quantization.get(base)
         if quant is None:
             return Linear(self._float(self._take(f"{base}.weight")), bias)
-        native_here = native_ok and self.policy.native and native.supports(quant)
+        takes = kernel_speed.stays_quantized(quant) if self.policy.unpack else native.supports(quant)
+        native_here = native_ok and self.policy.native and takes
         if not native_here and (self.policy.unpack or not quant.mlx_kernels):
             return Linear(self._unpacked(base), bias)
         scales = self._take(f"{base}.scales")

@@ -41,6 +41,7 @@ def native_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         pytest.skip(f"native kernels unavailable: {native.STATUS}")
     if not request.param:
         monkeypatch.setattr(native, "keeps", lambda quant: False)
+        monkeypatch.setattr(native, "supports", lambda quant: False)
     return bool(request.param)
 
 

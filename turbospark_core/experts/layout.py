@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from turbospark_core import native
+from turbospark_core import kernel_speed, native
 from turbospark_core.errors import InstallError, TensorStorageError
 from turbospark_core.tensor_index import FLOAT_DTYPES, PACKED_DTYPES, QuantSpec
 
@@ -92,12 +92,15 @@ class ProjectionLayout:
         return cols if self.quant is None else cols * 32 // self.quant.bits
 
     def unpacked(self, unpack: bool) -> bool:
-        """Whether the projection is held unpacked: never where the native kernels multiply
-        its layout as stored (the CPU); else when the policy unpacks, and always at a narrow
-        group (MLX's ``gather_qmm`` has no kernel for it)."""
+        """Whether the projection is held unpacked. Where the policy unpacks: unless its layout
+        stays quantized for the native kernels (:func:`kernel_speed.stays_quantized`). Under the
+        stored form: only at a narrow group that the native kernels do not multiply here (MLX's
+        ``gather_qmm`` has no kernel for it)."""
         if self.quant is None:
             return unpack
-        return not native.keeps(self.quant) and (unpack or not self.quant.mlx_kernels)
+        if unpack:
+            return not kernel_speed.stays_quantized(self.quant)
+        return not native.keeps(self.quant) and not self.quant.mlx_kernels
 
     def held_bytes(self, unpack: bool) -> int:
         """Bytes one expert's projection takes in memory (float32 when unpacked, else as stored)."""

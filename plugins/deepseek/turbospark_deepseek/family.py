@@ -9,7 +9,7 @@ from turbospark_core.family import AttentionCache, WeightStore, rms_norm, steer
 
 from turbospark_deepseek.args import Args
 from turbospark_deepseek.mla import LatentAttention
-from turbospark_deepseek.moe import MLP, MoE
+from turbospark_deepseek.moe import MLP, MoE, swiglu
 
 
 class Block:
@@ -21,9 +21,12 @@ class Block:
         self.mlp: MLP | MoE = MLP(w, f"{prefix}.mlp") if moe is None else MoE(moe, w, f"{prefix}.mlp")
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
-        # One-token decode has fixed shapes: compile the pure parts around the cache update
+        # One-token decode has fixed shapes: compile the pure parts around the cache update and the
+        # routed experts (a streamed or observed bank holds Python-side state)
         self._decode_in = mx.compile(self._query_and_row)
-        self._decode_out = mx.compile(self._rest) if isinstance(self.mlp, MLP) else self._rest
+        self._decode_out = mx.compile(self._rest)
+        self._decode_route = mx.compile(self._route)
+        self._decode_combine = mx.compile(self._combine)
 
     def _query_and_row(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
         attn = self.self_attn
@@ -35,11 +38,25 @@ class Block:
         h = x + self.self_attn.output(attended)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
+    def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        assert isinstance(self.mlp, MoE)
+        h = x + self.self_attn.output(attended)
+        normed = rms_norm(h, self.post_attention_layernorm, self.eps)
+        return (h, normed, *self.mlp.router(normed))
+
+    def _combine(self, h: mx.array, normed: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        assert isinstance(self.mlp, MoE)
+        return h + self.mlp.combine(normed, y, weights)
+
     def __call__(self, x: mx.array, cache: AttentionCache | None) -> mx.array:
         if x.shape[1] == 1 and cache is not None:
             q, row = self._decode_in(x, mx.array(cache.offset))
             keys, _ = cache.update_and_fetch(row, row[..., :0])
-            return self._decode_out(x, self.self_attn.absorbed(q, keys, cache.mask(1)))
+            attended = self.self_attn.absorbed(q, keys, cache.mask(1))
+            if isinstance(self.mlp, MLP):
+                return self._decode_out(x, attended)
+            h, normed, inds, weights = self._decode_route(x, attended)
+            return self._decode_combine(h, normed, self.mlp.experts.glu(normed, inds, swiglu, weights=weights), weights)
         h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 

@@ -89,6 +89,9 @@ class MoE:
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.router(x)
-        y = self.experts.glu(x, inds, swiglu, weights=weights)
+        return self.combine(x, self.experts.glu(x, inds, swiglu, weights=weights), weights)
+
+    def combine(self, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        """The chosen experts' outputs ``y`` ``[..., k, D]`` summed with their weights, plus the shared experts."""
         y = (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
         return y if self.shared is None else y + self.shared(x)
