@@ -75,6 +75,18 @@ void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, i
 // transposed once, a 6 x 64 register tile per six rows of x.
 void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
 #endif
+#if defined(__aarch64__)
+// NEON (aarch64, no run-time check): every layout (4-bit in groups of 32k and 8-bit in groups of
+// 16k widened by TBL lookups, mxfp4 by a TBL value table). GEMM: panels of 16 dequantized weight
+// rows, 4 x 16 register tiles.
+void rows_neon(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void dequant_neon(const QMat&, float*, int64_t, int64_t);
+void gemm_neon(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void attend_neon(const AttnRow&, float*, float*);
+void rms_norm_neon(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
+void silu_mul_neon(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+void gelu_tanh_mul_neon(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+#endif
 
 // One cached key or value row: `D` values in MLX's affine bit stream `w` (groups of `group`,
 // `bits` bits; `biases` null: symmetric), dequantized into `out`, and with `rotate` the
@@ -84,6 +96,9 @@ using KVRowFn = void (*)(const uint8_t* w, const void* scales, const void* biase
 void kv_row_scalar(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
 #if defined(__x86_64__) || defined(_M_X64)
 void kv_row_avx512(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
+#endif
+#if defined(__aarch64__)
+void kv_row_neon(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
 #endif
 
 float half_to_float(uint16_t h);

@@ -11,6 +11,8 @@ namespace {
 inline void relax() {
 #if defined(__x86_64__)
   _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
 #endif
 }
 }  // namespace

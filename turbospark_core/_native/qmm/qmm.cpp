@@ -56,6 +56,10 @@ constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_a
 constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
                          gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
 #endif
+#if defined(__aarch64__)
+constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_neon, rms_norm_neon, silu_mul_neon,
+                       gelu_tanh_mul_neon, kv_row_neon, "neon"};
+#endif
 
 struct Runtime : Kernels {
   Runtime() : Kernels(SCALAR) {}
@@ -72,8 +76,10 @@ int default_threads() {
     int n = std::atoi(env);
     if (n > 0) return n;
   }
+#if defined(__linux__)
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
@@ -88,6 +94,8 @@ Runtime& runtime() {
                           !std::getenv("TURBOSPARK_NATIVE_NO_AVX512");
       static_cast<Kernels&>(*r) = avx512 ? AVX512 : AVX2;
     }
+#elif defined(__aarch64__)
+    static_cast<Kernels&>(*r) = NEON;  // every aarch64 CPU has Advanced SIMD
 #endif
     if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) static_cast<Kernels&>(*r) = SCALAR;
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
@@ -931,7 +939,7 @@ NB_MODULE(_qmm, m) {
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
-  m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2' or 'scalar'.");
+  m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2', 'neon' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
   m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether sgemm is bound (for dequantized panels).");
   m.def(
