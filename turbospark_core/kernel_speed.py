@@ -2,8 +2,9 @@
 
 The native kernels (:mod:`turbospark_core.native`) multiply a quantized matrix as
 stored; the alternative is to unpack it to float32 at open and multiply through
-the BLAS. On a CPU with AVX-512, AVX2 or NEON the native kernels win by reading
-4-8x fewer bytes; the portable scalar kernels may lose. So the first time a
+the BLAS. With AVX-512 the native kernels win every layout (they read 4-8x fewer
+bytes); with AVX2 some layouts lose, the portable scalar kernels lose all of them,
+and NEON has never been timed. So the first time a
 machine meets a layout (mode, bits, group), one decode-shaped product (one row
 of x times a ``ROWS x COLS`` matrix) is timed both ways and the layout stays
 quantized unless float32 is more than ``MARGIN`` times faster. The margin keeps
