@@ -15,9 +15,11 @@ def test_the_latest_occurrence_of_the_longest_tail_wins() -> None:
     assert lookup([7, 8, 1, 2, 0, 2, 7, 8], 2) == [1, 2]
 
 
-def test_the_proposal_stops_at_k_and_at_the_end_of_the_context() -> None:
-    assert lookup([1, 2, 3, 1, 2], 10) == [3, 1, 2]
+def test_the_proposal_stops_at_k_and_a_copy_reaching_the_tail_repeats_its_period() -> None:
     assert lookup([1, 2, 3, 1, 2], 1) == [3]
+    # (1, 2) last occurred 3 tokens back: what followed it (3, 1, 2) is copied again and again
+    assert lookup([1, 2, 3, 1, 2], 7) == [3, 1, 2, 3, 1, 2, 3]
+    assert lookup([9, 5, 5, 5], 4) == [5, 5, 5, 5]
 
 
 def test_nothing_matches_nothing_is_proposed() -> None:
