@@ -191,7 +191,7 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
     setup = DrafterSetup(name="guess", new=Guess, num_draft_tokens=2, adaptive=False)
 
     def forward(tokens: list[int], cs: Any, capture: Any) -> mx.array:
-        return runner.model(mx.array([tokens]), cs)
+        return runner.model(tokens, cs)
 
     n = 1500
     counts: dict[tuple[int, int], int] = {}

@@ -1,22 +1,45 @@
-"""How many tokens to draft next: the count that maximizes expected tokens per unit of cost.
+"""How many tokens to draft: the count that commits the most tokens per second.
 
-With a per-token acceptance rate ``a``, a verify of ``k`` drafts commits
-``(1 - a^(k+1)) / (1 - a)`` tokens on average and costs about
-``1 + unit * k`` plain decode steps. The rate is tracked as a moving average
-of what recent verifies accepted; ``unit`` (a verify's extra cost per drafted
-token plus the drafting itself) is measured from the steps' wall time: plain
-steps give the base, drafting steps the slope. Until measured it is
-``verify_cost + draft_cost``. When no ``k >= 1`` pays, the sequence decodes
-plainly and probes with one draft every few steps (twice as long after each
-failed probe, up to 64), so a drafter that stops matching (open-ended chat under prompt lookup) costs little.
+A verify of ``k`` drafts commits ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens on
+average when each drafted token is kept with probability ``a`` (given the ones
+before it were), and takes the wall time of a forward of ``k + 1`` tokens plus
+the drafting. Both are measured while the sequence decodes:
+
+* :class:`Acceptance`: the per-token acceptance rate for each *source* of
+  drafts (prompt lookup: the length of the matched tail, a strong predictor;
+  other drafters: one source), as decayed counts of kept tokens and rejections
+  (the maximum-likelihood rate of a geometric run cut off at ``k``), pulled
+  towards a prior by a few pseudo-observations.
+* :class:`StepTimes`: the wall seconds of a step by the tokens its forward
+  runs (``k + 1`` for one sequence, ``B * L`` for a batch), a decayed average
+  per count; counts not measured yet are estimated from the measured ones
+  (interpolated, or scaled along the prior slope of :data:`VERIFY_COST` plain
+  steps per extra token, plus the drafting). A count measured once is trusted
+  only as far as it is not worse than its neighbours say (its one sample may be
+  warm-up), so it is run again and corrected.
+
+:class:`DraftPolicy` makes the choice for one sequence: a drafter that
+proposes for free (prompt lookup: ``draft_cost == 0``) proposes first and the
+policy keeps the prefix worth verifying (:meth:`DraftPolicy.plan`); a drafter
+that costs (a model, a head) is asked for :meth:`DraftPolicy.next_k` tokens.
+:func:`best_width` picks the common width of a batched verify. A source never
+worth drafting gets a 1-token probe now and then (:class:`Probe`: every 8
+skips, twice as long after each failed probe, up to 64), so one that starts
+matching again is noticed at little cost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
-# a verify's extra cost per drafted token, in plain decode steps, until measured (CPU: benchmarks/speculative.py)
+# a verify's extra cost per token, in plain decode steps, until measured (CPU: benchmarks/speculative.py)
 VERIFY_COST = 0.25
+PRIOR_RATE = 0.6  # per-token acceptance assumed before anything is measured
+PRIOR_WEIGHT = 2.0  # pseudo-observations of PRIOR_RATE behind every measured rate
+DECAY = 0.8  # weight of the past per new verify (per source) or per new step time (per count)
+OUTLIER = 3.0  # a step time above this many times the current average counts as this many (a stall)
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
 
@@ -29,68 +52,209 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 @attrs.define
-class AdaptiveK:
-    """The draft length controller of one sequence.
+class Acceptance:
+    """Per-token acceptance rates of drafts, per draft source.
+
+    ``seed``: where a source has no counts yet, its rate starts from the
+    seed's (what earlier sequences of the same drafter taught), else from
+    :data:`PRIOR_RATE`.
+    """
+
+    prior: float = PRIOR_RATE
+    decay: float = DECAY
+    seed: Acceptance | None = None
+    _counts: dict[int, tuple[float, float]] = attrs.Factory(dict)  # source -> (kept tokens, rejections)
+
+    def rate(self, source: int = 0) -> float:
+        """The estimated chance that a drafted token of ``source`` is kept, given the ones before it were."""
+        prior = self.prior if self.seed is None else self.seed.rate(source)
+        kept, rejected = self._counts.get(source, (0.0, 0.0))
+        return (kept + prior * PRIOR_WEIGHT) / (kept + rejected + PRIOR_WEIGHT)
+
+    def update(self, drafted: int, accepted: int, source: int = 0) -> None:
+        """Record a verify: ``accepted`` of ``drafted`` kept (nothing drafted: nothing learnt)."""
+        if drafted <= 0:
+            return
+        kept, rejected = self._counts.get(source, (0.0, 0.0))
+        self._counts[source] = (self.decay * kept + accepted, self.decay * rejected + float(accepted < drafted))
+
+
+@attrs.define
+class StepTimes:
+    """Wall seconds of a step by the tokens its forward runs (see the module docstring)."""
+
+    slope: float = VERIFY_COST
+    decay: float = DECAY
+    _seconds: dict[int, float] = attrs.Factory(dict)
+    _samples: dict[int, int] = attrs.Factory(dict)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A step that ran ``tokens`` tokens took ``seconds`` (its second sample replaces the first)."""
+        old, n = self._seconds.get(tokens), self._samples.get(tokens, 0)
+        if old is None or n == 1:
+            self._seconds[tokens] = seconds
+        else:
+            self._seconds[tokens] = self.decay * old + (1.0 - self.decay) * min(seconds, OUTLIER * old)
+        self._samples[tokens] = n + 1
+
+    @property
+    def measured(self) -> bool:
+        """Whether any step was recorded."""
+        return bool(self._seconds)
+
+    def _prior(self, tokens: int) -> float:
+        return 1.0 + self.slope * (tokens - 1)
+
+    def _estimate(self, tokens: int, skip: int | None = None) -> float:
+        known = {t: s for t, s in self._seconds.items() if t != skip}
+        if tokens in known:
+            return known[tokens]
+        if not known:
+            return self._prior(tokens)
+        below = max((t for t in known if t < tokens), default=None)
+        above = min((t for t in known if t > tokens), default=None)
+        if below is not None and above is not None:
+            w = (tokens - below) / (above - below)
+            return (1.0 - w) * known[below] + w * known[above]
+        near = below if below is not None else above
+        assert near is not None
+        return known[near] * self._prior(tokens) / self._prior(near)
+
+    def __call__(self, tokens: int) -> float:
+        """Estimated seconds of a step running ``tokens`` tokens (relative units until a step is measured)."""
+        if self._samples.get(tokens, 0) == 1:  # one sample, perhaps warm-up: no worse than the neighbours say
+            return min(self._seconds[tokens], self._estimate(tokens, skip=tokens))
+        return self._estimate(tokens)
+
+
+@attrs.define
+class Probe:
+    """When drafting is not worth it: a 1-token probe every ``every`` skips (twice as long after a failed one)."""
+
+    every: int = PROBE_EVERY
+    _skipped: int = 0
+    probing: bool = False
+
+    def skip(self) -> bool:
+        """Count a skipped draft; ``True`` when a probe is due (then :attr:`probing` until :meth:`result`)."""
+        self._skipped += 1
+        if self._skipped < self.every:
+            return False
+        self._skipped = 0
+        self.probing = True
+        return True
+
+    def result(self, kept: bool) -> None:
+        """The probe's outcome: a kept token resets the interval, a rejected one doubles it."""
+        self.probing = False
+        self.every = PROBE_EVERY if kept else min(2 * self.every, MAX_PROBE_EVERY)
+
+
+def best_length(rate: float, available: int, times: StepTimes, base: int = 1) -> int:
+    """The ``k`` in ``0 .. available`` maximizing ``E(rate, k) / times(base + k)``."""
+    return max(range(available + 1), key=lambda k: expected_tokens(rate, k) / times(base + k))
+
+
+def best_width(rows: Sequence[tuple[int, int, float]], times: StepTimes) -> int:
+    """The width ``L`` of a batched verify: most tokens committed per second over every row.
+
+    ``rows``: per row ``(backlog, available, rate)``: the committed tokens it
+    must run, the drafts it could verify after them, and their acceptance rate.
+    Every row is padded to ``L``, so the forward runs ``len(rows) * L`` tokens
+    and a row verifies ``min(available, L - backlog)`` drafts.
+    """
+    low = max(m for m, _, _ in rows)
+    high = max(m + n for m, n, _ in rows)
+
+    def gain(width: int) -> float:
+        tokens = sum(expected_tokens(a, max(0, min(n, width - m))) for m, n, a in rows)
+        return tokens / times(len(rows) * width)
+
+    return max(range(low, high + 1), key=gain)
+
+
+@attrs.define
+class DraftHistory:
+    """What every sequence of one open's drafter has taught: step times, and acceptance to start from.
+
+    Step times depend on the model and the machine, not on the sequence, so
+    they are shared; each sequence keeps its own acceptance rates, starting
+    from these.
+    """
+
+    times: StepTimes = attrs.Factory(StepTimes)
+    acceptance: Acceptance = attrs.Factory(Acceptance)
+
+
+@attrs.define
+class DraftPolicy:
+    """The draft length of one sequence.
 
     Attributes:
         k_max: The most tokens drafted per verify (``num_draft_tokens``).
-        draft_cost: A drafted token's cost in plain target steps (0 for prompt
-            lookup; about the size ratio for a draft model).
-        adaptive: ``False`` always drafts ``k_max``.
+        draft_cost: A drafted token's cost in plain target steps (0: the
+            drafter proposes for free and :meth:`plan` trims its proposal;
+            otherwise :meth:`next_k` says how many to draft).
+        adaptive: ``False``: always ``k_max`` (or all a free drafter proposes, up to it).
+        history: Shared with the drafter's other sequences (its step times
+            are this policy's; its acceptance seeds this one's and learns from it).
     """
 
     k_max: int
     draft_cost: float = 0.0
     adaptive: bool = True
-    verify_cost: float = VERIFY_COST
-    rate: float = 0.8  # optimistic start: the first verifies measure it
-    decay: float = 0.7
-    _idle: int = 0
-    _base: float | None = None  # seconds of a plain step (moving average)
-    _slope: float | None = None  # extra seconds per drafted token (moving average)
-    _steps: int = 0
-    _probe_every: int = PROBE_EVERY
-    _probing: bool = False
+    history: DraftHistory = attrs.Factory(DraftHistory)
+    acceptance: Acceptance = attrs.field(init=False)
+    _probes: dict[int, Probe] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.acceptance = Acceptance(seed=self.history.acceptance)
+        if not self.history.times.measured:
+            self.history.times.slope = VERIFY_COST + self.draft_cost
 
     @property
-    def unit(self) -> float:
-        """A drafted token's cost (verify + drafting) in plain steps: measured, else the prior."""
-        if self._base is None or self._slope is None or self._base <= 0:
-            return self.verify_cost + self.draft_cost
-        return min(max(self._slope / self._base, 0.01), 4.0)
+    def times(self) -> StepTimes:
+        """The step times (shared)."""
+        return self.history.times
 
-    def timed(self, k: int, seconds: float) -> None:
-        """Record a step's wall time (``k`` drafts; 0: a plain step)."""
-        if k == 0:
-            self._base = seconds if self._base is None else 0.8 * self._base + 0.2 * seconds
-        elif self._base is not None:
-            slope = max(seconds - self._base, 0.0) / k
-            self._slope = slope if self._slope is None else 0.8 * self._slope + 0.2 * slope
+    @property
+    def lookahead(self) -> bool:
+        """Whether the drafter proposes before the length is chosen (it costs nothing)."""
+        return self.draft_cost == 0.0
 
-    def next_k(self) -> int:
-        """The draft length for the next step (0: a plain step)."""
+    def _probe(self, source: int) -> Probe:
+        return self._probes.setdefault(source, Probe())
+
+    def plan(self, source: int, available: int, base: int = 1) -> int:
+        """How many of a free proposal's ``available`` tokens (from ``source``) to verify after ``base`` tokens."""
+        available = min(available, self.k_max)
+        if not self.adaptive or available <= 0:
+            return available
+        return self.or_probe(best_length(self.acceptance.rate(source), available, self.times, base), source)
+
+    def next_k(self, base: int = 1) -> int:
+        """How many tokens a costly drafter should draft for the next verify (0: a plain step)."""
         if not self.adaptive:
             return self.k_max
-        self._steps += 1
-        if self._steps in (2, 3):  # measure a plain step's cost (the first step pays warm-up)
-            return 0
-        unit = self.unit
-        best = max(range(self.k_max + 1), key=lambda k: expected_tokens(self.rate, k) / (1.0 + unit * k))
-        if best == 0:
-            self._idle += 1
-            if self._idle >= self._probe_every:
-                self._idle = 0
-                self._probing = True
-                return 1
-        return best
+        return self.or_probe(best_length(self.acceptance.rate(), self.k_max, self.times, base), 0)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Record a verify: ``accepted`` of ``drafted`` kept (nothing drafted: nothing learnt)."""
+    def or_probe(self, k: int, source: int) -> int:
+        """``k``, or when it is 0 a 1-token probe of ``source`` if one is due (until its verify is recorded)."""
+        if k > 0:
+            return k
+        probe = self._probe(source)
+        return 1 if probe.probing or probe.skip() else 0
+
+    def update(self, drafted: int, accepted: int, source: int = 0) -> None:
+        """Record a verify: ``accepted`` of ``drafted`` (from ``source``) kept."""
         if drafted <= 0:
             return
-        if self._probing:  # a failed probe waits twice as long for the next (up to MAX_PROBE_EVERY)
-            self._probing = False
-            self._probe_every = PROBE_EVERY if accepted else min(2 * self._probe_every, MAX_PROBE_EVERY)
-        # per-token acceptance of a truncated geometric run: accepted successes, one failure unless all kept
-        observed = 1.0 if accepted == drafted else accepted / (accepted + 1.0)
-        self.rate = self.decay * self.rate + (1.0 - self.decay) * observed
+        probe = self._probes.get(source)
+        if probe is not None and probe.probing:
+            probe.result(accepted > 0)
+        self.acceptance.update(drafted, accepted, source)
+        self.history.acceptance.update(drafted, accepted, source)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """Record a step's wall time (its forward ran ``tokens`` tokens)."""
+        self.times.record(tokens, seconds)
