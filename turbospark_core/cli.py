@@ -318,7 +318,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
-    print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
+    drafter = f" (drafter {opened.estimate.drafter / 1e9:.3f} GB)" if opened.drafter is not None else ""
+    print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB{drafter}")
     if opened.experts is not None:
         layers = opened.experts.layout.layers.values()
         record = max(layer.stride for layer in layers)

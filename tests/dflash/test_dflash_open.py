@@ -175,7 +175,9 @@ def test_the_drafter_counts_against_the_memory_budget(fx: Any) -> None:
         MemoryBudgetError, match=r"the DFlash drafter .* needs ~.* GB \(weights .* context K/V at max_context"
     ):
         fx.open(dflash=fx.drafter, memory_budget=needed + 1000)
-    assert fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened.drafter is not None
+    opened = fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened
+    assert opened.drafter is not None
+    assert opened.estimate.drafter > 0 and opened.estimate.total == needed + opened.estimate.drafter
 
 
 def test_dflash_and_an_mtp_depth_are_a_caller_error(fx: Any) -> None:

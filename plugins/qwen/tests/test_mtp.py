@@ -408,6 +408,9 @@ def test_mtp_over_the_memory_budget_is_refused_naming_the_head(turbospark_instal
     turbospark_core.open(install, max_context=256, memory_budget=need)  # plain: fits exactly
     with pytest.raises(MemoryBudgetError, match=r"mtp needs .* MTP head"):
         turbospark_core.open(install, max_context=256, memory_budget=need, mtp=1)
+    with_head = turbospark_core.open(install, max_context=256, mtp=1).opened.estimate
+    assert with_head.drafter > 0 and with_head.total == need + with_head.drafter  # the head joins the estimate
+    turbospark_core.open(install, max_context=256, memory_budget=with_head.total, mtp=1)  # fits exactly
 
 
 def test_sampled_generation_with_mtp_is_seeded(turbospark_install: Any, refs: Any, name: str) -> None:
