@@ -55,9 +55,9 @@ def test_serve_with_a_drafter_keeps_batching_and_answers_as_plain_decoding(
     verified: list[int] = []  # rows per batched verify
     real = Batch._verify
 
-    def spy(self: Batch, out: Any, plans: Any, width: int, t0: float) -> None:
+    def spy(self: Batch, out: Any, plans: Any, width: int, t0: float, c0: float) -> None:
         verified.append(len(plans))
-        real(self, out, plans, width, t0)
+        real(self, out, plans, width, t0, c0)
 
     monkeypatch.setattr(Batch, "_verify", spy)
     reference = turbospark_core.open(f32_install)

@@ -60,14 +60,73 @@ def test_greedy_is_lossless_with_every_drafter_on_every_family(make: Callable[[s
     assert lookup.stats.draft_tokens > 0
 
 
-def test_a_draft_model_of_another_family_is_lossless(make: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("num_draft_tokens", [3, None])
+def test_a_draft_model_of_another_family_is_lossless(make: Callable[[str], Path], num_draft_tokens: int | None) -> None:
     target, draft = make("qwen3_5"), make("llama")
     prompt = _prompt("qwen3_5")
     plain = turbospark_core.open(target).generate(prompt, TOKENS)
-    runner = turbospark_core.open(target, draft_model=draft, num_draft_tokens=3)
+    runner = turbospark_core.open(target, draft_model=draft, num_draft_tokens=num_draft_tokens)
     got = runner.generate(prompt, TOKENS)
     assert got.tokens == plain.tokens
-    assert got.stats.draft_tokens > got.stats.accepted_tokens  # random weights: rejections happen and are rewound
+    # random weights: rejections happen and are rewound (adaptive: it soon decodes plainly, probing now and then)
+    assert got.stats.draft_tokens > got.stats.accepted_tokens
+
+
+class _Oracle:
+    """A free drafter that knows plain greedy's continuation but proposes only at the positions ``where`` says."""
+
+    name = "oracle"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, truth: list[int], where: Callable[[int], bool]) -> None:
+        self.truth, self.where = truth, where
+
+    def reset(self) -> None:
+        """Stateless."""
+
+    def observe(self, start: int, hidden: Any) -> None:
+        """Never called."""
+
+    def rewind(self, length: int) -> None:
+        """Stateless."""
+
+    def propose(self, context: Any, k: int, sampler: Any) -> Any:
+        from turbospark_core.speculative.drafter import Draft
+
+        n = len(context)
+        return Draft(tokens=self.truth[n : n + k] if self.where(n) else [], source=1)
+
+
+def test_adaptive_decoding_goes_plain_where_nothing_is_proposed_and_verifies_where_it_is(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain stretches run pipelined (the drafter asked after every token); a proposal whose first token is the
+    one in flight ends them, and the rest of it is what the next verify checks."""
+    import attrs
+
+    from turbospark_core.speculative.decode import SpeculativeLoop
+    from turbospark_core.speculative.factory import DrafterSetup
+
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, 48)
+    truth = [*prompt, *plain.tokens]
+    runner = turbospark_core.open(llama)
+    oracle = _Oracle(truth, lambda n: (n - len(prompt)) % 16 >= 8)  # proposes for 8 tokens, then not for 8
+    setup = DrafterSetup(name="oracle", new=lambda: oracle, num_draft_tokens=4)
+    runner._opened = attrs.evolve(runner.opened, drafter=setup)
+    plain_tokens = []
+    real = SpeculativeLoop._plain
+
+    def counted(self: SpeculativeLoop, budget: int) -> Any:
+        for tok in real(self, budget):
+            plain_tokens.append(tok)
+            yield tok
+
+    monkeypatch.setattr(SpeculativeLoop, "_plain", counted)
+    got = runner.generate(prompt, 48)
+    assert got.tokens == plain.tokens
+    assert got.stats.accepted_tokens == got.stats.draft_tokens > 0  # every oracle token kept
+    assert 8 <= len(plain_tokens) < 40  # the stretches without proposals decoded plainly, the rest verified
 
 
 @pytest.fixture
@@ -161,6 +220,7 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
     sampler = Sampler(params)
     first = int(np.argmax(runner.logits(prompt)[-1]))
     context = [*prompt, first]
+
     # the plain law of the two tokens after ``context``: p(a) p(b | a), with plain decoding's penalty history
     def law(ctx: list[int]) -> np.ndarray:
         logits = mx.array(runner.logits(ctx)[-1:])

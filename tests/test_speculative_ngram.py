@@ -34,3 +34,23 @@ def test_the_drafter_is_deterministic_whatever_the_sampling() -> None:
     assert draft.tokens == (6, 4, 5)
     assert draft.probs is None
     assert drafter.capture_layers == ()
+
+
+def test_a_short_match_that_continues_the_previous_copy_is_its_own_source() -> None:
+    from turbospark_core.speculative.ngram import ALIGNED, match
+
+    #          0  1  2  3  4  5  6  7  8  9
+    source = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert match([*source, 1, 2], 3) == ([3, 4, 5], 2, 2)  # the copy starts at index 2
+    drafter = NgramDrafter()
+    sampler = Sampler(SamplingParams())
+    first = drafter.propose([*source, 1, 2], 3, sampler)
+    assert (first.tokens, first.source) == ((3, 4, 5), 2)
+    # the model rewrote "3 4" as "33" and went on with 5: a 1-token match, where the copy would be now
+    again = drafter.propose([*source, 1, 2, 33, 5], 3, sampler)
+    assert (again.tokens, again.source) == ((6, 7, 8), 1 + ALIGNED)
+    drafter.reset()
+    assert drafter.propose([*source, 1, 2, 33, 5], 3, sampler).source == 1  # nothing to continue
+    elsewhere = NgramDrafter()
+    elsewhere.propose([*source, 9], 2, sampler)  # copying from index 9 on
+    assert elsewhere.propose([*source, 9, 44, 2], 2, sampler).source == 1  # index 2 is behind that copy

@@ -47,7 +47,7 @@ from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
 from turbospark_core.speculative import batched
-from turbospark_core.speculative.adaptive import DraftPolicy
+from turbospark_core.speculative.adaptive import DraftPolicy, clock
 from turbospark_core.speculative.decode import SpeculativeLoop, new_policy, observe
 from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
@@ -401,17 +401,17 @@ class Batch:
             self._decode(out)
             return
         assert self._caches is not None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), clock()
         held = self._caches.rows.offsets
         plans = [
             batched.propose(s.policy, s.drafter, s.context, held[b], s.max_tokens - s.generated - 1, s.sampler)
             for b, s in enumerate(self._decoding)
         ]
-        width = batched.choose_width(plans, [s.policy for s in self._decoding], setup.history.times)
+        width = batched.choose_width(plans, [s.policy for s in self._decoding], setup.history.batch_times)
         if width == 1:
-            self._decode(out, t0)
+            self._decode(out, t0, c0)
         else:
-            self._verify(out, [batched.fit(p, width) for p in plans], width, t0)
+            self._verify(out, [batched.fit(p, width) for p in plans], width, t0, c0)
 
     def _forward_rows(self, tokens: mx.array, capture: dict[int, mx.array] | None = None) -> mx.array:
         """The batched forward of ``tokens`` ``[B, L]``: each row's steering and image shift; residuals for drafters."""
@@ -431,11 +431,13 @@ class Batch:
             if seq.drafter is not None and seq.drafter.capture_layers:
                 observe(seq.drafter, held[b], capture, b, lengths[b])
 
-    def _decode(self, out: list[tuple[BatchRow, str]], t0: float | None = None) -> None:
+    def _decode(self, out: list[tuple[BatchRow, str]], t0: float | None = None, c0: float | None = None) -> None:
+        """One plain step of every row (``t0``, ``c0``: the wall and CPU clocks when the step began)."""
         assert self._caches is not None
         rows = self._decoding
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         t0 = time.perf_counter() if t0 is None else t0
+        c0 = clock() if c0 is None else c0
         capture: dict[int, mx.array] = {}
         held = list(self._caches.rows.offsets)
         logits = self._forward_rows(pending[:, None], capture)[:, -1, :]
@@ -465,7 +467,7 @@ class Batch:
         now = time.perf_counter()
         setup = self.runner.opened.drafter
         if setup is not None:
-            setup.history.times.record(len(rows), now - t0)
+            setup.history.batch_times.record(len(rows), clock() - c0)
         for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
             seq.pending = token.reshape(1)
             self._joined(seq, now, t0)
@@ -482,7 +484,9 @@ class Batch:
             seq.t0 = now
             seq.row.status = "decoding"
 
-    def _verify(self, out: list[tuple[BatchRow, str]], plans: list[batched.RowPlan], width: int, t0: float) -> None:
+    def _verify(
+        self, out: list[tuple[BatchRow, str]], plans: list[batched.RowPlan], width: int, t0: float, c0: float
+    ) -> None:
         """One ``[B, width]`` forward verifying every row's drafts; each row commits its own tokens and is rewound."""
         assert self._caches is not None
         caches, rows = self._caches, self._decoding
@@ -511,7 +515,7 @@ class Batch:
         now = time.perf_counter()
         setup = self.runner.opened.drafter
         assert setup is not None
-        setup.history.times.record(len(rows) * width, now - t0)
+        setup.history.batch_times.record(len(rows) * width, clock() - c0)
         for seq, plan, verdict in zip(rows, plans, judged, strict=True):
             self._joined(seq, now, t0)
             self._commit(seq, plan, verdict, out)

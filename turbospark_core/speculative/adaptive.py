@@ -10,13 +10,17 @@ the drafting. Both are measured while the sequence decodes:
   other drafters: one source), as decayed counts of kept tokens and rejections
   (the maximum-likelihood rate of a geometric run cut off at ``k``), pulled
   towards a prior by a few pseudo-observations.
-* :class:`StepTimes`: the wall seconds of a step by the tokens its forward
-  runs (``k + 1`` for one sequence, ``B * L`` for a batch), a decayed average
-  per count; counts not measured yet are estimated from the measured ones
-  (interpolated, or scaled along the prior slope of :data:`VERIFY_COST` plain
-  steps per extra token, plus the drafting). A count measured once is trusted
-  only as far as it is not worse than its neighbours say (its one sample may be
-  warm-up), so it is run again and corrected.
+* :class:`StepTimes`: the cost of a step by the tokens its forward runs
+  (``k + 1`` for one sequence, ``B * L`` for a batch), in CPU seconds of the
+  process (:func:`clock`: on a shared machine wall time swings twofold with
+  the neighbours' load while CPU time stays put, so counts measured minutes
+  apart compare fairly), the median of its latest samples per count;
+  counts not measured yet are estimated from the measured ones (interpolated,
+  or scaled along the prior slope of :data:`VERIFY_COST` plain steps per extra
+  token, plus the drafting). A count measured fewer than three times is
+  trusted only as far as it is not worse than its neighbours say (a sample may
+  be warm-up), so it is run again and corrected; now and then a near-best
+  count measured too little (or too long ago) is tried (:meth:`StepTimes.decide`).
 
 :class:`DraftPolicy` makes the choice for one sequence: a drafter that
 proposes for free (prompt lookup: ``draft_cost == 0``) proposes first and the
@@ -30,7 +34,10 @@ matching again is noticed at little cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -38,10 +45,19 @@ import attrs
 VERIFY_COST = 0.25
 PRIOR_RATE = 0.6  # per-token acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # pseudo-observations of PRIOR_RATE behind every measured rate
-DECAY = 0.8  # weight of the past per new verify (per source) or per new step time (per count)
-OUTLIER = 3.0  # a step time above this many times the current average counts as this many (a stall)
+DECAY = 0.8  # weight of the past acceptance counts per new verify (per source)
+WINDOW = 7  # step times kept per token count (their median is the estimate: a stall does not move it)
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
+EXPLORE_EVERY = 8  # every this many length decisions, one may try a count the step times are unsure of
+EXPLORE_SAMPLES = 3  # samples of a count before its time is trusted
+EXPLORE_WITHIN = 0.75  # only counts whose estimated gain is at least this share of the best's are tried
+STALE = 256  # decisions after which a count's time is measured again (the machine's load changes)
+
+
+def clock() -> float:
+    """What step costs are measured in: the process's CPU time (all threads), in seconds."""
+    return time.process_time()
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -53,23 +69,20 @@ def expected_tokens(rate: float, k: int) -> float:
 
 @attrs.define
 class Acceptance:
-    """Per-token acceptance rates of drafts, per draft source.
-
-    ``seed``: where a source has no counts yet, its rate starts from the
-    seed's (what earlier sequences of the same drafter taught), else from
-    :data:`PRIOR_RATE`.
-    """
+    """Per-token acceptance rates of drafts, per draft source."""
 
     prior: float = PRIOR_RATE
     decay: float = DECAY
-    seed: Acceptance | None = None
     _counts: dict[int, tuple[float, float]] = attrs.Factory(dict)  # source -> (kept tokens, rejections)
 
     def rate(self, source: int = 0) -> float:
         """The estimated chance that a drafted token of ``source`` is kept, given the ones before it were."""
-        prior = self.prior if self.seed is None else self.seed.rate(source)
         kept, rejected = self._counts.get(source, (0.0, 0.0))
-        return (kept + prior * PRIOR_WEIGHT) / (kept + rejected + PRIOR_WEIGHT)
+        return (kept + self.prior * PRIOR_WEIGHT) / (kept + rejected + PRIOR_WEIGHT)
+
+    def copy(self) -> Acceptance:
+        """An independent copy (a new sequence starts from what the earlier ones taught)."""
+        return Acceptance(self.prior, self.decay, dict(self._counts))
 
     def update(self, drafted: int, accepted: int, source: int = 0) -> None:
         """Record a verify: ``accepted`` of ``drafted`` kept (nothing drafted: nothing learnt)."""
@@ -84,29 +97,50 @@ class StepTimes:
     """Wall seconds of a step by the tokens its forward runs (see the module docstring)."""
 
     slope: float = VERIFY_COST
-    decay: float = DECAY
-    _seconds: dict[int, float] = attrs.Factory(dict)
-    _samples: dict[int, int] = attrs.Factory(dict)
+    _samples: dict[int, deque[float]] = attrs.Factory(dict)  # tokens -> its latest WINDOW step costs
+    _last: dict[int, int] = attrs.Factory(dict)  # tokens -> the decision count at its latest sample
+    _decisions: int = 0
 
     def record(self, tokens: int, seconds: float) -> None:
-        """A step that ran ``tokens`` tokens took ``seconds`` (its second sample replaces the first)."""
-        old, n = self._seconds.get(tokens), self._samples.get(tokens, 0)
-        if old is None or n == 1:
-            self._seconds[tokens] = seconds
-        else:
-            self._seconds[tokens] = self.decay * old + (1.0 - self.decay) * min(seconds, OUTLIER * old)
-        self._samples[tokens] = n + 1
+        """A step that ran ``tokens`` tokens cost ``seconds`` of the process's CPU time (:func:`clock`)."""
+        self._samples.setdefault(tokens, deque(maxlen=WINDOW)).append(seconds)
+        self._last[tokens] = self._decisions
+
+    def _count(self, tokens: int) -> int:
+        return len(self._samples.get(tokens, ()))
+
+    def unsure(self, tokens: int) -> bool:
+        """Whether ``tokens`` has fewer than :data:`EXPLORE_SAMPLES` samples, or none recent."""
+        fresh = self._decisions - self._last.get(tokens, -STALE) < STALE
+        return self._count(tokens) < EXPLORE_SAMPLES or not fresh
+
+    def decide(self, candidates: Sequence[int], gain: Callable[[int], float], tokens: Callable[[int], int]) -> int:
+        """The candidate of most ``gain``; every :data:`EXPLORE_EVERY` decisions, a near one not measured enough.
+
+        A candidate is explored when its estimated gain is within
+        :data:`EXPLORE_WITHIN` of the best's and its step count (``tokens(c)``)
+        is :meth:`unsure`: the table then learns the costs that interpolation
+        cannot guess (a kernel's tile sizes make them uneven), at the price of
+        an occasional step a little off the best.
+        """
+        self._decisions += 1
+        gains = {c: gain(c) for c in candidates}
+        best = max(candidates, key=gains.__getitem__)
+        if self._decisions % EXPLORE_EVERY:
+            return best
+        near = [c for c in candidates if gains[c] >= EXPLORE_WITHIN * gains[best] and self.unsure(tokens(c))]
+        return min(near, key=lambda c: (self._count(tokens(c)), abs(c - best)), default=best)
 
     @property
     def measured(self) -> bool:
         """Whether any step was recorded."""
-        return bool(self._seconds)
+        return bool(self._samples)
 
     def _prior(self, tokens: int) -> float:
         return 1.0 + self.slope * (tokens - 1)
 
     def _estimate(self, tokens: int, skip: int | None = None) -> float:
-        known = {t: s for t, s in self._seconds.items() if t != skip}
+        known = {t: statistics.median(v) for t, v in self._samples.items() if t != skip}
         if tokens in known:
             return known[tokens]
         if not known:
@@ -121,9 +155,14 @@ class StepTimes:
         return known[near] * self._prior(tokens) / self._prior(near)
 
     def __call__(self, tokens: int) -> float:
-        """Estimated seconds of a step running ``tokens`` tokens (relative units until a step is measured)."""
-        if self._samples.get(tokens, 0) == 1:  # one sample, perhaps warm-up: no worse than the neighbours say
-            return min(self._seconds[tokens], self._estimate(tokens, skip=tokens))
+        """Estimated CPU seconds of a step running ``tokens`` tokens (relative units until a step is measured).
+
+        The median of its latest samples; with fewer than
+        :data:`EXPLORE_SAMPLES` (one may be warm-up, or a stall of the
+        machine), no worse than its fastest sample and than its neighbours say.
+        """
+        if 0 < self._count(tokens) < EXPLORE_SAMPLES:
+            return min(min(self._samples[tokens]), self._estimate(tokens, skip=tokens))
         return self._estimate(tokens)
 
 
@@ -151,8 +190,13 @@ class Probe:
 
 
 def best_length(rate: float, available: int, times: StepTimes, base: int = 1) -> int:
-    """The ``k`` in ``0 .. available`` maximizing ``E(rate, k) / times(base + k)``."""
-    return max(range(available + 1), key=lambda k: expected_tokens(rate, k) / times(base + k))
+    """The ``k`` in ``0 .. available`` maximizing ``E(rate, k) / times(base + k)`` (now and then a near one
+    the table is unsure of: :meth:`StepTimes.decide`)."""
+
+    def gain(k: int) -> float:
+        return expected_tokens(rate, k) / times(base + k)
+
+    return times.decide(range(available + 1), gain, lambda k: base + k)
 
 
 def best_width(rows: Sequence[tuple[int, int, float]], times: StepTimes) -> int:
@@ -170,7 +214,7 @@ def best_width(rows: Sequence[tuple[int, int, float]], times: StepTimes) -> int:
         tokens = sum(expected_tokens(a, max(0, min(n, width - m))) for m, n, a in rows)
         return tokens / times(len(rows) * width)
 
-    return max(range(low, high + 1), key=gain)
+    return times.decide(range(low, high + 1), gain, lambda width: len(rows) * width)
 
 
 @attrs.define
@@ -178,11 +222,14 @@ class DraftHistory:
     """What every sequence of one open's drafter has taught: step times, and acceptance to start from.
 
     Step times depend on the model and the machine, not on the sequence, so
-    they are shared; each sequence keeps its own acceptance rates, starting
-    from these.
+    they are shared: ``times`` for one sequence's steps (by ``k + 1``),
+    ``batch_times`` for the batch engine's forwards over several rows (by
+    ``B * L``: several rows' bookkeeping makes them dearer per token). Each
+    sequence keeps its own acceptance rates, starting from these.
     """
 
     times: StepTimes = attrs.Factory(StepTimes)
+    batch_times: StepTimes = attrs.Factory(StepTimes)
     acceptance: Acceptance = attrs.Factory(Acceptance)
 
 
@@ -197,7 +244,8 @@ class DraftPolicy:
             otherwise :meth:`next_k` says how many to draft).
         adaptive: ``False``: always ``k_max`` (or all a free drafter proposes, up to it).
         history: Shared with the drafter's other sequences (its step times
-            are this policy's; its acceptance seeds this one's and learns from it).
+            are this policy's; this one's acceptance starts as a copy of its
+            acceptance, which also learns from this sequence).
     """
 
     k_max: int
@@ -208,9 +256,10 @@ class DraftPolicy:
     _probes: dict[int, Probe] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
-        self.acceptance = Acceptance(seed=self.history.acceptance)
-        if not self.history.times.measured:
-            self.history.times.slope = VERIFY_COST + self.draft_cost
+        self.acceptance = self.history.acceptance.copy()
+        for times in (self.history.times, self.history.batch_times):
+            if not times.measured:
+                times.slope = VERIFY_COST + self.draft_cost
 
     @property
     def times(self) -> StepTimes:

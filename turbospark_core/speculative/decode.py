@@ -18,7 +18,6 @@ lookup) so costs next to nothing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,7 @@ import mlx.core as mx
 
 from turbospark_core.kv_cache import Cache, trim_caches, trimmable
 from turbospark_core.sampling import Sampler
-from turbospark_core.speculative.adaptive import DraftPolicy
+from turbospark_core.speculative.adaptive import DraftPolicy, clock
 from turbospark_core.speculative.drafter import Draft, Drafter
 from turbospark_core.speculative.rewind import Checkpoint
 from turbospark_core.speculative.verify import accept, penalized_rows
@@ -84,6 +83,7 @@ class SpeculativeLoop:
     held: int
     counts: DraftCounts = attrs.Factory(DraftCounts)
     policy: DraftPolicy = attrs.field()
+    _carried: tuple[Draft, int] | None = attrs.field(default=None, init=False)  # the next verify's draft, decided
 
     @policy.default
     def _policy(self) -> DraftPolicy:
@@ -92,7 +92,7 @@ class SpeculativeLoop:
     def tokens(self, budget: int) -> Iterator[int]:
         """Commit and yield up to ``budget`` more tokens (the caller stops early at EOS or a stop string)."""
         while budget > 0:
-            t0 = time.perf_counter()
+            t0 = clock()
             draft, k = self._draft(budget)
             plain = k == 0 and budget > 1 and self.policy.adaptive  # a fixed length verifies every proposal
             committed = self._plain(budget) if plain else iter(self._verify(draft, k, t0))
@@ -102,14 +102,20 @@ class SpeculativeLoop:
 
     def step(self, budget: int) -> list[int]:
         """One verify: commits between 1 and ``min(k + 1, budget)`` tokens, returned in order."""
-        t0 = time.perf_counter()
+        t0 = clock()
         return self._verify(*self._draft(budget), t0)
 
     def _draft(self, budget: int) -> tuple[Draft, int]:
         """The drafter's proposal for the next verify and how many of its tokens to verify."""
+        carried, self._carried = self._carried, None
         room = min(budget - 1, self.policy.k_max)
         if room <= 0:
             return Draft(tokens=()), 0
+        if carried is not None:  # what the plain steps decided to verify when they stopped
+            draft, k = carried
+            if not self.policy.lookahead:
+                draft = self.drafter.propose(self.context, min(k, room), self.sampler)
+            return draft, min(k, room, len(draft.tokens))
         if self.policy.lookahead:  # free to ask: propose first, then keep what pays
             draft = self.drafter.propose(self.context, room, self.sampler)
             return draft, min(self.policy.plan(draft.source, len(draft.tokens)), room)
@@ -122,14 +128,25 @@ class SpeculativeLoop:
         A costly drafter: when the policy would draft. A free one is asked
         for its proposal now; when a draft after ``pending`` would pay, and
         the proposal's first token is ``pending`` (read, so this one step is
-        not overlapped), the rest of it is what the verify will check.
+        not overlapped), the rest of it is what the verify will check. That
+        first token is a drafted token the plain step verified: the policy
+        learns from it, so a source whose first tokens miss stops costing
+        these reads.
         """
         if not self.policy.lookahead:
-            return self.policy.next_k() > 0
+            k = self.policy.next_k()
+            if k:
+                self._carried = Draft(tokens=()), k  # drafted once the next token is committed
+            return k > 0
         draft = self.drafter.propose(self.context, self.policy.k_max + 1, self.sampler)
-        if len(draft.tokens) < 2 or self.policy.plan(draft.source, len(draft.tokens) - 1) == 0:
+        k = self.policy.plan(draft.source, len(draft.tokens) - 1) if len(draft.tokens) > 1 else 0
+        if k == 0:
             return False
-        return draft.tokens[0] == _token(pending)
+        kept = draft.tokens[0] == _token(pending)
+        self.policy.update(1, int(kept), draft.source)
+        if kept:
+            self._carried = Draft(tokens=draft.tokens[1:], source=draft.source), k
+        return kept
 
     def _plain(self, budget: int) -> Iterator[int]:
         """Plain steps, each forward queued before the previous token is read, until a draft would pay.
@@ -139,7 +156,7 @@ class SpeculativeLoop:
         ctx = self.sampler.params.repetition_context
         history = mx.array(self.context[-ctx:])
         pending = self._queue(mx.array([self.context[-1:]]), history)  # the token after the context
-        produced, t0 = 0, time.perf_counter()
+        produced, t0 = 0, clock()
         while True:
             nxt = None
             if produced + 1 < budget:
@@ -149,7 +166,7 @@ class SpeculativeLoop:
             tok = _token(pending)
             self.context.append(tok)
             produced += 1
-            now = time.perf_counter()
+            now = clock()
             self.policy.timed(1, now - t0)
             t0 = now
             yield tok
@@ -168,7 +185,10 @@ class SpeculativeLoop:
         return sampled
 
     def _verify(self, draft: Draft, k: int, t0: float) -> list[int]:
-        """Run the pending tokens and ``k`` of the draft in one forward; commit what is accepted and the bonus."""
+        """Run the pending tokens and ``k`` of the draft in one forward; commit what is accepted and the bonus.
+
+        ``t0``: the :func:`~.adaptive.clock` when the step began (drafting included).
+        """
         drafted = list(draft.tokens[:k])
         probs = None if draft.probs is None else draft.probs[: len(drafted)]
         checkpoint = Checkpoint(self.caches, self.held) if drafted and not trimmable(self.caches) else None
@@ -198,7 +218,7 @@ class SpeculativeLoop:
         self.held = keep
         self.context.extend(verdict.tokens)
         self.drafter.rewind(len(self.context))
-        self.policy.timed(len(feed), time.perf_counter() - t0)
+        self.policy.timed(len(feed), clock() - t0)
         return verdict.tokens
 
 
