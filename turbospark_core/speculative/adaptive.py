@@ -49,6 +49,7 @@ DECAY = 0.8  # weight of the past acceptance counts per new verify (per source)
 WINDOW = 7  # step times kept per token count (their median is the estimate: a stall does not move it)
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
+BATCH_MARGIN = 1.05  # a batched verify is chosen over a plain batch step only when it promises this much more
 EXPLORE_EVERY = 8  # every this many length decisions, one may try a count the step times are unsure of
 EXPLORE_SAMPLES = 3  # samples of a count before its time is trusted
 EXPLORE_WITHIN = 0.75  # only counts whose estimated gain is at least this share of the best's are tried
@@ -114,8 +115,11 @@ class StepTimes:
         fresh = self._decisions - self._last.get(tokens, -STALE) < STALE
         return self._count(tokens) < EXPLORE_SAMPLES or not fresh
 
-    def decide(self, candidates: Sequence[int], gain: Callable[[int], float], tokens: Callable[[int], int]) -> int:
-        """The candidate of most ``gain``; every :data:`EXPLORE_EVERY` decisions, a near one not measured enough.
+    def decide(
+        self, candidates: Sequence[int], gain: Callable[[int], float], tokens: Callable[[int], int], margin: float = 1.0
+    ) -> int:
+        """The candidate of most ``gain`` (the first, drafting nothing, unless another beats it by ``margin``);
+        every :data:`EXPLORE_EVERY` decisions, a near one not measured enough.
 
         A candidate is explored when its estimated gain is within
         :data:`EXPLORE_WITHIN` of the best's and its step count (``tokens(c)``)
@@ -126,6 +130,8 @@ class StepTimes:
         self._decisions += 1
         gains = {c: gain(c) for c in candidates}
         best = max(candidates, key=gains.__getitem__)
+        if gains[best] < margin * gains[candidates[0]]:
+            best = candidates[0]
         if self._decisions % EXPLORE_EVERY:
             return best
         near = [c for c in candidates if gains[c] >= EXPLORE_WITHIN * gains[best] and self.unsure(tokens(c))]
@@ -205,7 +211,10 @@ def best_width(rows: Sequence[tuple[int, int, float]], times: StepTimes) -> int:
     ``rows``: per row ``(backlog, available, rate)``: the committed tokens it
     must run, the drafts it could verify after them, and their acceptance rate.
     Every row is padded to ``L``, so the forward runs ``len(rows) * L`` tokens
-    and a row verifies ``min(available, L - backlog)`` drafts.
+    and a row verifies ``min(available, L - backlog)`` drafts. A width past the
+    narrowest must promise :data:`BATCH_MARGIN` more: on a CPU a batch's forward
+    costs nearly in proportion to its tokens, so its gains are small and the
+    estimates' noise would otherwise turn them into losses.
     """
     low = max(m for m, _, _ in rows)
     high = max(m + n for m, n, _ in rows)
@@ -214,7 +223,7 @@ def best_width(rows: Sequence[tuple[int, int, float]], times: StepTimes) -> int:
         tokens = sum(expected_tokens(a, max(0, min(n, width - m))) for m, n, a in rows)
         return tokens / times(len(rows) * width)
 
-    return times.decide(range(low, high + 1), gain, lambda width: len(rows) * width)
+    return times.decide(range(low, high + 1), gain, lambda width: len(rows) * width, BATCH_MARGIN)
 
 
 @attrs.define
