@@ -61,7 +61,7 @@ def test_serve_with_a_drafter_keeps_batching_and_answers_as_plain_decoding(
 
     monkeypatch.setattr(Batch, "_verify", spy)
     reference = turbospark_core.open(f32_install)
-    srv = Server.from_install(f32_install, port=0, session_slots=3, draft_model=f32_install).start()
+    srv = Server.from_install(f32_install, port=0, session_slots=3, draft_model=f32_install, num_draft_tokens=3).start()
     try:
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
         prompts = [PROMPT, "the quick brown fox", "one two three four"]
