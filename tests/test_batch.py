@@ -206,6 +206,16 @@ def test_rows_rewind_to_different_points_in_one_pass_and_compact_exactly(runner:
             assert _close(got[s][r], want[s]), f"row {r} step {s}: max diff {np.abs(got[s][r] - want[s]).max()}"
 
 
+def test_a_rewind_past_what_a_row_holds_is_refused(runner: Any) -> None:
+    batch = _joined(runner, _prompts(runner, 2))
+    held = list(batch.rows.offsets)
+    with pytest.raises(OptionError, match=r"row 1 holds \d+ tokens; cannot rewind it to position"):
+        batch.rewind([held[0], held[1] + 1])
+    with pytest.raises(OptionError, match="cannot rewind it to position -1"):
+        batch.truncate(0, -1)
+    assert batch.rows.offsets == held  # refused before anything changed
+
+
 def test_rewind_inside_a_step_is_refused_for_recurrent_layers(runner: Any) -> None:
     if runner.manifest.arch["model_type"] != "qwen3_5":
         pytest.skip("only recurrent layers keep just the step's start")

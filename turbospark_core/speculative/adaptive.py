@@ -1,9 +1,9 @@
-"""How many tokens to draft: the count that commits the most tokens per second.
+"""How many tokens to draft: the count that commits the most tokens per unit of compute.
 
 A verify of ``k`` drafts commits ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens on
 average when each drafted token is kept with probability ``a`` (given the ones
-before it were), and takes the wall time of a forward of ``k + 1`` tokens plus
-the drafting. Both are measured while the sequence decodes:
+before it were), and costs a forward of ``k + 1`` tokens plus the drafting.
+Both are measured while the sequence decodes:
 
 * :class:`Acceptance`: the per-token acceptance rate for each *source* of
   drafts (prompt lookup: the length of the matched tail, a strong predictor;
@@ -14,7 +14,9 @@ the drafting. Both are measured while the sequence decodes:
   (``k + 1`` for one sequence, ``B * L`` for a batch), in CPU seconds of the
   process (:func:`clock`: on a shared machine wall time swings twofold with
   the neighbours' load while CPU time stays put, so counts measured minutes
-  apart compare fairly), the median of its latest samples per count;
+  apart compare fairly; on an idle machine it weighs the parallel part of a
+  big forward a little heavier than wall time would, which errs towards
+  shorter drafts), the median of its latest samples per count;
   counts not measured yet are estimated from the measured ones (interpolated,
   or scaled along the prior slope of :data:`VERIFY_COST` plain steps per extra
   token, plus the drafting). A count measured fewer than three times is

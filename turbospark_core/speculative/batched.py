@@ -92,7 +92,7 @@ def choose_width(plans: Sequence[RowPlan], policies: Sequence[DraftPolicy | None
     """
     fixed = any(p is not None and not p.adaptive for p in policies)
     if fixed:
-        return max(len(p.feed) for p in plans)
+        return max(len(p.backlog) + len(p.draft.tokens) for p in plans)
     rows = [
         (len(p.backlog), len(p.draft.tokens), 0.0 if pol is None else pol.acceptance.rate(p.draft.source))
         for p, pol in zip(plans, policies, strict=True)
