@@ -23,7 +23,7 @@ from turbospark_core.sampling import Sampler, SamplingParams
 from turbospark_core.speculative.drafter import Draft
 from turbospark_core.speculative.factory import DrafterSetup
 from turbospark_core.steering import DirectionSet
-from turbospark_core.testing import find_fixtures_root
+from turbospark_core.testing import chi_square, find_fixtures_root
 
 CASES = {
     "llama": ("llama", {}),
@@ -251,13 +251,5 @@ def test_sampled_rows_verified_together_are_distributed_as_plain_sampling(llama:
             drafted += g.stats.draft_tokens
     assert drafted > 0
     n = trials * rows
-    cells = [c for c in expected if expected[c] * n >= 5]
-    stat = sum((counts.get(c, 0) - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
-    rest = n - sum(counts.get(c, 0) for c in cells)
-    rest_p = 1.0 - sum(expected[c] for c in cells)
-    if rest_p * n >= 5:
-        stat += (rest - n * rest_p) ** 2 / (n * rest_p)
-    dof = len(cells) - (0 if rest_p * n >= 5 else 1)
-    c = 2.0 / (9.0 * dof)
-    critical = dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3  # p = 0.001
-    assert stat < critical, (stat, dof)
+    stat, critical = chi_square(counts, expected, n)
+    assert stat < critical, (stat, critical)

@@ -12,7 +12,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.errors import UnknownFamilyError
-from turbospark_core.testing import find_fixtures_root
+from turbospark_core.testing import chi_square, find_fixtures_root
 
 ROOT = Path(os.environ.get("TURBOSPARK_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 FAMILY_FIXTURES = sorted(
@@ -264,13 +264,5 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
         key = (got[0], got[1])
         counts[key] = counts.get(key, 0) + 1
         trim_caches(caches, loop.held - len(prompt))
-    cells = [c for c in expected if expected[c] * n >= 5]
-    stat = sum((counts.get(c, 0) - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
-    rest = n - sum(counts.get(c, 0) for c in cells)
-    rest_p = 1.0 - sum(expected[c] for c in cells)
-    if rest_p * n >= 5:
-        stat += (rest - n * rest_p) ** 2 / (n * rest_p)
-    dof = len(cells) - (0 if rest_p * n >= 5 else 1)
-    c = 2.0 / (9.0 * dof)
-    critical = dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3  # p = 0.001
-    assert stat < critical, (stat, dof)
+    stat, critical = chi_square(counts, expected, n)
+    assert stat < critical, (stat, critical)
