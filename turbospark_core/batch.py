@@ -471,6 +471,8 @@ class Batch:
         for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
             seq.pending = token.reshape(1)
             self._joined(seq, now, t0)
+            if seq.drafter is not None:
+                seq.progress.drafts.verifies += 1  # a plain step of a drafted-for row counts too
             seq.sampled.append(tok)
             self._accept(seq, tok, out, score)
         self._drop_finished()
@@ -526,10 +528,9 @@ class Batch:
     ) -> None:
         """Record a row's verify (stats, policy, drafter) and emit its committed tokens until it finishes."""
         drafted = plan.verify
-        if drafted:
-            seq.progress.drafts.drafted += drafted
-            seq.progress.drafts.accepted += verdict.accepted
-            seq.progress.drafts.verifies += 1
+        seq.progress.drafts.drafted += drafted
+        seq.progress.drafts.accepted += verdict.accepted
+        seq.progress.drafts.verifies += 1
         if seq.policy is not None:
             seq.policy.update(drafted, verdict.accepted, plan.draft.source)
         seq.sampled.extend(verdict.committed)

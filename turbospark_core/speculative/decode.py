@@ -180,6 +180,7 @@ class SpeculativeLoop:
         logits = self.forward(token, self.caches, capture)[:, -1, :]
         observe(self.drafter, self.held, capture)
         self.held += 1
+        self.counts.verifies += 1  # a target forward of the decode (the stats count plain ones too)
         sampled = self.sampler(self.sampler.penalize(logits.astype(mx.float32), history))
         mx.async_eval(sampled)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return sampled
