@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from turbospark_core.speculative.adaptive import (
+    COSTLY_PROBES,
     EXPLORE_EVERY,
     MAX_PROBE_EVERY,
     PRIOR_RATE,
@@ -91,11 +92,11 @@ def test_probes_back_off_after_failures_and_reset_after_a_hit() -> None:
             n += 1
         gaps.append(n)
         assert probe.probing
-        probe.result(kept=False)
+        probe.result(pays=False)
     assert gaps[0] == PROBE_EVERY and gaps[-1] == MAX_PROBE_EVERY
     while not probe.skip():
         pass
-    probe.result(kept=True)
+    probe.result(pays=True)
     assert probe.every == PROBE_EVERY
 
 
@@ -159,3 +160,28 @@ def test_sequences_of_one_drafter_share_step_times_and_seed_each_others_acceptan
     second = DraftPolicy(4, history=history)
     assert second.times is first.times and second.times(5) / second.times(1) == pytest.approx(5, rel=0.1)
     assert second.acceptance.rate(2) > 0.9
+
+
+def test_a_probe_that_keeps_its_token_but_leaves_drafting_unpaid_still_backs_off() -> None:
+    """A costly drafter at 40% acceptance: a probe's token is often kept, yet drafting does not pay."""
+    policy = DraftPolicy(4, draft_cost=1.0)  # each drafted token costs a plain step more
+    for _ in range(6):
+        policy.update(2, 0)  # the rate falls: plain steps
+    gaps = []
+    for _ in range(COSTLY_PROBES):
+        n = 1
+        while policy.next_k() == 0:
+            n += 1
+        gaps.append(n)
+        policy.update(1, 1)  # the probe's token is kept...
+    assert gaps[0] == PROBE_EVERY and gaps[1] == 2 * PROBE_EVERY  # ...but the rate still does not pay: longer gaps
+    assert all(policy.next_k() == 0 for _ in range(10 * MAX_PROBE_EVERY))  # and then no more probes
+    free = DraftPolicy(4)  # a free drafter (prompt lookup) never stops probing
+    for _ in range(6):
+        free.update(2, 0, source=1)
+    probes = 0
+    for _ in range(10 * MAX_PROBE_EVERY):
+        if free.plan(1, 4):
+            probes += 1
+            free.update(1, 0, source=1)
+    assert probes >= 8

@@ -30,7 +30,9 @@ policy keeps the prefix worth verifying (:meth:`DraftPolicy.plan`); a drafter
 that costs (a model, a head) is asked for :meth:`DraftPolicy.next_k` tokens.
 :func:`best_width` picks the common width of a batched verify. A source never
 worth drafting gets a 1-token probe now and then (:class:`Probe`: every 8
-skips, twice as long after each failed probe, up to 64), so one that starts
+skips, twice as long after each probe that leaves drafting unpaid, up to 64;
+a costly drafter's sequence stops after 3 such probes in a row, since each
+makes the drafter catch up on the tokens decoded since), so one that starts
 matching again is noticed at little cost.
 """
 
@@ -51,6 +53,7 @@ DECAY = 0.8  # weight of the past acceptance counts per new verify (per source)
 WINDOW = 7  # step times kept per token count (their median is the estimate: a stall does not move it)
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
+COSTLY_PROBES = 3  # a costly drafter's failed probes in a row before a sequence stops probing it
 BATCH_MARGIN = 1.05  # a batched verify is chosen over a plain batch step only when it promises this much more
 EXPLORE_EVERY = 8  # every this many length decisions, one may try a count the step times are unsure of
 EXPLORE_SAMPLES = 3  # samples of a count before its time is trusted
@@ -176,14 +179,24 @@ class StepTimes:
 
 @attrs.define
 class Probe:
-    """When drafting is not worth it: a 1-token probe every ``every`` skips (twice as long after a failed one)."""
+    """When drafting is not worth it: a 1-token probe every ``every`` skips (twice as long after a failed one).
+
+    ``give_up``: after this many failed probes in a row, no more (``None``:
+    never give up). A costly drafter gives up: a probe after ``g`` plain
+    tokens makes it catch up on them (a draft model runs those ``g`` tokens),
+    so probing forever would cost it the whole context again.
+    """
 
     every: int = PROBE_EVERY
+    give_up: int | None = None
     _skipped: int = 0
+    _failed: int = 0
     probing: bool = False
 
     def skip(self) -> bool:
         """Count a skipped draft; ``True`` when a probe is due (then :attr:`probing` until :meth:`result`)."""
+        if self.give_up is not None and self._failed >= self.give_up:
+            return False
         self._skipped += 1
         if self._skipped < self.every:
             return False
@@ -191,10 +204,11 @@ class Probe:
         self.probing = True
         return True
 
-    def result(self, kept: bool) -> None:
-        """The probe's outcome: a kept token resets the interval, a rejected one doubles it."""
+    def result(self, pays: bool) -> None:
+        """The probe's outcome: drafting pays again (the interval resets), or not yet (it doubles)."""
         self.probing = False
-        self.every = PROBE_EVERY if kept else min(2 * self.every, MAX_PROBE_EVERY)
+        self.every = PROBE_EVERY if pays else min(2 * self.every, MAX_PROBE_EVERY)
+        self._failed = 0 if pays else self._failed + 1
 
 
 def best_length(rate: float, available: int, times: StepTimes, base: int = 1) -> int:
@@ -283,7 +297,7 @@ class DraftPolicy:
         return self.draft_cost == 0.0
 
     def _probe(self, source: int) -> Probe:
-        return self._probes.setdefault(source, Probe())
+        return self._probes.setdefault(source, Probe(give_up=None if self.lookahead else COSTLY_PROBES))
 
     def plan(self, source: int, available: int, base: int = 1) -> int:
         """How many of a free proposal's ``available`` tokens (from ``source``) to verify after ``base`` tokens."""
@@ -309,11 +323,17 @@ class DraftPolicy:
         """Record a verify: ``accepted`` of ``drafted`` (from ``source``) kept."""
         if drafted <= 0:
             return
-        probe = self._probes.get(source)
-        if probe is not None and probe.probing:
-            probe.result(accepted > 0)
         self.acceptance.update(drafted, accepted, source)
         self.history.acceptance.update(drafted, accepted, source)
+        probe = self._probes.get(source)
+        if probe is not None and probe.probing:  # judged by the rate it leaves, not by one kept token
+            probe.result(self._pays(source))
+
+    def _pays(self, source: int) -> bool:
+        """Whether drafting from ``source`` beats a plain step at its current rate (nothing counted)."""
+        rate = self.acceptance.rate(source)
+        plain = 1.0 / self.times(1)
+        return any(expected_tokens(rate, k) / self.times(1 + k) > plain for k in range(1, self.k_max + 1))
 
     def timed(self, tokens: int, seconds: float) -> None:
         """Record a step's wall time (its forward ran ``tokens`` tokens)."""
