@@ -31,6 +31,7 @@ CASES = {
     "gemma4_e": ("gemma4_e", {}),
     "gpt_oss": ("gpt_oss", {}),
     "qwen3-q8": ("qwen3", {"kv_quant": "q8"}),
+    "qwen3-q4": ("qwen3", {"kv_quant": "q4"}),
     "qwen3_moe-streamed": ("qwen3_moe", {"residency": "streamed", "expert_slots": 2}),
 }
 
