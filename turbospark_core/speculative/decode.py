@@ -84,6 +84,7 @@ class SpeculativeLoop:
     counts: DraftCounts = attrs.Factory(DraftCounts)
     policy: DraftPolicy = attrs.field()
     _carried: tuple[Draft, int] | None = attrs.field(default=None, init=False)  # the next verify's draft, decided
+    _feed: list[int] = attrs.field(factory=list, init=False)  # what the latest verify ran
 
     @policy.default
     def _policy(self) -> DraftPolicy:
@@ -94,11 +95,17 @@ class SpeculativeLoop:
         while budget > 0:
             t0 = clock()
             draft, k = self._draft(budget)
-            plain = k == 0 and budget > 1 and self.policy.adaptive  # a fixed length verifies every proposal
-            committed = self._plain(budget) if plain else iter(self._verify(draft, k, t0))
+            if k == 0 and budget > 1 and self.policy.adaptive:  # a fixed length verifies every proposal
+                for tok in self._plain(budget):
+                    budget -= 1
+                    yield tok
+                continue
+            committed = self._verify(draft, k, t0, timed=False)
             for tok in committed:
                 budget -= 1
                 yield tok
+            # the step's cost runs until its tokens are handled, as a plain step's does (between its tokens)
+            self.policy.timed(len(self._feed), clock() - t0)
 
     def step(self, budget: int) -> list[int]:
         """One verify: commits between 1 and ``min(k + 1, budget)`` tokens, returned in order."""
@@ -185,15 +192,16 @@ class SpeculativeLoop:
         mx.async_eval(sampled)  # type: ignore[no-untyped-call]  # mlx's stub leaves it unannotated
         return sampled
 
-    def _verify(self, draft: Draft, k: int, t0: float) -> list[int]:
+    def _verify(self, draft: Draft, k: int, t0: float, *, timed: bool = True) -> list[int]:
         """Run the pending tokens and ``k`` of the draft in one forward; commit what is accepted and the bonus.
 
-        ``t0``: the :func:`~.adaptive.clock` when the step began (drafting included).
+        ``t0``: the :func:`~.adaptive.clock` when the step began (drafting included); ``timed``: record
+        the step's cost now (else the caller does, once the committed tokens are handled).
         """
         drafted = list(draft.tokens[:k])
         probs = None if draft.probs is None else draft.probs[: len(drafted)]
         checkpoint = Checkpoint(self.caches, self.held) if drafted and not trimmable(self.caches) else None
-        feed = [*self.context[self.held :], *drafted]
+        feed = self._feed = [*self.context[self.held :], *drafted]
         capture: dict[int, mx.array] | None = {} if self.drafter.capture_layers else None
         logits = self.forward(mx.array([feed]), self.caches, capture)[0]
         observe(self.drafter, self.held, capture)
@@ -219,7 +227,8 @@ class SpeculativeLoop:
         self.held = keep
         self.context.extend(verdict.tokens)
         self.drafter.rewind(len(self.context))
-        self.policy.timed(len(feed), clock() - t0)
+        if timed:
+            self.policy.timed(len(feed), clock() - t0)
         return verdict.tokens
 
 
