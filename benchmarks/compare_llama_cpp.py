@@ -109,10 +109,17 @@ def prepare(name: str, work: Path, n_prompt: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- runtimes (child processes)
 def decode_bytes_turbospark(opened: Any) -> int:
-    """Weight bytes one decode step reads as turbospark holds them (an untied input embedding reads one row)."""
+    """Weight bytes one decode step reads as turbospark holds them (an untied input embedding reads one row).
+
+    As the weight store decides: a quantized matrix stays packed where the native
+    kernels multiply it (2-D) or, under the stored-form policy, where MLX's kernels
+    take its group; otherwise (and always at a narrow group of 16 without the native
+    kernels) it is unpacked to the compute dtype.
+    """
     from turbospark_core import native
 
     index, policy = opened.index, opened.policy
+    itemsize = policy.compute_dtype.size
     tied = not any(n.startswith("lm_head") for n in index.tensors)
     total = 0
     for name, info in index.tensors.items():
@@ -121,11 +128,13 @@ def decode_bytes_turbospark(opened: Any) -> int:
             continue
         quant = index.quantization.get(b)
         if quant is None:
-            total += math.prod(info.shape) * 4 if policy.unpack else info.nbytes
-        elif not policy.unpack or (policy.native and native.supports(quant)):
+            total += math.prod(info.shape) * itemsize if policy.unpack else info.nbytes
+            continue
+        native_here = policy.native and native.supports(quant) and len(index.logical_shape(b)) == 2
+        if native_here or (not policy.unpack and quant.mlx_kernels):
             total += info.nbytes  # stays quantized: packed weight, scales, biases
         elif leaf == "weight":
-            total += math.prod(index.logical_shape(b)) * 4  # unpacked to float32
+            total += math.prod(index.logical_shape(b)) * itemsize  # unpacked
     return total
 
 

@@ -44,7 +44,11 @@ def build(src: Path, dst: Path, quantize: str | None, group: int, rotate: bool, 
 
 
 def perplexity(install: Path, ids: list[int]) -> float:
-    runner = turbospark_core.open(install, max_context=len(ids) + 8)
+    return perplexity_of(turbospark_core.open(install, max_context=len(ids) + 8), ids)
+
+
+def perplexity_of(runner: turbospark_core.Runner, ids: list[int]) -> float:
+    """Full-sequence perplexity of ``ids`` (every token but the first predicted)."""
     logits = runner.logits(ids)[:-1].astype(np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))

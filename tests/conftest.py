@@ -171,3 +171,99 @@ def names() -> Callable[..., None]:
         assert_names(message, *parts)
 
     return check
+
+
+# ------------------------------------------------------------------ a llama GGUF with 16-wide K-quant sub-blocks
+K_QUANT_TYPES = {  # GGUF tensor suffix -> block type (every 16-wide K-quant, on every kind of matrix)
+    "token_embd": "Q6_K",  # embedding row gathers
+    "output": "Q2_K",  # the untied head
+    "attn_q": "Q6_K",  # rotary rows un-permuted on the packed form
+    "attn_k": "Q3_K",
+    "attn_v": "Q2_K",
+    "attn_output": "Q3_K",
+    "ffn_gate": "Q2_K",
+    "ffn_up": "Q6_K",
+    "ffn_down": "Q3_K",
+}
+_K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_NL": (0,), "Q8_0": (0,)}  # d (and dmin)
+
+
+def _k_quant_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks with small finite float16 super-scales (gguf has no K-quantizer)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in _K_QUANT_SCALES[qtype]:
+        d = rng.uniform(2e-4, 2e-3, (rows, cols // block)) * rng.choice([-1.0, 1.0], (rows, cols // block))
+        raw[..., at : at + 2] = d.astype("<f2")[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write_k_quant_llama(path: Path, *, dequantized: bool, types: dict[str, str] | None = None) -> Path:
+    """A 2-layer llama GGUF (hidden 256, ffn 512) whose matrices are Q6_K / Q3_K / Q2_K.
+
+    ``dequantized``: the same file with those matrices stored as the F32 values
+    ``gguf.quants.dequantize`` gives (the float reference). ``types``: block
+    types to use instead of :data:`K_QUANT_TYPES`'s, by tensor suffix.
+    """
+    import gguf
+    from gguf import quants
+
+    hidden, ffn, heads, kv_heads, vocab = 256, 512, 4, 2, 260
+    rng = np.random.default_rng(25)
+    shapes = {"token_embd": (vocab, hidden), "output": (vocab, hidden)}
+    for i in range(2):
+        shapes.update({
+            f"blk.{i}.attn_q": (hidden, hidden), f"blk.{i}.attn_k": (hidden // 2, hidden),
+            f"blk.{i}.attn_v": (hidden // 2, hidden), f"blk.{i}.attn_output": (hidden, hidden),
+            f"blk.{i}.ffn_gate": (ffn, hidden), f"blk.{i}.ffn_up": (ffn, hidden), f"blk.{i}.ffn_down": (hidden, ffn),
+        })  # fmt: skip
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    pieces = [chr(0x100 + b) for b in range(256)]  # ids alone drive these tests, not text
+    w.add_token_list(["<s>", "</s>", *pieces, pieces[0] + pieces[1], pieces[2] + pieces[3]])
+    w.add_token_merges([f"{pieces[0]} {pieces[1]}", f"{pieces[2]} {pieces[3]}"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, (rows, cols) in shapes.items():
+        suffix = name.rpartition(".")[2]
+        qtype = gguf.GGMLQuantizationType[(types or {}).get(suffix, K_QUANT_TYPES[suffix])]
+        raw = _k_quant_blocks(qtype.name, rows, cols, rng)
+        if dequantized:
+            w.add_tensor(f"{name}.weight", quants.dequantize(raw, qtype).astype(np.float32))
+        else:
+            w.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
+    for norm in ["output_norm", *(f"blk.{i}.{n}" for i in range(2) for n in ("attn_norm", "ffn_norm"))]:
+        w.add_tensor(f"{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def k_quant_llama() -> Callable[..., Path]:
+    """``k_quant_llama(path, dequantized=..., types=...)``: writes the K-quant llama GGUF (see above)."""
+    return _write_k_quant_llama
+
+
+@pytest.fixture(scope="session")
+def k_quant_installs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"gguf", "quantized", "float"}``: the K-quant llama GGUF, its install, and the install of
+    its float reference (the same values dequantized by gguf.quants). Never modify them."""
+    root = tmp_path_factory.mktemp("k-quants")
+    src = _write_k_quant_llama(root / "k.gguf", dequantized=False)
+    convert(src, root / "quantized")
+    convert(_write_k_quant_llama(root / "f32.gguf", dequantized=True), root / "float")
+    return {"gguf": src, "quantized": root / "quantized", "float": root / "float"}

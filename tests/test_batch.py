@@ -28,6 +28,7 @@ CASES = {
     "llama": ("llama", {}),
     "qwen3-q8": ("qwen3", {"kv_quant": "q8"}),
     "qwen3-q4": ("qwen3", {"kv_quant": "q4"}),
+    "qwen3-q4-recent4": ("qwen3", {"kv_quant": "q4", "kv_recent": 4}),  # most keys quantized, 4 exact
     "gemma4_e": ("gemma4_e", {}),
     "gpt_oss": ("gpt_oss", {}),
     "qwen3_5": ("qwen3_5", {}),

@@ -143,3 +143,15 @@ def test_convert_bad_choice_is_an_argparse_error(
         main(["convert", str(llama_src), str(tmp_path / "d"), "--quantize", "q5"])
     assert e.value.code == 2
     assert "invalid choice: 'q5'" in capsys.readouterr().err
+
+
+def test_distributed_outside_mlx_launch_changes_nothing(f32_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(f32_install), "Once upon", "--max-tokens", "5", "--distributed", "pipeline"]) == 0
+    split = capsys.readouterr().out
+    assert main(["generate", str(f32_install), "Once upon", "--max-tokens", "5"]) == 0
+    assert split == capsys.readouterr().out and split.strip()
+    assert main(["inspect", str(f32_install), "--distributed", "tensor"]) == 0
+    assert "distributed  " not in capsys.readouterr().out  # a group of one: a plain open
+    with pytest.raises(SystemExit):
+        main(["serve", str(f32_install), "--distributed", "data"])
+    assert "invalid choice: 'data'" in capsys.readouterr().err

@@ -155,15 +155,27 @@ def test_float_tensors_keep_dtype_and_hf_orientation(tmp_path: Path) -> None:
     assert np.array_equal(n, vec)
 
 
-def _k_quant_bytes(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random K-quant super-blocks with finite float16 d (and dmin): gguf has no K-quantizer."""
+# where each block keeps its float16 scales (d, and dmin where it has one)
+_SUPER_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,)}
+
+
+def _k_quant_bytes(qtype: Q, rows: int, cols: int, seed: int, signed: bool = False) -> np.ndarray:
+    """Random blocks with finite float16 d (and dmin): gguf has no K-quantizer (nor an IQ4_NL one)."""
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
-    d_at = {Q.Q4_K: (0, 2), Q.Q6_K: (type_size - 2,)}[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    d_at = _SUPER_SCALES[qtype]
     scale = np.random.default_rng(seed + 1).uniform(1e-4, 2e-2, (rows, cols // block, len(d_at)))
+    if signed:
+        scale *= rng.choice([-1.0, 1.0], scale.shape)
     for i, at in enumerate(d_at):
         raw[..., at : at + 2] = scale[..., i].astype("<f2")[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Bit for bit equal float32 values (+0 and -0 made one: ``d * 0`` keeps d's sign, ``s * q + b`` does not)."""
+    return np.array_equal((got + np.float32(0)).view(np.uint32), (want + np.float32(0)).view(np.uint32))
 
 
 def test_q5_0_maps_exactly_onto_5_bit_groups(tmp_path: Path) -> None:
@@ -216,16 +228,69 @@ def test_packing_matches_mlx_bit_layout(bits: int) -> None:
     assert np.array_equal(repacked, np.array(wq))
 
 
-def test_q6_k_needs_dequantize(tmp_path: Path) -> None:
-    raw = _k_quant_bytes(Q.Q6_K, 4, 256, seed=5)
-    src = open_gguf(_write(tmp_path / "k.gguf", {"blk.0.odd.weight": (raw, Q.Q6_K)}))
+def _narrow_values(aq: AffineQuantized) -> np.ndarray:
+    """The core's dequantization (narrow groups: codes times scale plus bias, in float32)."""
+    from turbospark_core.dequant import dequantize
+    from turbospark_core.tensor_index import QuantSpec
+
+    spec = QuantSpec(bits=aq.bits, group_size=aq.group_size)
+    return np.array(dequantize(mx.array(aq.weight), mx.array(aq.scales), mx.array(aq.biases), spec))
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q6_K, 6), (Q.Q3_K, 3), (Q.Q2_K, 2)])
+@pytest.mark.parametrize("signed", [False, True], ids=["d>0", "d+-"])
+def test_k_quants_of_16_wide_sub_blocks_map_exactly_onto_groups_of_16(
+    tmp_path: Path, qtype: Q, bits: int, signed: bool
+) -> None:
+    raw = _k_quant_bytes(qtype, 24, 512, seed=bits, signed=signed)
+    src = open_gguf(_write(tmp_path / "k.gguf", {"w": (raw, qtype)}))
+    assert not src.needs_dequantize("w")
+    data = src.read_tensor("w").data
+    assert isinstance(data, AffineQuantized)
+    assert (data.bits, data.group_size, data.mode, data.shape) == (bits, 16, "affine", (24, 512))
+    assert data.weight.shape == (24, 512 * bits // 32)
+    assert data.scales.shape == data.biases.shape == (24, 32)
+    assert data.scales.dtype == np.float32  # float16 d times a 4-8 bit scale needs up to 18 significant bits
+    assert _same_bits(_narrow_values(data), quants.dequantize(raw, qtype))
+
+
+def test_k_quant_scales_stay_float16_when_exact(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q6_K, 2, 256, seed=4).reshape(2, 1, 210)
+    raw[..., 208:210] = np.frombuffer(np.array([2.0**-10, -(2.0**-12)], "<f2").tobytes(), np.uint8).reshape(2, 1, 2)
+    raw = raw.reshape(2, -1)
+    data = open_gguf(_write(tmp_path / "e.gguf", {"w": (raw, Q.Q6_K)})).read_tensor("w").data
+    assert data.scales.dtype == data.biases.dtype == np.float16  # a power of two times an int8 scale
+    assert _same_bits(_narrow_values(data), quants.dequantize(raw, Q.Q6_K))
+
+
+@pytest.mark.parametrize(("qtype", "block"), [(Q.Q5_K, None), (Q.Q5_1, 32)])
+def test_q5_k_and_q5_1_map_exactly_onto_5_bit_groups_of_32(tmp_path: Path, qtype: Q, block: int | None) -> None:
+    if block is None:
+        raw = _k_quant_bytes(qtype, 16, 512, seed=9)
+    else:
+        raw = quants.quantize(_rng_matrix(16, 512, seed=9), qtype)
+    data = open_gguf(_write(tmp_path / "q5.gguf", {"w": (raw, qtype)})).read_tensor("w").data
+    assert (data.bits, data.group_size, data.shape) == (5, 32, (16, 512))
+    assert np.array_equal(_affine_values(data), quants.dequantize(raw, qtype))
+
+
+def test_a_3d_k_quant_tensor_keeps_its_leading_axis(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q3_K, 12, 256, seed=6).reshape(3, 4, -1)
+    data = open_gguf(_write(tmp_path / "e.gguf", {"experts": (raw, Q.Q3_K)})).read_tensor("experts").data
+    assert data.weight.shape == (3, 4, 24) and data.scales.shape == (3, 4, 16)
+    assert _same_bits(_narrow_values(data), quants.dequantize(raw, Q.Q3_K))
+
+
+def test_iq4_nl_needs_dequantize(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.IQ4_NL, 4, 256, seed=5)
+    src = open_gguf(_write(tmp_path / "k.gguf", {"blk.0.odd.weight": (raw, Q.IQ4_NL)}))
     assert src.needs_dequantize("blk.0.odd.weight")
-    with pytest.raises(ConversionError, match=r"'blk\.0\.odd\.weight'.*Q6_K.*--strict"):
+    with pytest.raises(ConversionError, match=r"'blk\.0\.odd\.weight'.*IQ4_NL.*no exact affine form.*--strict"):
         src.read_tensor("blk.0.odd.weight")
     data = src.read_tensor("blk.0.odd.weight", dequantize=True).data
     assert data.dtype == np.float32
     assert data.shape == (4, 256)
-    assert np.array_equal(data, quants.dequantize(raw, Q.Q6_K))
+    assert np.array_equal(data, quants.dequantize(raw, Q.IQ4_NL))
 
 
 def test_metadata_matches_gguf_reader(tmp_path: Path) -> None:
@@ -342,6 +407,14 @@ def test_unpermute_works_on_affine_quantized(tmp_path: Path) -> None:
     restored = unpermute_rotary_rows(stored, 4)
     assert isinstance(restored, AffineQuantized)
     assert np.array_equal(_affine_values(restored), unpermute_rotary_rows(quants.dequantize(raw, Q.Q4_1), 4))
+
+
+def test_unpermute_works_on_groups_of_16(tmp_path: Path) -> None:
+    raw = _k_quant_bytes(Q.Q6_K, 32, 256, seed=8)
+    stored = open_gguf(_write(tmp_path / "r.gguf", {"q": (raw, Q.Q6_K)})).read_tensor("q").data
+    restored = unpermute_rotary_rows(stored, 4)
+    assert restored.group_size == 16
+    assert _same_bits(_narrow_values(restored), unpermute_rotary_rows(quants.dequantize(raw, Q.Q6_K), 4))
 
 
 def test_unpermute_refuses_uneven_heads() -> None:

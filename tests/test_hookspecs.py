@@ -237,6 +237,14 @@ def test_hook_steering_supported(arch: dict[str, Any], llama: plugins.FamilyHook
     assert llama.steering_supported(arch) is None
 
 
+def test_hook_distributed_plan(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:
+    plan = llama.distributed_plan(arch)
+    assert plan is not None and plan.tensor is not None and plan.pipeline is not None
+    assert plan.tensor.per_rank == ("num_attention_heads", "num_key_value_heads")
+    assert plan.tensor.splits["*.self_attn.o_proj"].axis == "in"
+    assert plugins.family_hooks("dummy_lm").distributed_plan({"model_type": "dummy_lm"}) is None  # no hook
+
+
 def test_hook_cache_layout(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:
     assert llama.cache_layout(arch) == (CacheSpec.full(n_kv_heads=2, head_dim=16),) * 2
 

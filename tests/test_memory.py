@@ -99,3 +99,18 @@ def test_estimate_counts_weights_and_kv(f32_install: Path) -> None:
     # 2 layers x (K + V) x 2 kv heads x head_dim 16 x 100 tokens x float32
     assert opened.estimate.kv == 2 * 2 * 2 * 16 * 100 * 4
     assert opened.estimate.weights == opened.index.stored_bytes()
+
+
+def test_estimate_counts_the_exact_recent_tokens(turbospark_install) -> None:
+    """q4 KV at 100 tokens, plus each layer's ring of recent tokens kept unquantized (window + verify slack)."""
+    path = turbospark_install("qwen3", "float32")
+    plain = turbospark_core.open(path, max_context=100, kv_quant="q4", kv_recent=0).opened.estimate.kv
+    recent = turbospark_core.open(path, max_context=100, kv_quant="q4", kv_recent=8).opened.estimate.kv
+    drafting = turbospark_core.open(path, max_context=100, kv_quant="q4", kv_recent=8, ngram=3).opened.estimate.kv
+    per_token = 2 * 2 * 2 * 32 * 4  # 2 layers x (K + V) x 2 kv heads x head_dim 32 x float32
+    assert recent - plain == 8 * per_token
+    default = turbospark_core.open(path, max_context=100, kv_quant="q4").opened.estimate.kv
+    assert default - plain == 32 * per_token  # q4's default: the last 32 tokens exact
+    q8 = [turbospark_core.open(path, max_context=100, kv_quant="q8", kv_recent=r).opened.estimate.kv for r in (None, 0)]
+    assert q8[0] == q8[1]  # q8's default keeps none exact
+    assert drafting - plain == (8 + 3 + 1) * per_token  # ngram=3 verifies trim up to 4 tokens

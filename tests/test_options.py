@@ -52,6 +52,9 @@ BAD = [
     ("ring_capacity", "big", "positive number of tokens"),
     ("kv_quant", "q3", "'q8', 'q4'"),
     ("kv_quant", "fp8", "'q8', 'q4'"),
+    ("kv_recent", -1, "number of tokens >= 0"),
+    ("kv_recent", True, "number of tokens >= 0"),
+    ("kv_recent", "32", "number of tokens >= 0"),
     ("residency", "sometimes", "'resident', 'auto'"),
     ("residency", None, "'resident', 'auto'"),
 ]
@@ -117,3 +120,10 @@ def test_open_takes_exactly_the_open_options_keyword_only_with_their_defaults() 
 def test_closed_option_sets_match_their_literal_types() -> None:
     assert typing.get_args(options.Residency) == options.RESIDENCY
     assert (None, *typing.get_args(options.KVQuant)) == options.KV_QUANT
+
+
+def test_kv_recent_without_kv_quant_is_refused(f32_install: Path, names) -> None:
+    with pytest.raises(OptionError) as e:
+        turbospark_core.open(f32_install, kv_recent=16)
+    names(e, "kv_recent=16", "kv_quant is None", "kv_quant='q4'", "leave kv_recent out")
+    assert OpenOptions.from_kwargs({"kv_recent": 0}).kv_recent == 0  # zero quantizes nothing less: allowed

@@ -76,6 +76,22 @@ def test_overflow_keeps_session_usable(runner: turbospark_core.Runner, prompt: l
     assert session.generate([*prompt[:10], 3], max_tokens=2).stats.reused_tokens == 10
 
 
+def test_quantized_kv_with_exact_recent_tokens_reuses_and_matches_fresh(
+    turbospark_install, turbospark_fixtures: Path
+) -> None:
+    """q4 KV with its recent tokens read exact: a parked session's next turn equals a fresh run."""
+    quantized = turbospark_core.open(turbospark_install("qwen3", "float32"), kv_quant="q4", kv_recent=4)
+    ids = np.load(turbospark_fixtures / "qwen3" / "references.npz")["prompt_ids"].tolist()
+    session = quantized.session("q")
+    first = session.generate(ids[:20], max_tokens=5)
+    follow = ids[:20] + first.tokens + [7, 8, 9]
+    second = session.generate(follow, max_tokens=6)
+    assert second.stats.reused_tokens == 20 + len(first.tokens) - 1
+    assert second.tokens == quantized.generate(follow, max_tokens=6).tokens
+    again = session.generate(ids[:12], max_tokens=4)  # back to an earlier point: a checkpoint, then prefill
+    assert again.tokens == quantized.generate(ids[:12], max_tokens=4).tokens
+
+
 def test_bad_slot_count_refused() -> None:
     with pytest.raises(OptionError, match="session_slots"):
         SessionPool(0, lambda: [])

@@ -87,6 +87,7 @@ def _check_rewind(runner: Runner, prompt: list[int], steps: int = 10, k: int = 4
         ("qwen3_moe", {"residency": "streamed", "expert_slots": 2}),  # streamed MoE experts
         ("qwen3", {"kv_quant": "q8"}),  # quantized KV
         ("qwen3_5", {"kv_quant": "q4"}),  # quantized KV beside recurrent state
+        ("qwen3", {"kv_quant": "q4", "kv_recent": 2}),  # quantized KV, the last 2 tokens read exact
     ],
 )
 def test_state_after_rejected_drafts_equals_a_fresh_run(

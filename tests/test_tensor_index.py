@@ -88,6 +88,36 @@ def test_quant_spec_with_a_kernel(bits: int, group: int) -> None:
     assert QuantSpec.from_manifest("x", {"bits": 4, "group_size": 32, "mode": "mxfp4"}).mode == "mxfp4"
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_narrow_groups_of_16_are_a_turbospark_storage(bits: int) -> None:
+    """GGUF K-quants with 16-wide sub-blocks: the native CPU kernels multiply them, MLX's kernels do not."""
+    spec = QuantSpec.from_manifest("x", {"bits": bits, "group_size": 16})
+    assert (spec.bits, spec.group_size, spec.mode) == (bits, 16, "affine")
+    assert not spec.mlx_kernels
+    assert QuantSpec(bits=bits, group_size=32).mlx_kernels
+    assert QuantSpec(bits=4, group_size=32, mode="mxfp4").mlx_kernels
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [{"bits": 4, "group_size": 16, "mode": "mxfp4"}, {"bits": 4, "group_size": 8}, {"bits": 6, "group_size": 24}],
+)
+def test_other_narrow_layouts_are_refused_naming_what_is_served(raw, names) -> None:
+    with pytest.raises(TensorStorageError) as e:
+        QuantSpec.from_manifest("model.layers.0.mlp.down_proj", raw)
+    names(e, "'model.layers.0.mlp.down_proj'", "no kernel", "groups [16, 32, 64, 128]", "mxfp4 4-bit group 32")
+
+
+def test_stored_bytes_count_the_matrices_held_unpacked(q4_install: Path) -> None:
+    index = _index(q4_install)
+    base = "model.layers.0.self_attn.q_proj"
+    rows, cols = index.logical_shape(base)
+    packed = sum(index.tensors[f"{base}.{leaf}"].nbytes for leaf in ("weight", "scales", "biases"))
+    unpacked = index.stored_bytes(unpack=lambda b, spec: b == base, itemsize=2)
+    assert unpacked == index.stored_bytes() - packed + rows * cols * 2
+    assert index.stored_bytes(unpack=lambda b, spec: False) == index.stored_bytes()
+
+
 @pytest.mark.parametrize(
     "entry", [{"bits": 7, "group_size": 64, "mode": "affine"}, {"bits": 4, "group_size": 64, "mode": "nf4"}]
 )
@@ -97,6 +127,16 @@ def test_install_with_an_unservable_quantization_is_refused_at_open(q4_copy: Pat
     with pytest.raises(TensorStorageError) as e:
         turbospark_core.open(q4_copy)
     names(e, repr(base), f"{entry['bits']}-bit", entry["mode"], "no kernel")
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_scales_that_do_not_fit_the_group_are_refused_at_open(q4_copy: Path, tamper, group: int, names) -> None:
+    """A group entry that disagrees with the scales would otherwise broadcast silently (16) or fail deep in MLX."""
+    base = "model.layers.0.self_attn.q_proj"
+    tamper.edit(q4_copy, lambda raw: raw["quantization"][base].__setitem__("group_size", group))
+    with pytest.raises(TensorStorageError) as e:
+        turbospark_core.open(q4_copy)
+    names(e, repr(base), "scales [64, 1]", f"groups of {group}", "turbospark convert")
 
 
 def test_packed_weight_without_a_quantization_entry(q4_copy: Path, tamper, names) -> None:
@@ -112,6 +152,16 @@ def test_quantization_entry_for_a_matrix_without_scales(install: Path, tamper, n
     with pytest.raises(TensorStorageError) as e:
         turbospark_core.open(install)
     names(e, "'model.norm'", "'.scales'", "turbospark convert")
+
+
+def test_affine_matrix_without_biases_is_refused_by_name(q4_copy: Path, tamper, names) -> None:
+    base = "model.layers.0.mlp.up_proj"
+    tensors = tamper.load_weights(q4_copy)
+    del tensors[f"{base}.biases"]
+    tamper.put_weights(q4_copy, tensors)
+    with pytest.raises(TensorStorageError) as e:
+        turbospark_core.open(q4_copy)
+    names(e, f"'{base}'", "'.biases'", "turbospark convert")
 
 
 # ------------------------------------------------------------------ dtypes with no kernel

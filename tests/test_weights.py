@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -9,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
 from turbospark_core.layers import Activation, ExpertBank, Experts
-from turbospark_core.manifest import WEIGHTS, load_manifest
+from turbospark_core.manifest import MANIFEST, WEIGHTS, load_manifest
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import ExpertSource, WeightStore
 
@@ -35,10 +37,10 @@ def q4_dir(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def _store(root: Path, unpack: bool) -> WeightStore:
+def _store(root: Path, unpack: bool, native_kernels: bool = False, dtype: mx.Dtype = mx.float32) -> WeightStore:
     manifest = load_manifest(root)
     index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)
-    policy = ComputePolicy(unpack=unpack, compute_dtype=mx.float32, reason="test")
+    policy = ComputePolicy(unpack=unpack, compute_dtype=dtype, reason="test", native=native_kernels)
     return WeightStore(manifest.path(WEIGHTS), index, policy)
 
 
@@ -55,6 +57,74 @@ def test_weight_store_hides_unpacking_from_families(q4_dir: Path) -> None:
     # a float tensor asked of a quantized matrix comes back dequantized either way
     _close(packed.tensor(base), unpacked.tensor(base), atol=1e-6)
     unpacked.materialize()
+
+
+@pytest.mark.parametrize(
+    ("unpack", "native_kernels", "dtype"),
+    [(True, True, mx.float32), (True, False, mx.float32), (False, True, mx.float32), (False, False, mx.bfloat16)],
+    ids=["cpu-native", "cpu-native-off", "stored-native", "stored-mlx-kernels (gpu-like)"],
+)
+def test_group_16_matrices_stay_quantized_only_where_native_kernels_multiply_them(
+    k_quant_installs: dict[str, Path], unpack: bool, native_kernels: bool, dtype: mx.Dtype
+) -> None:
+    store = _store(k_quant_installs["quantized"], unpack, native_kernels and native.available(), dtype)
+    reference = _store(k_quant_installs["float"], unpack=True)
+    kept = native_kernels and native.available()
+    x = _normal((1, 3, 512), 7)
+    for base in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
+        lin, want = store.linear(base), reference.linear(base)
+        assert (lin.quant is not None) == kept, base
+        if kept:  # the native kernel against the float reference's matmul
+            xin = x[..., : want.weight.shape[1]]
+            _close(lin(xin), want(xin))
+        else:  # unpacked exactly, held in the compute dtype
+            assert lin.weight.dtype == dtype
+            assert mx.array_equal(lin.weight, want.weight.astype(dtype)).item()
+        assert mx.array_equal(store.tensor(base), reference.tensor(f"{base}.weight").astype(dtype)).item()
+        assert store.linear(base, native_ok=False).quant is None  # as expert stacks: they gather
+    ids = mx.array([[0, 5, 259]])  # embedding rows gathered, then unpacked (or from the unpacked table)
+    rows = store.embedding("model.embed_tokens")(ids)
+    assert rows.dtype == dtype
+    assert mx.array_equal(rows, reference.embedding("model.embed_tokens")(ids).astype(dtype)).item()
+    store.materialize()
+
+
+def _symmetric_copy(src: Path, dst: Path, bases: list[str]) -> dict[str, np.ndarray]:
+    """A copy of install ``src`` whose matrices ``bases`` have every bias -8 * its scale (4-bit symmetric)."""
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(dst / WEIGHTS))
+    for base in bases:
+        scales = tensors[f"{base}.scales"]
+        tensors[f"{base}.biases"] = (scales.astype(np.float32) * -8).astype(scales.dtype)
+    save_file(tensors, str(dst / WEIGHTS))
+    raw = json.loads((dst / MANIFEST).read_text())
+    raw["files"][WEIGHTS]["size"] = (dst / WEIGHTS).stat().st_size
+    (dst / MANIFEST).write_text(json.dumps(raw))
+    return tensors
+
+
+@pytest.mark.skipif(not native.available(), reason="symmetric matrices drop their biases on the native path only")
+def test_symmetric_matrices_are_held_without_biases(q4_dir: Path, tmp_path: Path) -> None:
+    # GGUF's Q4_0/Q8_0 blocks: every bias is -2^(bits-1) * its scale; the native kernels derive them
+    base, table = "model.layers.0.self_attn.o_proj", "model.embed_tokens"
+    tensors = _symmetric_copy(q4_dir, tmp_path / "sym", [base, table])
+    held, unpacked = _store(tmp_path / "sym", unpack=True, native_kernels=True), _store(tmp_path / "sym", unpack=True)
+    sym, other = held.linear(base), held.linear("model.layers.0.mlp.up_proj")
+    assert sym.quant is not None and sym.biases is None  # never read per token
+    assert other.quant is not None and other.biases is not None  # an asymmetric matrix keeps its biases
+    x = _normal((3, 64), 7)
+    stored = mx.array(tensors[f"{base}.biases"])
+    want = native.quantized_matmul(x, sym.weight, sym.scales, stored, sym.quant)
+    np.testing.assert_array_equal(np.array(sym(x)), np.array(want))  # derived biases: bit for bit
+    _close(sym(x), unpacked.linear(base)(x))
+    # a symmetric table's gathered rows get derived biases too
+    assert held.embedding(table).table.biases is None
+    ids = mx.array([[3, 9]])
+    _close(held.embedding(table)(ids), unpacked.embedding(table)(ids), atol=1e-6)
 
 
 def test_experts_come_from_the_container_without_a_source(q4_dir: Path) -> None:

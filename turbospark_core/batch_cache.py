@@ -39,11 +39,13 @@ from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import (
     Cache,
+    ExactRecentKVCache,
     KVCache,
     RecurrentState,
     RingKVCache,
     _Rows,
     _wht,
+    recent_split_mask,
     stored_rotation,
     visible_keys,
 )
@@ -143,9 +145,8 @@ class BatchKVCache:
         self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.positions[:, self.length : end] = self.rows.queries(n)
         self.length = end
-        k = self._k.map(lambda a: a[..., :end, :]).decode()
-        v = self._v.map(lambda a: a[..., :end, :]).decode()
-        return (_wht(k) if rot_k else k), (_wht(v) if rot_v else v)
+        k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
+        return k.decode(rot_k), v.decode(rot_v)
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
@@ -312,6 +313,68 @@ class BatchKVCache:
         self.rewind_rows(offsets)
 
 
+class BatchExactRecentKVCache:
+    """:class:`ExactRecentKVCache` for every row: a quantized :class:`BatchKVCache` holding every
+    token and an unquantized one holding the recent tokens (a sliding layer of window ``recent``).
+    """
+
+    def __init__(self, rows: BatchRows, template: ExactRecentKVCache) -> None:
+        self.rows = rows
+        self.recent = template.recent
+        q, e = template.quantized, template.exact
+        self.quantized = BatchKVCache(rows, q.spec, q.dtype, q.kv_bits, rotation=stored_rotation(q))
+        self.exact = BatchKVCache(rows, e.spec, e.dtype, None, step=max(self.recent, 16))
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position of its first new token, ``[B]`` int32."""
+        return self.rows.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` ``[B, H, L, D]`` to both parts; the quantized columns, then the exact ones."""
+        k_q, v_q = self.quantized.update_and_fetch(keys, values)
+        k_e, v_e = self.exact.update_and_fetch(keys, values)
+        return mx.concatenate([k_q, k_e], axis=2), mx.concatenate([v_q, v_e], axis=2)
+
+    def mask(self, n_queries: int) -> mx.array:
+        """Boolean ``[B, 1, L, S + T]``: as :meth:`ExactRecentKVCache.mask`, per row."""
+        q, e = self.quantized, self.exact
+        assert q.positions is not None and e.positions is not None
+        queries = self.rows.queries(n_queries)[:, :, None]
+        held, recent = q.positions[:, None, : q.length], e.positions[:, None, : e.length]
+        return recent_split_mask(held, recent, queries, self.recent, q.window)[:, None]
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate together with the step's output."""
+        return [*self.quantized.state, *self.exact.state]
+
+    def add_row(self, cache: Cache) -> None:
+        """Append one sequence's :class:`ExactRecentKVCache`."""
+        if not isinstance(cache, ExactRecentKVCache):
+            raise TypeError(f"a batched exact-recent layer cannot take a {type(cache).__name__}")
+        self.quantized.add_row(cache.quantized)
+        self.exact.add_row(cache.exact)
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (in that order)."""
+        self.quantized.keep_rows(keep)
+        self.exact.keep_rows(keep)
+
+    def export_row(self, row: int, into: Cache) -> None:
+        """Load row ``row`` into a fresh single-sequence :class:`ExactRecentKVCache`."""
+        if not isinstance(into, ExactRecentKVCache):
+            raise TypeError(f"a batched exact-recent layer cannot fill a {type(into).__name__}")
+        self.quantized.export_row(row, into.quantized)
+        self.exact.export_row(row, into.exact)
+        into.quantized.offset = into.exact.offset = self.rows.offsets[row]
+
+    def truncate(self, row: int, position: int) -> None:
+        """Forget row ``row``'s tokens at ``position`` and after, in both parts."""
+        self.quantized.truncate(row, position)
+        self.exact.truncate(row, position)
+
+
 class BatchRecurrentState:
     """One recurrent layer's state for every row: each named array gets a leading row axis.
 
@@ -426,7 +489,7 @@ class BatchRecurrentState:
         self.rewind_rows(offsets)
 
 
-BatchCache = BatchKVCache | BatchRecurrentState
+BatchCache = BatchKVCache | BatchExactRecentKVCache | BatchRecurrentState
 
 
 class BatchCaches:
@@ -444,6 +507,8 @@ class BatchCaches:
     def _make(self, cache: Cache) -> BatchCache:
         if isinstance(cache, RecurrentState):
             return BatchRecurrentState(self.rows, cache.spec)
+        if isinstance(cache, ExactRecentKVCache):
+            return BatchExactRecentKVCache(self.rows, cache)
         return BatchKVCache(self.rows, cache.spec, cache.dtype, cache.kv_bits, rotation=stored_rotation(cache))
 
     def __len__(self) -> int:

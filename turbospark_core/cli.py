@@ -73,7 +73,27 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         options["steering"] = steering
     if getattr(args, "vision", None):
         options["vision"] = args.vision
+    if getattr(args, "distributed", None) is not None:
+        options["distributed"] = args.distributed
     return options
+
+
+def _add_distributed_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--distributed",
+        choices=("tensor", "pipeline"),
+        default=None,
+        help="under `mlx.launch`: split the model over the launched processes (docs/distributed.md)",
+    )
+
+
+def _follower(args: argparse.Namespace) -> bool:
+    """Whether this process is a rank other than 0 of a group (``--distributed`` under ``mlx.launch``)."""
+    if getattr(args, "distributed", None) is None:
+        return False
+    from turbospark_core.distributed import world
+
+    return world().rank > 0
 
 
 # ------------------------------------------------------------------ steering options (issue 17)
@@ -211,11 +231,14 @@ def _add_expert_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _stream_out(pieces: Any) -> None:
+def _stream_out(pieces: Any, quiet: bool = False) -> None:
+    """Print the pieces as they come (``quiet``: run them, print nothing: the other ranks of a group)."""
     for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        if not quiet:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if not quiet:
+        sys.stdout.write("\n")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -241,7 +264,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         f"{len(manifest.quantization)} quantized matrices, {size / 1e6:.1f} MB"
     )
     for kind, names in sorted(manifest.provenance.get("dequantized", {}).items()):
-        print(f"dequantized {len(names)} tensors ({kind}, no exact MLX form) to float: {', '.join(names)}")
+        print(f"dequantized {len(names)} tensors ({kind}, no exact affine form) to float: {', '.join(names)}")
     if args.vision:
         from turbospark_core.vision.convert import convert_sidecar
 
@@ -252,10 +275,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     runner = _open(args)
+    quiet = _follower(args)
     stream = runner.stream(args.prompt, max_tokens=args.max_tokens, **_sampling(args))
-    _stream_out(stream)
-    if args.verbose:
+    _stream_out(stream, quiet)
+    if args.verbose and not quiet:
         _print_stats(stream.result.stats)
+        if runner.opened.distributed is not None:
+            print(f"distributed: {runner.opened.distributed.describe()}", file=sys.stderr)
     _save_histograms(runner, args)
 
 
@@ -275,7 +301,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             text = turns.pop(0)
         else:
             try:
-                text = input(">>> ")
+                text = input("" if _follower(args) else ">>> ")
             except EOFError:
                 return
             if not text.strip():
@@ -286,9 +312,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
         else:
             messages.append({"role": "user", "content": text})
         stream = runner.chat_stream(messages, max_tokens=args.max_tokens, **_sampling(args))
-        _stream_out(stream)
+        _stream_out(stream, _follower(args))
         result = stream.result
-        if args.verbose:
+        if args.verbose and not _follower(args):
             _print_stats(result.stats)
         messages.append({"role": "assistant", "content": result.text})
 
@@ -320,6 +346,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     drafter = f" (drafter {opened.estimate.drafter / 1e9:.3f} GB)" if opened.drafter is not None else ""
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB{drafter}")
+    if opened.distributed is not None:
+        print(f"distributed  {opened.distributed.describe()}")
     if opened.experts is not None:
         layers = opened.experts.layout.layers.values()
         record = max(layer.stride for layer in layers)
@@ -372,6 +400,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from turbospark_core.server import serve
 
     options = {**_open_options(args), "session_slots": args.session_slots}
+    steering_sets = _named_sets(args, options.get("steering"))
+    if _follower(args):  # rank 0 serves HTTP; this rank repeats its work
+        import turbospark_core
+        from turbospark_core.distributed import world
+        from turbospark_core.distributed.mirror import Channel, follow
+
+        follow(turbospark_core.open(args.install, **options), Channel(world()), steering_sets)
+        return
     serve(
         args.install,
         host=args.host,
@@ -381,7 +417,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         max_connections=args.max_connections,
         verbose=args.verbose,
-        steering_sets=_named_sets(args, options.get("steering")),
+        steering_sets=steering_sets,
         **options,
     )
 
@@ -449,7 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=("q3", "q4", "q8"))
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
-        "--strict", action="store_true", help="GGUF: refuse block types with no exact MLX form instead of dequantizing"
+        "--strict",
+        action="store_true",
+        help="GGUF: refuse block types with no exact affine form instead of dequantizing",
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
     p.add_argument(
@@ -476,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diagnostic_flags(p)
     _add_steering_options(p)
     _add_drafter_options(p)
+    _add_distributed_option(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="chat through the install's template (one turn with a message)")
     p.add_argument("install")
@@ -486,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_steering_options(p)
     _add_drafter_options(p)
+    _add_distributed_option(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
@@ -496,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="decode a short probe; print throughput and MoE expert stats")
     p.add_argument("--stats-tokens", type=int, default=16, help="tokens the --stats probe decodes")
     _add_drafter_options(p)
+    _add_distributed_option(p)
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("families", help="installed family plugins and the model types they serve")
     p.set_defaults(func=cmd_families)
@@ -523,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="register a direction set requests may name in their 'steering' field (repeatable)",
     )
     _add_drafter_options(p)
+    _add_distributed_option(p)
     p.set_defaults(func=cmd_serve)
     _add_plot_parser(sub)
     _add_bench_parser(sub)

@@ -7,6 +7,8 @@ import mlx.core as mx
 
 from turbospark_core import native
 
+GPU_COMPUTE_DTYPE = mx.bfloat16  # activations on a GPU: float16 overflows in some families (Gemma)
+
 
 @attrs.frozen(kw_only=True)
 class ComputePolicy:
@@ -28,18 +30,20 @@ class ComputePolicy:
     native: bool = False
 
     @classmethod
-    def choose(cls, *, unpacked_bytes: int, stored_bytes: int, budget: int) -> ComputePolicy:
+    def choose(cls, *, unpacked_bytes: int, stored_bytes: int, budget: int, unpack: bool = True) -> ComputePolicy:
         """Pick the policy for the default device within ``budget`` bytes.
 
         ``unpacked_bytes``: the weights held under the unpacking policy (float32,
         except the quantized matrices the native kernels multiply as stored).
+        ``unpack=False`` keeps the stored form whatever fits (the ranks of a
+        distributed open all hold weights alike, so one rank that cannot unpack
+        decides for the group).
         """
         on_cpu = mx.default_device() == mx.cpu
         if not on_cpu:
-            # bf16 activations: float16 overflows in some families (Gemma)
-            return cls(unpack=False, compute_dtype=mx.bfloat16, reason="gpu: stored weights, quantized kernels")
+            return cls(unpack=False, compute_dtype=GPU_COMPUTE_DTYPE, reason="gpu: stored weights, quantized kernels")
         kernels = _native_note()
-        if unpacked_bytes <= budget:
+        if unpack and unpacked_bytes <= budget:
             return cls(
                 unpack=True,
                 compute_dtype=mx.float32,
@@ -53,8 +57,9 @@ class ComputePolicy:
             compute_dtype=mx.float32,
             native=native.available(),
             reason=(
-                f"cpu: float32 compute, {kernels}; unpacked weights ({unpacked_bytes / 1e9:.2f} GB) exceed "
-                f"the budget, keeping stored form ({stored_bytes / 1e9:.2f} GB)"
+                f"cpu: float32 compute, {kernels}; unpacked weights ({unpacked_bytes / 1e9:.2f} GB) "
+                f"{'exceed the budget' if unpack else 'exceed the budget of another rank'}, keeping stored form "
+                f"({stored_bytes / 1e9:.2f} GB)"
             ),
         )
 

@@ -78,5 +78,9 @@ def refuse_unknown(given: object, known: set[str], what: str) -> None:
         raise OptionError(msg)
 
 
+class DistributedError(TurbosparkError, ValueError):
+    """A distributed open cannot split this model or these options over the group (naming the numbers and the fix)."""
+
+
 class DrafterError(TurbosparkError, ValueError):
     """A speculative drafter cannot be opened for this install (hadamard folding, vocabulary, missing head)."""

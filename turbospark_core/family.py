@@ -49,6 +49,11 @@ Arch checks
     ``MAX_HEAD_DIM``, ``MAX_HIDDEN``, ``MAX_VOCAB``,
     ``MAX_INTERMEDIATE``, ``MAX_POSITIONS``, ``MAX_EXPERTS``, ``MAX_FLOAT``
     (the core checks the generic keys before asking the family).
+Distributed (``open(distributed="tensor"|"pipeline")`` under ``mlx.launch``)
+    ``DistributedPlan`` (the ``distributed_plan`` hook's answer), ``TensorPlan``
+    with ``Split`` (which tensors split along which axis, per-rank head
+    counts) and ``PipelinePlan`` (where a decoder layer's tensors live); see
+    :mod:`turbospark_core.distributed.plan`.
 Steering
     ``steer`` (call it on each decoder layer's output in the layer loop:
     ``h = steer(block(h, ...), i)``; it applies the active steering edit and
@@ -107,6 +112,7 @@ from turbospark_core.convert.conventions import (
     tied_embeddings,
 )
 from turbospark_core.convert.records import AffineQuantized, SourceTensor, TensorTarget
+from turbospark_core.distributed.plan import DistributedPlan, PipelinePlan, Split, TensorPlan
 from turbospark_core.errors import ArchConfigError, ConversionError, InstallError, TurbosparkError
 from turbospark_core.hadamard import NormReaders, ResidualMap, names_under
 from turbospark_core.kv_cache import AttentionCache, Cache, KVCache, RecurrentState, RingKVCache, causal_mask
@@ -155,6 +161,7 @@ __all__ = [
     "Cache",
     "CacheSpec",
     "ConversionError",
+    "DistributedPlan",
     "DraftHead",
     "Embedding",
     "ExpertBank",
@@ -169,13 +176,16 @@ __all__ = [
     "KVCache",
     "Linear",
     "NormReaders",
+    "PipelinePlan",
     "PreparedImage",
     "RecurrentState",
     "ResidualMap",
     "RingKVCache",
     "Rope",
     "SourceTensor",
+    "Split",
     "StateSpec",
+    "TensorPlan",
     "TensorTarget",
     "TurbosparkError",
     "VisionContext",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
     from turbospark_core.context import DraftHead, FamilyContext, FamilyModel, HeadContext
     from turbospark_core.convert.records import TensorTarget
+    from turbospark_core.distributed.plan import DistributedPlan
     from turbospark_core.hadamard import ResidualMap
     from turbospark_core.registry import FamilySpec
     from turbospark_core.vision.tower import VisionContext, VisionSpec, VisionTower
@@ -209,6 +210,28 @@ def steering_supported(arch: Arch) -> str | None:
     ``turbospark_core.family.steer(h, layer)`` (the core also refuses a
     steered forward that never reached a steered layer). A plugin that does
     not implement the hook is refused steering. Stops at first non-None
+    result.
+
+    Args:
+        arch: The install's arch config.
+    """
+
+
+@hookspec(firstresult=True)
+def distributed_plan(arch: Arch) -> DistributedPlan | None:
+    """Declare how the family's model splits across the ranks of ``mlx.launch`` (``open(distributed=...)``).
+
+    Asked at open, only when ``distributed`` is given and the group has more
+    than one process. A declaration, not sharding code (see
+    :mod:`turbospark_core.distributed.plan`): for tensor parallelism, which
+    tensors split along which axis in units of which heads and which arch keys
+    count heads per rank; for pipeline parallelism, where decoder layer
+    ``i``'s tensors live and what its block returns. The core reads only each
+    rank's share, builds the family's flow from the per-rank arch, and does
+    the collectives inside its linear, embedding and expert objects. Give
+    ``tensor_refusal`` / ``pipeline_refusal`` for an arch the flow cannot
+    split (the open is refused with it). ``None`` (or a plugin without the
+    hook): both modes are refused naming the family. Stops at first non-None
     result.
 
     Args:

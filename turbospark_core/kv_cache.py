@@ -6,9 +6,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import ContextOverflowError
 
@@ -80,12 +82,20 @@ class _Rows:
         group = kv_group_size(x.shape[-1], bits)
         return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
 
-    def decode(self) -> mx.array:
+    def decode(self, rotated: bool = False) -> mx.array:
+        """The rows as floats; ``rotated``: they are stored Hadamard-rotated, rotate them back.
+
+        Quantized float32 rows on the CPU: one native op (dequantized and rotated
+        back row by row) instead of MLX's composed dequantization and hadamard_transform.
+        """
         if self.bits is None:
-            return self.parts[0]
+            return _wht(self.parts[0]) if rotated else self.parts[0]
         w, scales, biases = self.parts
+        if self.dtype == mx.float32 and native.kv_rows_supported(w, scales):
+            return native.kv_rows(w, scales, biases, self.bits, rotated)
         group = w.shape[-1] * 32 // self.bits // scales.shape[-1]
-        return mx.dequantize(w, scales, biases, group_size=group, bits=self.bits).astype(self.dtype)
+        out = mx.dequantize(w, scales, biases, group_size=group, bits=self.bits).astype(self.dtype)
+        return _wht(out) if rotated else out
 
     def map(self, fn: Callable[[mx.array], mx.array]) -> _Rows:
         return _Rows(tuple(fn(p) for p in self.parts), self.bits, self.dtype)
@@ -104,20 +114,30 @@ class _Rows:
 
 
 class _KVBuffers:
-    """The key/value row buffers shared by the full and the ring cache."""
+    """The key/value row buffers shared by the full and the ring cache.
+
+    ``rotate_keys`` / ``rotate_values``: rows are stored Hadamard-rotated (see
+    :class:`RotatedKVCache`) and rotated back when fetched.
+    """
 
     _k: _Rows | None
     _v: _Rows | None
+    rotate_keys: bool = False
+    rotate_values: bool = False
 
     @property
     def keys(self) -> mx.array | None:
-        """The whole key buffer (all allocated rows; dequantized when quantized)."""
-        return None if self._k is None else self._k.decode()
+        """The whole key buffer (all allocated rows; dequantized and rotated back when stored so)."""
+        return None if self._k is None else self._k.decode(self.rotate_keys)
 
     @property
     def values(self) -> mx.array | None:
         """The whole value buffer."""
-        return None if self._v is None else self._v.decode()
+        return None if self._v is None else self._v.decode(self.rotate_values)
+
+    def _fetch(self, keys: _Rows, values: _Rows) -> tuple[mx.array, mx.array]:
+        """Fetched rows as the family reads them: floats, rotated back."""
+        return keys.decode(self.rotate_keys), values.decode(self.rotate_values)
 
 
 class KVCache(_KVBuffers):
@@ -172,10 +192,7 @@ class KVCache(_KVBuffers):
         self._k.assign(self.offset, end, _Rows.encode(keys, self.kv_bits, self.dtype))
         self._v.assign(self.offset, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.offset = end
-        return (
-            self._k.map(lambda a: a[..., :end, :]).decode(),
-            self._v.map(lambda a: a[..., :end, :]).decode(),
-        )
+        return self._fetch(self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :]))
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped."""
@@ -272,11 +289,11 @@ class RingKVCache(_KVBuffers):
             v.assign(slot, slot + 1, v_new)
             positions[slot : slot + 1] = new_pos
             self._fetched_positions = positions
-            return k.decode(), v.decode()
+            return self._fetch(k, v)
         k_all, v_all, p_all = self._ordered_with(k_new, v_new, new_pos)
         self._fetched_positions = p_all
         self._keep_last(k_all, v_all, p_all)
-        return k_all.decode(), v_all.decode()
+        return self._fetch(k_all, v_all)
 
     def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
         if self._k is None or self._v is None or self.positions is None:
@@ -489,49 +506,23 @@ class RotatedKVCache(KVCache):
     ``rotate_values`` rotates values too (both are rotated back when fetched).
     """
 
-    rotate_values: bool = True
+    rotate_keys = True
+    rotate_values = True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`KVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
-        rv = self.rotate_values
-        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
-        return _wht(k), _wht(v) if rv else v
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The whole key buffer, dequantized and rotated back."""
-        k = super().keys
-        return None if k is None else _wht(k)
-
-    @property
-    def values(self) -> mx.array | None:
-        """The whole value buffer, dequantized (and rotated back)."""
-        v = super().values
-        return v if v is None or not self.rotate_values else _wht(v)
+        return super().update_and_fetch(_wht(keys), _wht(values) if self.rotate_values else values)
 
 
 class RotatedRingKVCache(RingKVCache):
     """A quantized :class:`RingKVCache` that stores keys and values Hadamard-rotated per head."""
 
-    rotate_values: bool = True
+    rotate_keys = True
+    rotate_values = True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`RingKVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
-        rv = self.rotate_values
-        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
-        return _wht(k), _wht(v) if rv else v
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The whole key ring, dequantized and rotated back."""
-        k = super().keys
-        return None if k is None else _wht(k)
-
-    @property
-    def values(self) -> mx.array | None:
-        """The whole value ring, dequantized (and rotated back)."""
-        v = super().values
-        return v if v is None or not self.rotate_values else _wht(v)
+        return super().update_and_fetch(_wht(keys), _wht(values) if self.rotate_values else values)
 
 
 def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | None:
@@ -543,8 +534,135 @@ def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | No
 
 # --- end rotated quantized KV ----------------------------------------------------------
 
+# --- the most recent tokens read exact beside quantized KV (issue 18) -------------------
+# Every token is quantized as it is written, and the last ``recent`` tokens are also kept
+# unquantized in a small ring. Attention reads both sets: each query position ``q`` sees
+# the keys at ``p <= q - recent`` quantized and those at ``q - recent < p <= q`` exact. The
+# rule is per query, so a prefill chunk, a speculative verify, a batched step and a
+# one-token decode read the same keys for the same query (what KIVI's full-precision
+# residual does, without making results depend on how tokens were grouped into steps).
 
-Cache = KVCache | RingKVCache | RecurrentState
+
+KV_RECENT_DEFAULT = {4: 32}  # kv bits -> recent tokens kept exact by default (measured: docs/rotation-quality.md)
+
+
+def kv_recent_default(kv_bits: int | None) -> int:
+    """How many recent tokens stay exact by default beside ``kv_bits`` KV (``0``: none)."""
+    return 0 if kv_bits is None else KV_RECENT_DEFAULT.get(kv_bits, 0)
+
+
+@functools.cache
+def _split_fn(recent: int, window: int | None) -> Callable[..., tuple[mx.array, mx.array]]:
+    def split(quantized: mx.array, exact: mx.array, queries: mx.array, held: mx.array) -> tuple[mx.array, mx.array]:
+        cut = mx.minimum(queries, mx.maximum(queries - recent, held - 1))
+        q_seen = (quantized >= 0) & (quantized <= cut)
+        e_seen = (exact > cut) & (exact <= queries)
+        if window is not None:
+            q_seen = q_seen & (quantized > queries - window)
+            e_seen = e_seen & (exact > queries - window)
+        return q_seen, e_seen
+
+    return mx.compile(split, shapeless=True)
+
+
+def recent_split_mask(
+    quantized: mx.array, exact: mx.array, queries: mx.array, recent: int, window: int | None
+) -> mx.array:
+    """The mask over quantized keys then exact keys (positions, ``-1`` empty) for ``queries``.
+
+    Each visible key appears once: quantized at ``p <= q - recent``, exact above. The
+    arrays broadcast (``[1, S]``/``[1, T]`` keys against ``[L, 1]`` queries, or a batch's
+    ``[B, 1, S]`` against ``[B, L, 1]``).
+    """
+    # the lowest position the exact rows still hold (they hold a contiguous run up to the newest):
+    # a rewind deeper than their spare slots leaves the older recent keys read quantized, never dropped
+    held = mx.min(mx.where(exact >= 0, exact, mx.iinfo(mx.int32).max), axis=-1, keepdims=True)
+    q_seen, e_seen = _split_fn(recent, window)(quantized, exact, queries, held)
+    return mx.concatenate([q_seen, e_seen], axis=-1)
+
+
+class ExactRecentKVCache:
+    """Quantized keys/values (a :class:`KVCache` or :class:`RingKVCache`, rotated or not) whose
+    most recent ``recent`` tokens attention reads unquantized.
+
+    ``quantized`` holds every token; ``exact`` is an unquantized ring of window ``recent``
+    with ``slack`` spare slots, so a speculative verify's rejected drafts are trimmed without
+    losing any recent token (a deeper trim leaves the lost ones quantized: still attended,
+    never dropped). :meth:`update_and_fetch` hands back the quantized rows followed by the
+    exact ones, and :meth:`mask` picks, per query, which copy of each key it reads.
+    """
+
+    def __init__(self, quantized: KVCache | RingKVCache, recent: int, slack: int = 0) -> None:
+        if recent < 1:
+            raise ValueError(f"ExactRecentKVCache needs recent >= 1, got {recent}")
+        self.quantized = quantized
+        self.recent = recent
+        spec = attrs.evolve(quantized.spec, window=recent)
+        self.exact = RingKVCache(spec, quantized.max_context, quantized.dtype, slack=slack)
+
+    @property
+    def spec(self) -> CacheSpec:
+        """The layer's cache requirement."""
+        return self.quantized.spec
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Dtype of the keys and values handed back."""
+        return self.quantized.dtype
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The quantized rows' bits."""
+        return self.quantized.kv_bits
+
+    @property
+    def offset(self) -> int:
+        """Tokens consumed so far."""
+        return self.quantized.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add ``keys``/``values`` ``[B, H, L, D]``; the quantized rows, then the exact recent ones."""
+        k_q, v_q = self.quantized.update_and_fetch(keys, values)
+        k_e, v_e = self.exact.update_and_fetch(keys, values)
+        return mx.concatenate([k_q, k_e], axis=2), mx.concatenate([v_q, v_e], axis=2)
+
+    def mask(self, n_queries: int) -> mx.array:
+        """Boolean ``[L, S + T]``: each query's keys, quantized below its recent window, exact within."""
+        q = self.quantized
+        if isinstance(q, RingKVCache):
+            assert q._fetched_positions is not None, "mask() follows update_and_fetch()"
+            held = q._fetched_positions
+        else:
+            held = mx.arange(q.offset, dtype=mx.int32)
+        exact = self.exact._fetched_positions
+        assert exact is not None, "mask() follows update_and_fetch()"
+        queries = mx.arange(self.offset - n_queries, self.offset, dtype=mx.int32)[:, None]
+        return recent_split_mask(held[None, :], exact[None, :], queries, self.recent, self.spec.window)
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (see :meth:`RingKVCache.trim` for the exact ring); returns how many."""
+        self.exact.trim(n)
+        return self.quantized.trim(n)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A checkpoint of both parts."""
+        return {"quantized": self.quantized.snapshot(), "exact": self.exact.snapshot()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Return to a checkpoint taken by :meth:`snapshot` on this cache."""
+        self.quantized.restore(snap["quantized"])
+        self.exact.restore(snap["exact"])
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate together with the step's output."""
+        return [*self.quantized.state, *self.exact.state]
+
+
+# --- end exact recent tokens -------------------------------------------------------------
+
+
+Cache = KVCache | RingKVCache | ExactRecentKVCache | RecurrentState
 
 
 class AttentionCache(Protocol):
@@ -569,20 +687,28 @@ def make_cache(
     kv_bits: int | None = None,
     kv_rotate: bool = False,
     ring_slack: int = 0,
+    kv_recent: int = 0,
 ) -> Cache:
     """The cache object a layer's spec asks for (``kv_rotate``: quantized KV stored Hadamard-rotated).
 
     ``ring_slack``: extra ring slots so a speculative verify of that many
     tokens can be trimmed without losing the window (see :meth:`RingKVCache.trim`).
+    ``kv_recent``: with ``kv_bits``, attention reads the last that many tokens
+    unquantized (:class:`ExactRecentKVCache`).
     """
     if isinstance(spec, StateSpec):
         return RecurrentState(spec, max_context)
     rotated = _rotated_kv_class(spec) if kv_rotate and kv_bits is not None else None
+    cache: KVCache | RingKVCache
     if spec.window is None:
         full = KVCache if rotated is None else RotatedKVCache
-        return full(spec, max_context, dtype, kv_bits=kv_bits)
-    ring = RingKVCache if rotated is None else RotatedRingKVCache
-    return ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits, slack=ring_slack)
+        cache = full(spec, max_context, dtype, kv_bits=kv_bits)
+    else:
+        ring = RingKVCache if rotated is None else RotatedRingKVCache
+        cache = ring(spec, max_context, dtype, capacity=ring_capacity, kv_bits=kv_bits, slack=ring_slack)
+    if kv_bits is None or kv_recent == 0:
+        return cache
+    return ExactRecentKVCache(cache, kv_recent, ring_slack)
 
 
 def make_caches(
@@ -593,9 +719,13 @@ def make_caches(
     kv_bits: int | None = None,
     kv_rotate: bool = False,
     ring_slack: int = 0,
+    kv_recent: int = 0,
 ) -> list[Cache]:
     """One cache per layer, as the family's layout asks."""
-    return [make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate, ring_slack) for spec in specs]
+    return [
+        make_cache(spec, max_context, dtype, ring_capacity, kv_bits, kv_rotate, ring_slack, kv_recent)
+        for spec in specs
+    ]
 
 
 def trimmable(caches: list[Cache]) -> bool:

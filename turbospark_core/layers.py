@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from turbospark_core import native
+from turbospark_core import dequant, native
 from turbospark_core.tensor_index import QuantSpec
 
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -22,7 +22,12 @@ SORT_THRESHOLD = 64  # (token, expert) pairs from which ExpertBank.glu groups ro
 
 
 class Linear:
-    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul."""
+    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul.
+
+    An affine quantized matrix held with ``biases=None`` is symmetric: each
+    group's bias is ``-2^(bits-1)`` times its scale (GGUF's Q8_0/Q4_0/Q6_K...),
+    derived where needed instead of stored and read.
+    """
 
     def __init__(
         self,
@@ -41,6 +46,9 @@ class Linear:
         self.quant = quant
         self.scales = scales
         self.biases = biases
+        # a dense matrix's transposed view, made once: a new ``weight.T`` per call would be one more graph
+        # node per product and step
+        self._weight_t = weight.T if quant is None else None
 
     @property
     def out_features(self) -> int:
@@ -48,8 +56,9 @@ class Linear:
         return self.weight.shape[-2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None or self.scales is None:  # __init__ gives every quantized Linear its scales
-            return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        if self._weight_t is not None:
+            return x @ self._weight_t if self.bias is None else mx.addmm(self.bias, x, self._weight_t)
+        assert self.quant is not None and self.scales is not None  # __init__ gives every quantized Linear its scales
         y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
@@ -64,12 +73,14 @@ def fuse_linears(parts: list[Linear]) -> Linear | None:
     multiply, one dispatch and one pass over the input instead of several:
     thin models' decode steps are bound by per-op overhead. ``None`` when the
     parts are held differently (dense vs quantized, other bits or groups, some
-    with a bias), on another input size, or larger than :data:`FUSE_MAX_BYTES`
-    together (the fused copy is held beside the stored weights).
+    with a bias), on another input size, larger than :data:`FUSE_MAX_BYTES`
+    together (the fused copy is held beside the stored weights), or not plain
+    :class:`Linear` objects (a distributed rank's row-parallel or placeholder ones).
     """
     first = parts[0]
     same = all(
-        p.quant == first.quant
+        type(p) is Linear
+        and p.quant == first.quant
         and p.weight.dtype == first.weight.dtype
         and p.weight.shape[1:] == first.weight.shape[1:]
         and p.weight.ndim == 2
@@ -182,17 +193,8 @@ class Embedding:
         if t.quant is None or t.scales is None:
             return t.weight[ids]
         # only the gathered rows are dequantized; affine scales widened first, as at unpacking
-        scales, biases = t.scales[ids], None if t.biases is None else t.biases[ids]
-        if self.dtype is not None and t.quant.mode == "affine":
-            scales = scales.astype(self.dtype)
-            biases = None if biases is None else biases.astype(self.dtype)
-        return mx.dequantize(
-            t.weight[ids],
-            scales,
-            biases,
-            group_size=t.quant.group_size,
-            bits=t.quant.bits,
-            mode=t.quant.mode,
+        return dequant.dequantize(
+            t.weight[ids], t.scales[ids], None if t.biases is None else t.biases[ids], t.quant, self.dtype
         )
 
     def as_linear(self, x: mx.array) -> mx.array:
@@ -270,18 +272,7 @@ def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = Fals
     if proj.quant is None or proj.scales is None:
         y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
     else:
-        y = mx.gather_qmm(
-            x,
-            proj.weight,
-            proj.scales,
-            proj.biases,
-            rhs_indices=indices,
-            sorted_indices=is_sorted,
-            transpose=True,
-            group_size=proj.quant.group_size,
-            bits=proj.quant.bits,
-            mode=proj.quant.mode,
-        )
+        y = native.gather_quantized_matmul(x, proj.weight, proj.scales, proj.biases, indices, proj.quant)
     if proj.bias is not None:
         y = y + mx.expand_dims(proj.bias[indices], -2)
     return y

@@ -14,9 +14,10 @@ import mlx.core as mx
 from turbospark_core import hadamard, native, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
-from turbospark_core.compute import ComputePolicy
+from turbospark_core.compute import GPU_COMPUTE_DTYPE, ComputePolicy
 from turbospark_core.context import Capabilities, FamilyContext, FamilyModel
 from turbospark_core.diagnostics import Diagnostics
+from turbospark_core.distributed.setup import DistributedInfo, DistributedOpen, prepare
 from turbospark_core.errors import (
     ArchConfigError,
     FamilyRefusalError,
@@ -38,7 +39,7 @@ from turbospark_core.experts.plan import (
     residencies,
 )
 from turbospark_core.experts.store import ExpertStore
-from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, make_caches
+from turbospark_core.kv_cache import KV_BITS, Cache, kv_group_size, kv_recent_default, make_caches
 from turbospark_core.manifest import (
     EXPERTS,
     HADAMARD,
@@ -72,6 +73,7 @@ class OpenedModel:
         sessions: The session pool (open step 13).
         steering: The direction set of open step 14 (``None``: unsteered),
             applied to every request that names none.
+        distributed: This rank's mode and share (``None``: one process).
     """
 
     manifest: Manifest
@@ -93,6 +95,7 @@ class OpenedModel:
     steering: DirectionSet | None = attrs.field(default=None, eq=False)
     weights: WeightStore | None = attrs.field(default=None, eq=False, repr=False)
     drafter: DrafterSetup | None = attrs.field(default=None, eq=False)
+    distributed: DistributedInfo | None = None
 
 
 def refuse_non_install(path: Path) -> None:
@@ -282,6 +285,16 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
         ``steering_supported`` gave a reason refuses it by name;
     15. warm-up (one token), when ``options.warmup`` (diagnostics forget it).
 
+    Distributed (``options.distributed`` in a group of several processes, see
+    :mod:`turbospark_core.distributed`): after 10's layout the rank's share is
+    computed, every split refused first (:func:`~turbospark_core.distributed.setup.prepare`);
+    7's estimate counts only that share, and the ranks agree on the compute
+    policy; 8 reads only the rank's byte ranges; 10 reads only its experts'
+    records; 11 builds the flow from the per-rank arch (pipeline ranks then get
+    relays for other ranks' layers); the shape check runs, evaluated, on every
+    rank; MLX's generator is seeded alike on every rank. In a group of one
+    process none of this happens.
+
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
     estimate), expert_setup (the experts section, 10), weights_mapping (8, and
     materializing after 11), family_state (11), session_state (13), steering
@@ -311,25 +324,43 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     max_context = _max_context(manifest.arch, options)
     with timer.phase("expert_setup"):
         expert_layout = _expert_layout(manifest, index, options)  # 10, read before the estimate that counts slots
-    policy, plan, estimate = _plan_memory(index, expert_layout, layout, options, max_context)
+    with timer.phase("manifest_index"):
+        dist = prepare(manifest, hooks, index, expert_layout, options)  # None: one process
+        arch = manifest.arch if dist is None else dist.arch
+        if dist is not None:  # this rank's head counts (tensor parallelism)
+            layout = hooks.cache_layout(arch) or ()
+            _check_kv_groups(layout, options.kv_quant)
+    held_index, held_experts, held_layout = (
+        (index, expert_layout, layout)
+        if dist is None
+        else (dist.held_index(), dist.held_experts(), dist.held_layout(layout))
+    )
+    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
+    policy, plan, estimate = _plan_memory(held_index, held_experts, held_layout, options, max_context, dist, slack)
     diagnostics = Diagnostics.from_options(options)  # None unless asked for: then nothing is wrapped
     with timer.phase("weights_mapping"):
-        if diagnostics is None:
+        if dist is not None:
+            weights = dist.weights(policy)  # 8: only this rank's byte ranges are read
+        elif diagnostics is None:
             weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
         else:
             weights = diagnostics.weights(manifest.path(WEIGHTS), index, policy)
     with timer.phase("expert_setup"):
-        experts = _open_experts(manifest, expert_layout, plan, policy)  # 10
+        experts = _open_experts(manifest, held_experts, plan, policy)  # 10
         weights.use_experts(experts)
     with timer.phase("family_state"):
-        model = _build_family(manifest, hooks, weights, layout, policy)  # 11
+        model = _build_family(manifest, hooks, weights, layout, policy, arch)  # 11
         if diagnostics is not None:
             model = diagnostics.attach(model, manifest.model_type, experts)
+        if dist is not None:
+            model = dist.finish(model, hooks.spec.name)
     with timer.phase("weights_mapping"):
         weights.materialize()
-    slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
-    new_cache = _cache_maker(layout, max_context, policy, options, slack)
-    if not options.warmup and (plan is None or plan.residency != STREAMED):
+    new_cache = _cache_maker(held_layout, max_context, policy, options, slack)
+    if dist is not None and not options.warmup:  # every rank runs (and evaluates) the same check
+        with timer.phase("family_state"):
+            _forward_one(model, new_cache, manifest, hooks, evaluate=True)
+    elif not options.warmup and (plan is None or plan.residency != STREAMED):
         with timer.phase("family_state"):
             _forward_one(model, new_cache, manifest, hooks, evaluate=False)  # 11: shapes checked, nothing computed
     with timer.phase("session_state"):
@@ -362,7 +393,10 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
         diagnostics=diagnostics,
         steering=steering,
         weights=weights,
+        distributed=None if dist is None else dist.info(),
     )
+    if dist is not None:
+        dist.seed()  # unseeded sampling draws alike on every rank
     if not options.drafters_named():
         return opened
     with timer.phase("drafter"):
@@ -444,7 +478,7 @@ def _cache_maker(
     ring_slack: int = 0,
 ) -> Callable[[], list[Cache]]:
     """Makes fresh per-layer caches for one sequence (allocated as the sequence grows)."""
-    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    kv_bits, kv_recent = _kv_storage(opts)
     return functools.partial(
         make_caches,
         list(layout),
@@ -454,7 +488,14 @@ def _cache_maker(
         kv_bits,
         opts.kv_rotate,
         ring_slack,
+        kv_recent,
     )
+
+
+def _kv_storage(opts: OpenOptions) -> tuple[int | None, int]:
+    """The KV bits (``None``: unquantized) and how many recent tokens attention reads exact."""
+    kv_bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    return kv_bits, kv_recent_default(kv_bits) if opts.kv_recent is None else opts.kv_recent
 
 
 def _plan_memory(
@@ -463,26 +504,52 @@ def _plan_memory(
     layout: tuple[CacheSpec | StateSpec, ...],
     opts: OpenOptions,
     max_context: int,
+    dist: DistributedOpen | None = None,
+    ring_slack: int = 0,
 ) -> tuple[ComputePolicy, ExpertPlan | None, MemoryEstimate]:
-    """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal."""
-    bits = None if opts.kv_quant is None else KV_BITS[opts.kv_quant]
+    """Step 7's estimate: the compute policy and expert plan that fit, or an over-budget refusal.
+
+    Distributed: ``index``, ``expert_layout`` and ``layout`` are this rank's
+    share (the guard applies per rank), and the ranks agree on the policy (one
+    that cannot unpack keeps every rank's weights stored: they compute alike).
+    """
+    bits, recent = _kv_storage(opts)
     itemsize = 4 if bits is None else bits / 8 + 8 / (32 if bits == 4 else 64)  # + scales/biases per group
     per_sequence = int(sum(spec.bytes_at(max_context, itemsize, ring_capacity=opts.ring_capacity) for spec in layout))
+    if bits is not None and recent:  # the recent tokens' exact ring (window + the verify's spare slots)
+        exact = [attrs.evolve(s, window=recent + ring_slack) for s in layout if isinstance(s, CacheSpec)]
+        per_sequence += int(sum(spec.bytes_at(max_context, 4) for spec in exact))
     kv_bytes = per_sequence * opts.session_slots
     policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes)
-    weight_bytes = _unpacked_bytes(index) if policy.unpack else index.stored_bytes()
+    if dist is not None and not dist.agree(policy.unpack):
+        policy, plan = _choose_policy(index, expert_layout, opts, kv_bytes, unpack=False)
+    weight_bytes = _unpacked_bytes(index) if policy.unpack else _stored_bytes(index)
     estimate = MemoryEstimate(weights=weight_bytes, kv=kv_bytes, experts=0 if plan is None else plan.held_bytes)
-    _check_expert_budget(estimate, plan, opts, max_context)
-    estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
+    try:
+        _check_expert_budget(estimate, plan, opts, max_context)
+        estimate.check(opts.memory_budget, max_context=max_context, slots=opts.session_slots)
+    except MemoryBudgetError as e:
+        if dist is None:
+            raise
+        info = dist.info()
+        msg = f"rank {info.rank} of {info.size} ({info.mode} parallel, {info.share}): {e}, or launch more ranks"
+        raise MemoryBudgetError(msg) from None
     return policy, plan, estimate
 
 
 def _unpacked_bytes(index: TensorIndex) -> int:
-    """Weight bytes under the CPU's unpacking policy: float32, except the 2-D quantized
-    matrices the native kernels multiply in stored form (expert stacks are unpacked)."""
-    if mx.default_device() != mx.cpu or not native.available():
-        return index.float_bytes(4)
-    return index.float_bytes(4, keep=lambda base, spec: native.supports(spec) and len(index.logical_shape(base)) == 2)
+    """Weight bytes under the CPU's unpacking policy: float32, except the quantized
+    matrices (and expert stacks) the native kernels multiply in stored form."""
+    return index.float_bytes(4, keep=lambda base, spec: native.keeps(spec))
+
+
+def _stored_bytes(index: TensorIndex) -> int:
+    """Weight bytes under the stored-form policy: as stored, except narrow-group matrices
+    (no MLX kernel) that the native kernels do not multiply, unpacked to the compute dtype."""
+    itemsize = (mx.float32 if mx.default_device() == mx.cpu else GPU_COMPUTE_DTYPE).size
+    return index.stored_bytes(
+        unpack=lambda base, spec: not spec.mlx_kernels and not native.keeps(spec), itemsize=itemsize
+    )
 
 
 def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:
@@ -498,23 +565,27 @@ def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) ->
 
 
 def _choose_policy(
-    index: TensorIndex, layout: ExpertLayout | None, opts: OpenOptions, kv_bytes: int
+    index: TensorIndex, layout: ExpertLayout | None, opts: OpenOptions, kv_bytes: int, unpack: bool = True
 ) -> tuple[ComputePolicy, ExpertPlan | None]:
     """The compute policy and, for MoE installs, the expert plan: float32 resident, stored resident,
-    float32 streamed, stored streamed, the first that fits the budget (residency permitting)."""
+    float32 streamed, stored streamed, the first that fits the budget (residency permitting;
+    ``unpack=False``: only the stored forms)."""
     room = max(0, opts.memory_budget - kv_bytes)
-    f32, stored = _unpacked_bytes(index), index.stored_bytes()
+    f32, stored = _unpacked_bytes(index), _stored_bytes(index)
     if layout is None:
-        return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room), None
+        return ComputePolicy.choose(unpacked_bytes=f32, stored_bytes=stored, budget=room, unpack=unpack), None
     for residency in residencies(opts.residency, opts.expert_slots, layout):
-        as_f32 = plan_experts(layout, residency, opts.expert_slots, room - f32, unpack=True)
+        as_f32 = plan_experts(layout, residency, opts.expert_slots, room - f32, unpack=True) if unpack else None
         as_stored = plan_experts(layout, residency, opts.expert_slots, room - stored, unpack=False)
         if as_f32 is not None or as_stored is not None:
             break
     f32_plan = as_f32 or minimal_plan(layout, residency, opts.expert_slots, unpack=True)
     stored_plan = as_stored or minimal_plan(layout, residency, opts.expert_slots, unpack=False)
     policy = ComputePolicy.choose(
-        unpacked_bytes=f32 + f32_plan.held_bytes, stored_bytes=stored + stored_plan.held_bytes, budget=room
+        unpacked_bytes=f32 + f32_plan.held_bytes,
+        stored_bytes=stored + stored_plan.held_bytes,
+        budget=room,
+        unpack=unpack,
     )
     return policy, f32_plan if policy.unpack else stored_plan
 
@@ -564,9 +635,13 @@ def _build_family(
     weights: WeightStore,
     layout: tuple[CacheSpec | StateSpec, ...],
     policy: ComputePolicy,
+    arch: dict[str, Any] | None = None,
 ) -> FamilyModel:
     context = FamilyContext(
-        arch=manifest.arch, weights=weights, cache_layout=layout, compute_dtype=policy.compute_dtype
+        arch=manifest.arch if arch is None else arch,
+        weights=weights,
+        cache_layout=layout,
+        compute_dtype=policy.compute_dtype,
     )
     model = hooks.build_family_state(context)
     if model is None:

@@ -15,11 +15,13 @@ from turbospark_core.memory import parse_budget
 
 Residency = Literal["resident", "auto", "streamed"]
 KVQuant = Literal["q8", "q4"]
+Distributed = Literal["tensor", "pipeline"]
 ExpertSlots = int | Literal["auto"]
 
 # routed MoE experts: every expert in memory, by budget, or an LRU of slots
 RESIDENCY: tuple[Residency, ...] = ("resident", "auto", "streamed")
 KV_QUANT: tuple[KVQuant | None, ...] = (None, "q8", "q4")
+DISTRIBUTED: tuple[Distributed | None, ...] = (None, "tensor", "pipeline")
 
 _C = TypeVar("_C")
 
@@ -143,6 +145,22 @@ def _kv_quant(value: object) -> KVQuant | None:
     return _choice("kv_quant", value, KV_QUANT)
 
 
+def _distributed(value: object) -> Distributed | None:
+    return _choice("distributed", value, DISTRIBUTED)
+
+
+def _kv_recent(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = (
+            f"kv_recent={value!r} is invalid; use a number of tokens >= 0 (0: every token quantized) "
+            f"or None (the default for the kv_quant)"
+        )
+        raise OptionError(msg)
+    return value
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         msg = f"{name}={value!r} is invalid; use True or False"
@@ -179,14 +197,22 @@ class OpenOptions:
     verify: bool = attrs.field(default=False, converter=_verify)
     steering: Any = attrs.field(default=None, converter=_steering)  # Path | DirectionSet | None
     kv_rotate: bool = True
+    kv_recent: int | None = attrs.field(default=None, converter=_kv_recent)
     vision: Any = attrs.field(default=None, converter=_vision)  # Path | None
     draft_model: Any = attrs.field(default=None, converter=_draft_model)  # Path | None
     ngram: int | None = attrs.field(default=None, converter=_ngram)
     mtp: int | str | None = attrs.field(default=None, converter=_mtp)  # depth | "auto" | None
     num_draft_tokens: int | None = attrs.field(default=None, converter=_num_draft_tokens)
     dflash: Any = attrs.field(default=None, converter=_dflash)  # Path | None
+    distributed: Distributed | None = attrs.field(default=None, converter=_distributed)
 
     def __attrs_post_init__(self) -> None:
+        if self.kv_recent and self.kv_quant is None:
+            msg = (
+                f"kv_recent={self.kv_recent} keeps recent tokens unquantized beside quantized KV, but kv_quant "
+                f"is None (nothing is quantized); pass kv_quant='q4' or 'q8', or leave kv_recent out"
+            )
+            raise OptionError(msg)
         named = self.drafters_named()
         if len(named) > 1:
             given = " and ".join(f"{n}={getattr(self, n)!r}" for n in named)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from turbospark_core.cache_spec import CacheSpec, StateSpec
     from turbospark_core.context import DraftHead, FamilyContext, FamilyModel, HeadContext
     from turbospark_core.convert.records import TensorTarget
+    from turbospark_core.distributed.plan import DistributedPlan
     from turbospark_core.hadamard import ResidualMap
     from turbospark_core.vision.tower import VisionContext, VisionSpec, VisionTower
 
@@ -192,6 +193,11 @@ class FamilyHooks:
             return f"plugin {self.spec.distribution!r} does not implement the steering_supported hook"
         reason: str | None = caller(arch=arch)
         return reason
+
+    def distributed_plan(self, arch: Arch) -> DistributedPlan | None:
+        """How the family's model splits across ranks (``None``: it declares nothing)."""
+        plan: DistributedPlan | None = self._mine(pm.hook.distributed_plan)(arch=arch)
+        return plan
 
     def cache_layout(self, arch: Arch) -> tuple[CacheSpec | StateSpec, ...] | None:
         """The per-layer cache specs (``None`` when the plugin gives none)."""

@@ -225,6 +225,9 @@ class Runner:
         """The most tokens a sequence may hold."""
         return self._opened.max_context
 
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a no-op; rank 0 of a served group stops the others)."""
+
     # ------------------------------------------------------------- logits
     def logits(self, token_ids: Sequence[int] | VisionPrompt, *, steering: Steering = None) -> np.ndarray:
         """Full-sequence logits ``(len(token_ids), vocab)`` float32, on a fresh context.

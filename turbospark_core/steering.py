@@ -33,7 +33,7 @@ import re
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import mlx.core as mx
@@ -438,6 +438,21 @@ class _Active:
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("turbospark_steering", default=None)
 
 
+class LayerStage(Protocol):
+    """A pipeline rank's hand-over point at decoder-layer outputs (:mod:`turbospark_core.distributed.pipeline`)."""
+
+    def exchange(self, h: mx.array, layer: int) -> mx.array:
+        """The hidden state the flow continues with after layer ``layer`` (received, sent or shared)."""
+        ...
+
+    def owned(self, h: mx.array, layer: int) -> mx.array:
+        """Layer ``layer``'s output as the rank running it computed it, on every rank (residual capture)."""
+        ...
+
+
+_STAGE: contextvars.ContextVar[LayerStage | None] = contextvars.ContextVar("turbospark_stage", default=None)
+
+
 def steer(h: mx.array, layer: int) -> mx.array:
     """Apply the active steering edit to decoder layer ``layer``'s output ``h`` ``[B, L, hidden]``.
 
@@ -449,17 +464,29 @@ def steer(h: mx.array, layer: int) -> mx.array:
             h = steer(block(h, cache[i]), i)
 
     With no steering (and no residual capture) active it returns ``h`` as is.
+    Under pipeline parallelism it is also where a rank receives and hands on
+    the hidden state (an active :class:`LayerStage`).
     """
-    active = _ACTIVE.get()
+    active, stage = _ACTIVE.get(), _STAGE.get()
     if active is None:
-        return h
+        return h if stage is None else stage.exchange(h, layer)
     active.seen.add(layer)
     edit = active.edit.layers.get(layer)
     if edit is not None:
         h = edit(h)
     if active.capture is not None and (active.capture_layers is None or layer in active.capture_layers):
-        active.capture[layer] = h
-    return h
+        active.capture[layer] = h if stage is None else stage.owned(h, layer)
+    return h if stage is None else stage.exchange(h, layer)
+
+
+@contextlib.contextmanager
+def staging(stage: LayerStage) -> Iterator[None]:
+    """Make ``stage`` the hand-over point of the forwards run inside (pipeline parallelism)."""
+    token = _STAGE.set(stage)
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
 
 
 @contextlib.contextmanager

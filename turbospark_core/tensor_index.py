@@ -19,7 +19,11 @@ MAX_HEADER_BYTES = 64 * 1024 * 1024
 FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 PACKED_DTYPES = {"U32": 4, "U8": 1}
 QUANT_BITS = {2, 3, 4, 5, 6, 8}
-QUANT_GROUPS = {32, 64, 128}
+QUANT_GROUPS = {32, 64, 128}  # MLX's own affine groups
+# Affine groups narrower than MLX's: GGUF K-quants with 16-wide sub-blocks (Q6_K, Q3_K, Q2_K) stored
+# exactly. Same bit stream as MLX's affine layout; the native CPU kernels multiply them, and
+# everywhere MLX does the work they are unpacked (turbospark_core.dequant).
+NARROW_GROUPS = {16}
 MAX_NDIM = 8  # bounds the shape arithmetic of a hostile header
 
 
@@ -30,6 +34,15 @@ class QuantSpec:
     bits: int
     group_size: int
     mode: str = "affine"
+
+    @property
+    def mlx_kernels(self) -> bool:
+        """Whether MLX's own quantized kernels (``quantized_matmul``, ``gather_qmm``) take this layout.
+
+        False for the narrow affine groups (:data:`NARROW_GROUPS`), which only
+        the native CPU kernels multiply; elsewhere they are unpacked to floats.
+        """
+        return self.mode != "affine" or self.group_size in QUANT_GROUPS
 
     @classmethod
     def from_manifest(cls, name: str, raw: Any) -> QuantSpec:
@@ -47,7 +60,7 @@ class QuantSpec:
             msg = (
                 f"tensor {name!r} is stored as {mode!r:.40} {bits!r:.40}-bit with group "
                 f"size {group_size!r:.40}, which has no kernel here (affine "
-                f"{sorted(QUANT_BITS)}-bit, groups {sorted(QUANT_GROUPS)}; mxfp4 4-bit "
+                f"{sorted(QUANT_BITS)}-bit, groups {sorted(NARROW_GROUPS | QUANT_GROUPS)}; mxfp4 4-bit "
                 f"group 32); re-convert with `turbospark convert --quantize q4|q8`"
             )
             raise TensorStorageError(msg)
@@ -56,7 +69,7 @@ class QuantSpec:
 
 def _has_kernel(mode: str, bits: int, group_size: int) -> bool:
     if mode == "affine":
-        return bits in QUANT_BITS and group_size in QUANT_GROUPS
+        return bits in QUANT_BITS and group_size in QUANT_GROUPS | NARROW_GROUPS
     return mode == "mxfp4" and (bits, group_size) == (4, 32)
 
 
@@ -91,21 +104,30 @@ class TensorIndex:
         ``keep(base, spec)`` says which quantized matrices stay in their stored
         form (counted as stored) rather than being unpacked.
         """
+        return self._held_bytes(itemsize, floats=True, unpack=lambda base, spec: keep is None or not keep(base, spec))
+
+    def stored_bytes(self, unpack: Callable[[str, QuantSpec], bool] | None = None, itemsize: int = 4) -> int:
+        """Bytes as stored.
+
+        ``unpack(base, spec)`` says which quantized matrices are held unpacked
+        to ``itemsize``-byte floats instead (narrow groups where MLX does the work).
+        """
+        if unpack is None:
+            return sum(t.nbytes for t in self.tensors.values())
+        return self._held_bytes(itemsize, floats=False, unpack=unpack)
+
+    def _held_bytes(self, itemsize: int, *, floats: bool, unpack: Callable[[str, QuantSpec], bool]) -> int:
         total = 0
         for name, info in self.tensors.items():
             base, _, leaf = name.rpartition(".")
-            if base in self.quantization:
-                if keep is not None and keep(base, self.quantization[base]):
-                    total += info.nbytes
-                elif leaf == "weight":
-                    total += math.prod(self.logical_shape(base)) * itemsize
-                continue
-            total += math.prod(info.shape) * itemsize
+            spec = self.quantization.get(base)
+            if spec is None:
+                total += math.prod(info.shape) * itemsize if floats else info.nbytes
+            elif not unpack(base, spec):
+                total += info.nbytes
+            elif leaf == "weight":
+                total += math.prod(self.logical_shape(base)) * itemsize
         return total
-
-    def stored_bytes(self) -> int:
-        """Bytes as stored."""
-        return sum(t.nbytes for t in self.tensors.values())
 
 
 def read_header(path: Path, file_size: int) -> tuple[dict[str, Any], int]:
@@ -215,10 +237,11 @@ def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
             )
             raise TensorStorageError(msg)
     for base, spec in quant.items():
-        if f"{base}.weight" not in tensors or f"{base}.scales" not in tensors:
+        needed = ("weight", "scales", "biases") if spec.mode == "affine" else ("weight", "scales")
+        if any(f"{base}.{leaf}" not in tensors for leaf in needed):
             msg = (
-                f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks its "
-                f"'.weight' or '.scales' tensor; re-run `turbospark convert`"
+                f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks one of its "
+                f"{', '.join(repr('.' + leaf) for leaf in needed)} tensors; re-run `turbospark convert`"
             )
             raise TensorStorageError(msg)
         flat = [f"{base}.{leaf}" for leaf in ("weight", "scales") if len(tensors[f"{base}.{leaf}"].shape) < 2]
@@ -226,5 +249,24 @@ def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
             msg = (
                 f"quantized matrix {base!r}: {flat[0]!r} has shape {list(tensors[flat[0]].shape)}, "
                 f"but packed matrices have at least two dimensions; re-run `turbospark convert`"
+            )
+            raise TensorStorageError(msg)
+        _check_groups(base, spec, tensors)
+
+
+def _check_groups(base: str, spec: QuantSpec, tensors: dict[str, TensorInfo]) -> None:
+    """Scales (and biases) hold one value per group of the packed rows (a mismatch would broadcast silently)."""
+    *rows, words = tensors[f"{base}.weight"].shape
+    bits_per_row = words * 32
+    expected = (*rows, bits_per_row // spec.bits // spec.group_size)
+    for leaf in ("scales", "biases"):
+        info = tensors.get(f"{base}.{leaf}")
+        if info is None:
+            continue
+        if bits_per_row % (spec.bits * spec.group_size) or info.shape != expected:
+            msg = (
+                f"quantized matrix {base!r}: {leaf} {list(info.shape)} do not fit {spec.bits}-bit weights "
+                f"{[*rows, words]} in groups of {spec.group_size} (expected {list(expected)}); the install is "
+                f"corrupt or its quantization entry was altered, re-run `turbospark convert`"
             )
             raise TensorStorageError(msg)

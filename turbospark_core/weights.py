@@ -7,7 +7,7 @@ from typing import Protocol, cast
 
 import mlx.core as mx
 
-from turbospark_core import native
+from turbospark_core import dequant, native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.errors import InstallError
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
@@ -87,20 +87,16 @@ class WeightStore:
         return self.tensor(name) if self.has(name) else None
 
     def _dequantized(self, base: str) -> mx.array:
-        # Widen scales/biases first: exact, and float32 dequantization is both
-        # more accurate and faster on the CPU than half precision.
-        dtype = self.policy.compute_dtype
-        quant = self.index.quantization[base]
+        # Affine scales/biases are widened first: exact, and float32 dequantization
+        # is both more accurate and faster on the CPU than half precision.
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
-        w = mx.dequantize(
+        return dequant.dequantize(
             self._take(f"{base}.weight"),
-            self._take(f"{base}.scales").astype(dtype) if quant.mode == "affine" else self._take(f"{base}.scales"),
-            None if biases is None else biases.astype(dtype),
-            group_size=quant.group_size,
-            bits=quant.bits,
-            mode=quant.mode,
+            self._take(f"{base}.scales"),
+            biases,
+            self.index.quantization[base],
+            self.policy.compute_dtype,
         )
-        return w.astype(dtype)
 
     def _unpacked(self, base: str) -> mx.array:
         w = self._dequantized(base)
@@ -111,23 +107,24 @@ class WeightStore:
         """The matrix ``<base>.weight`` (and ``<base>.bias`` when present).
 
         Quantized matrices stay quantized when the policy has native kernels for
-        their layout (``native_ok=False`` for expert stacks, which gather).
+        their layout (``native_ok=False`` for expert stacks, which gather). Narrow
+        groups that MLX's kernels do not take are unpacked where the native kernels
+        do not multiply them, whatever the policy.
         """
         bias_name = f"{base}.bias"
         bias = self._float(self._take(bias_name)) if bias_name in self._raw else None
         quant = self.index.quantization.get(base)
         if quant is None:
             return Linear(self._float(self._take(f"{base}.weight")), bias)
-        if self.policy.unpack and not (native_ok and self.policy.native and native.supports(quant)):
+        native_here = native_ok and self.policy.native and native.supports(quant)
+        if not native_here and (self.policy.unpack or not quant.mlx_kernels):
             return Linear(self._unpacked(base), bias)
+        scales = self._take(f"{base}.scales")
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
-        return Linear(
-            self._take(f"{base}.weight"),
-            bias,
-            quant=quant,
-            scales=self._take(f"{base}.scales"),
-            biases=biases,
-        )
+        affine = native_here and biases is not None and quant.mode == "affine"
+        if affine and dequant.is_symmetric(scales, biases, quant.bits):  # type: ignore[arg-type]  # not None
+            biases = None  # the kernels derive them: a symmetric matrix's biases are never read per token
+        return Linear(self._take(f"{base}.weight"), bias, quant=quant, scales=scales, biases=biases)
 
     def embedding(self, base: str) -> Embedding:
         """The embedding table ``<base>.weight``."""
@@ -142,9 +139,7 @@ class WeightStore:
         if self._experts is not None and self._experts.has(prefix):
             return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
-            self.linear(f"{prefix}.{gate}", native_ok=False),
-            self.linear(f"{prefix}.{up}", native_ok=False),
-            self.linear(f"{prefix}.{down}", native_ok=False),
+            self.linear(f"{prefix}.{gate}"), self.linear(f"{prefix}.{up}"), self.linear(f"{prefix}.{down}")
         )
 
     def materialize(self) -> None:

@@ -76,7 +76,7 @@ def refs_of(turbospark_fixtures: Path) -> Callable[[str], dict[str, np.ndarray]]
 
 
 def _synthetic(tmp_path: Path, kind: str, experts: int = 6, dim: int = 64, hidden: int = 64) -> ExpertLayout:
-    """A one-layer experts.bin with random experts stored as ``kind`` (f32, bf16+bias, q4, mxfp4+bias)."""
+    """A one-layer experts.bin with random experts stored as ``kind`` (f32, bf16+bias, q4, mxfp4+bias, g16)."""
     rng = np.random.default_rng(7)
     shapes = {
         "gate_proj": (experts, hidden, dim),
@@ -88,7 +88,10 @@ def _synthetic(tmp_path: Path, kind: str, experts: int = 6, dim: int = 64, hidde
     for proj, shape in shapes.items():
         w = mx.array(rng.standard_normal(shape).astype(np.float32) * 0.3)
         base = f"{LAYER0}.{proj}"
-        if kind in ("q4", "mxfp4"):
+        if kind == "g16":  # GGUF K-quant sub-blocks: an affine group MLX's kernels do not take
+            tensors[f"{base}.weight"], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_16(w, bits=6)
+            quantization[base] = {"bits": 6, "group_size": 16, "mode": "affine"}
+        elif kind in ("q4", "mxfp4"):
             mode, gs = ("affine", 64) if kind == "q4" else ("mxfp4", 32)
             parts = mx.quantize(w, group_size=gs, bits=4, mode=mode)
             tensors[f"{base}.weight"], tensors[f"{base}.scales"] = parts[0], parts[1]
@@ -104,6 +107,17 @@ def _synthetic(tmp_path: Path, kind: str, experts: int = 6, dim: int = 64, hidde
     (tmp_path / EXPERTS).write_bytes(b"")
     section = pack.write(tmp_path / EXPERTS)
     return ExpertLayout.from_section(section, (tmp_path / EXPERTS).stat().st_size, "synthetic")
+
+
+def _quantize_16(w: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Affine min/max quantization in groups of 16 (mx.quantize refuses the group), MLX's bit stream."""
+    from turbospark_core.convert.gguf_reader import _pack
+
+    groups = np.array(w).reshape(*w.shape[:-1], -1, 16)
+    low, high = groups.min(-1), groups.max(-1)
+    scales = ((high - low) / (2**bits - 1)).astype(np.float32)
+    codes = np.clip(np.round((groups - low[..., None]) / scales[..., None]), 0, 2**bits - 1).astype(np.uint8)
+    return mx.array(_pack(codes, bits)), mx.array(scales), mx.array(low.astype(np.float32))
 
 
 @pytest.fixture

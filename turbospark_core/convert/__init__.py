@@ -48,8 +48,8 @@ def convert(
         dtype: Cast float tensors to ``bfloat16``/``float16``/``float32``.
         quantize: ``q3``, ``q4`` or ``q8``: quantize float matrices (MLX affine).
         group_size: Quantization group size (32, 64, 128).
-        strict: GGUF only: refuse block types with no exact MLX mapping (e.g.
-            Q6_K) instead of dequantizing them to float; dequantized tensors
+        strict: GGUF only: refuse block types with no exact affine mapping (e.g.
+            IQ4_NL) instead of dequantizing them to float; dequantized tensors
             are listed in the manifest's provenance (``dequantized``).
         force: Replace a non-empty ``dst``.
         show_progress: Draw a progress bar on stderr.

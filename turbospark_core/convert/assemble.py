@@ -24,7 +24,7 @@ class ConvertOptions:
     dtype: str | None = None
     quantize: str | None = None
     group_size: int = 64
-    strict: bool = False  # GGUF: refuse block types with no exact MLX form
+    strict: bool = False  # GGUF: refuse block types with no exact affine form
     experts_file: bool = True  # MoE: routed experts go to experts.bin
     rotate: bool = False  # fold a randomized Hadamard rotation of the residual stream (before quantizing)
     rotate_seed: int = 0

@@ -35,7 +35,7 @@ def gguf_source(
 ) -> tuple[dict[str, Any], Iterator[Item], dict[str, str], int, dict[str, list[str]]]:
     """Arch config, mapped tensors, tokenizer files, tensor count and dequantized tensors of a GGUF file.
 
-    Block types with an exact MLX form (see ``gguf_reader.EXACT_TYPES``) stay
+    Block types with an exact affine form (see ``gguf_reader.EXACT_TYPES``) stay
     quantized. The others are dequantized to float (the default), or, under
     ``options.strict``, refused, naming every such tensor, before any is read.
 
@@ -87,7 +87,7 @@ def gguf_source(
 
 
 def _inexact(src: GGUFSource, targets: dict[str, TensorTarget | None]) -> dict[str, list[str]]:
-    """GGML type -> kept tensors whose type has no exact MLX form."""
+    """GGML type -> kept tensors whose type has no exact affine form."""
     out: dict[str, list[str]] = {}
     kinds = src.tensor_types()
     for name, target in targets.items():
@@ -99,7 +99,6 @@ def _inexact(src: GGUFSource, targets: dict[str, TensorTarget | None]) -> dict[s
 def _strict_refusal(path: Path, dequantized: dict[str, list[str]]) -> str:
     listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(dequantized.items()))
     return (
-        f"--strict: {path} holds tensors with no exact MLX form ({listed}); MLX affine groups "
-        f"are 32, 64 or 128 wide, so these would have to be dequantized to float; convert "
-        f"without --strict to accept that"
+        f"--strict: {path} holds tensors with no exact affine form ({listed}); these would have to "
+        f"be dequantized to float; convert without --strict to accept that"
     )

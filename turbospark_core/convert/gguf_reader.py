@@ -1,4 +1,4 @@
-"""Read GGUF files as Hugging Face-oriented tensors, mapping block quants onto MLX affine groups."""
+"""Read GGUF files as Hugging Face-oriented tensors, mapping block quants exactly onto affine groups."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4
-_GROUP_SIZE = 32
 
 # GGUF metadata value types: scalar numpy dtypes (little-endian), then string and array.
 _SCALAR_DTYPES: dict[int, np.dtype] = {
@@ -279,7 +278,7 @@ class GGUFSource:
         return list(self._infos)
 
     def needs_dequantize(self, name: str) -> bool:
-        """Whether tensor ``name`` has no exact MLX form (reading it needs ``dequantize``)."""
+        """Whether tensor ``name`` has no exact affine form (reading it needs ``dequantize``)."""
         return self._infos[name].type_name not in EXACT_TYPES
 
     def tensor_types(self) -> dict[str, str]:
@@ -291,13 +290,13 @@ class GGUFSource:
 
         Args:
             name: The GGUF tensor name.
-            dequantize: Convert types with no exact MLX equivalent to float32
+            dequantize: Convert types with no exact affine form to float32
                 instead of refusing them.
 
         Returns:
-            F32/F16 as numpy arrays, BF16 as an ``mx.array``, Q8_0/Q4_0/Q4_1/Q5_0/Q4_K
-            matrices as exact :class:`AffineQuantized` (groups of 32), others (with
-            ``dequantize``) as float32 numpy arrays.
+            F32/F16 as numpy arrays, BF16 as an ``mx.array``, the block types of
+            :data:`EXACT_TYPES` as exact :class:`AffineQuantized` matrices (groups of
+            32; of 16 for Q6_K/Q3_K/Q2_K), others (with ``dequantize``) as float32 numpy arrays.
 
         Raises:
             ConversionError: Unknown name, unreadable data, or a type that needs
@@ -425,8 +424,8 @@ def _decode(
         return _AFFINE_DECODERS[kind](_blocks(info, raw)) if len(info.shape) >= 2 else _dequantize(info, raw, path)
     if not dequantize:
         msg = (
-            f"GGUF tensor {info.name!r} in {path} is stored as {kind}, which has no exact MLX "
-            f"equivalent (exact: {', '.join(sorted(EXACT_TYPES))}); convert without --strict "
+            f"GGUF tensor {info.name!r} in {path} is stored as {kind}, which has no exact affine "
+            f"form (exact: {', '.join(sorted(EXACT_TYPES))}); convert without --strict "
             "to dequantize it to float"
         )
         raise ConversionError(msg)
@@ -494,7 +493,7 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack ``(..., rows, groups, 32)`` codes into MLX uint32 words.
+    """Pack ``(..., rows, groups, group_size)`` codes into MLX uint32 words.
 
     MLX reads each row as one little-endian bit stream: element ``i`` occupies
     bits ``[i * bits, (i + 1) * bits)`` (so 3-, 5- and 6-bit codes straddle words).
@@ -518,7 +517,10 @@ def _exact_in_f16(values: np.ndarray) -> bool:
 
 
 def _affine(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> AffineQuantized:
-    """Assemble an AffineQuantized; scales/biases are float16 when exact there, else float32."""
+    """Assemble an AffineQuantized from codes ``(..., rows, groups, group_size)`` and per-group scale and bias.
+
+    Scales/biases are float16 when every value is exact there, else float32.
+    """
     scale32, bias32 = scale.astype(np.float32), bias.astype(np.float32)
     dtype = np.float16 if _exact_in_f16(scale32) and _exact_in_f16(bias32) else np.float32
     return AffineQuantized(
@@ -526,7 +528,7 @@ def _affine(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> Af
         scales=scale32.astype(dtype),
         biases=bias32.astype(dtype),
         bits=bits,
-        group_size=_GROUP_SIZE,
+        group_size=q.shape[-1],
     )
 
 
@@ -558,6 +560,13 @@ def _from_q5_0(blocks: np.ndarray) -> AffineQuantized:
     return _affine(_nibbles(blocks[..., 6:]) | (high << 4), d, d.astype(np.float32) * -16, bits=5)
 
 
+def _from_q5_1(blocks: np.ndarray) -> AffineQuantized:
+    """Q5_1 (d, m, 32 high bits, 16 bytes of nibbles): value = d * q + m  ->  5-bit, scale d, bias m."""
+    qh = np.ascontiguousarray(blocks[..., 4:8]).view("<u4")
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _affine(_nibbles(blocks[..., 8:]) | (high << 4), _f16_field(blocks, 0), _f16_field(blocks, 2), bits=5)
+
+
 def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit (scale, min) pairs of a Q4_K super-block from its 12 packed bytes.
 
@@ -577,16 +586,103 @@ def _from_q4_k(blocks: np.ndarray) -> AffineQuantized:
     scale ``d * sc_j`` and bias ``-dmin * m_j``, both exact in float32 (11 x 6 bits).
     Within each 64-value chunk, the low nibbles of its 32 bytes come first, then the high.
     """
+    qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, 32)
+    return _k_groups_of_32(blocks, q, bits=4)
+
+
+def _k_groups_of_32(blocks: np.ndarray, q: np.ndarray, bits: int) -> AffineQuantized:
+    """Q4_K/Q5_K codes ``(..., rows, blocks, 8, 32)`` with the super-blocks' d, dmin and 6-bit scales/mins."""
     d = _f16_field(blocks, 0).astype(np.float32)[..., None]
     dmin = _f16_field(blocks, 2).astype(np.float32)[..., None]
     sc, m = _q4_k_scales_mins(blocks[..., 4:16])
-    qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
-    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, 32)
     rows = blocks.shape[:-2]
     groups = blocks.shape[-2] * 8
     scale = (d * sc.astype(np.float32)).reshape(*rows, groups)
     bias = -(dmin * m.astype(np.float32)).reshape(*rows, groups)
-    return _affine(q.reshape(*rows, groups, 32), scale, bias, bits=4)
+    return _affine(q.reshape(*rows, groups, 32), scale, bias, bits=bits)
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """2-bit fields of 32-byte runs, K-quant order: ``(..., runs, 32)`` bytes -> ``(..., runs * 4, 32)`` codes.
+
+    Run ``r``'s byte ``l`` holds element ``l`` of chunks ``4r .. 4r + 3`` in its bit pairs 0-1, 2-3, 4-5, 6-7.
+    """
+    fields = np.stack([(packed >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=-2)
+    return fields.reshape(*packed.shape[:-2], -1, 32)
+
+
+def _sub_blocks_of_16(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> AffineQuantized:
+    """Codes ``(..., rows, blocks, 256)`` with per-16 ``scale``/``bias`` ``(..., rows, blocks, 16)`` as groups of 16."""
+    rows = q.shape[:-2]
+    groups = q.shape[-2] * 16
+    return _affine(q.reshape(*rows, groups, 16), scale.reshape(*rows, groups), bias.reshape(*rows, groups), bits)
+
+
+def _from_q6_k(blocks: np.ndarray) -> AffineQuantized:
+    """Q6_K super-blocks of 256 (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d).
+
+    Sub-block j (16 values) is ``d * sc_j * (q - 32)`` with 6-bit ``q``: an affine group of 16
+    with scale ``d * sc_j`` and bias ``-32 d sc_j`` (float16 d x int8: exact in float32).
+    Each 128-value half takes its low nibbles from 64 bytes (low nibbles first, then high)
+    and its top two bits from 32 bytes (bit pairs 0-1, 2-3, 4-5, 6-7 for its four 32-value chunks).
+    """
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 8, 32)
+    high = _crumbs(blocks[..., 128:192].reshape(*lead, 2, 32))
+    q = (low | (high << 4)).reshape(*lead, 256)
+    d = _f16_field(blocks, 208).astype(np.float32)[..., None]
+    scale = d * np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    return _sub_blocks_of_16(q, scale, scale * -32, bits=6)
+
+
+def _from_q3_k(blocks: np.ndarray) -> AffineQuantized:
+    """Q3_K super-blocks of 256 (32 bytes of high bits, 64 of low bit pairs, 12 bytes of 6-bit scales, d).
+
+    Sub-block j is ``d * (sc_j - 32) * (q - 4)`` with 3-bit ``q`` (its third bit from bit ``j // 2``
+    of ``hmask``): scale ``d * (sc_j - 32)``, bias ``-4`` times that. The scales' low nibbles are
+    bytes 0-7 (low nibbles for sub-blocks 0-7, high for 8-15), their top bit pairs bytes 8-11.
+    """
+    lead = blocks.shape[:-1]
+    hmask = blocks[..., 0:32].reshape(*lead, 1, 32)
+    high = np.concatenate([(hmask >> bit) & 1 for bit in range(8)], axis=-2)  # (..., 8, 32)
+    q = (_crumbs(blocks[..., 32:96].reshape(*lead, 2, 32)) | (high << 2)).reshape(*lead, 256)
+    packed = blocks[..., 96:108]
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    top = np.concatenate([(packed[..., 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=-1)
+    sc = low | (top << 4)
+    d = _f16_field(blocks, 108).astype(np.float32)[..., None]
+    scale = d * (sc.astype(np.float32) - 32)
+    return _sub_blocks_of_16(q, scale, scale * -4, bits=3)
+
+
+def _from_q2_k(blocks: np.ndarray) -> AffineQuantized:
+    """Q2_K super-blocks of 256 (16 bytes of 4-bit scale / 4-bit min, 64 of bit pairs, d, dmin).
+
+    Sub-block j is ``d * sc_j * q - dmin * m_j`` with 2-bit ``q``: scale ``d * sc_j``,
+    bias ``-dmin * m_j`` (both exact in float32).
+    """
+    lead = blocks.shape[:-1]
+    q = _crumbs(blocks[..., 16:80].reshape(*lead, 2, 32)).reshape(*lead, 256)
+    packed = blocks[..., 0:16]
+    d = _f16_field(blocks, 80).astype(np.float32)[..., None]
+    dmin = _f16_field(blocks, 82).astype(np.float32)[..., None]
+    return _sub_blocks_of_16(q, d * (packed & 0x0F), -(dmin * (packed >> 4)), bits=2)
+
+
+def _from_q5_k(blocks: np.ndarray) -> AffineQuantized:
+    """Q5_K super-blocks of 256 (d, dmin, 12 bytes of 6-bit scales/mins, 32 bytes of high bits, 128 of nibbles).
+
+    As Q4_K (groups of 32, scale ``d * sc_j``, bias ``-dmin * m_j``) with a fifth bit:
+    element ``l`` of sub-block ``j`` takes it from bit ``j`` of high-bit byte ``l``.
+    """
+    lead = blocks.shape[:-1]
+    qh = blocks[..., 16:48].reshape(*lead, 1, 32)
+    high = np.concatenate([(qh >> bit) & 1 for bit in range(8)], axis=-2)
+    qs = blocks[..., 48:176].reshape(*lead, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+    return _k_groups_of_32(blocks, low | (high << 4), bits=5)
 
 
 _AFFINE_DECODERS: dict[str, Callable[[np.ndarray], AffineQuantized]] = {
@@ -594,10 +690,16 @@ _AFFINE_DECODERS: dict[str, Callable[[np.ndarray], AffineQuantized]] = {
     "Q4_0": _from_q4_0,
     "Q4_1": _from_q4_1,
     "Q5_0": _from_q5_0,
+    "Q5_1": _from_q5_1,
     "Q4_K": _from_q4_k,
+    "Q5_K": _from_q5_k,
+    "Q6_K": _from_q6_k,
+    "Q3_K": _from_q3_k,
+    "Q2_K": _from_q2_k,
 }
 
-#: GGML types read exactly: floats as they are, block types as MLX affine groups of 32.
+#: GGML types read exactly: floats as they are, block types as affine groups of 32
+#: (MLX's) or, for the K-quants with 16-wide sub-blocks, 16 (turbospark's narrow groups).
 EXACT_TYPES = frozenset(("F32", "F16", "BF16", *_AFFINE_DECODERS))
 
 

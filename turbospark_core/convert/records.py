@@ -17,7 +17,8 @@ class AffineQuantized:
         scales: ``[rows, cols // group_size]`` float array (float16/float32).
         biases: same shape and dtype as ``scales``.
         bits: 2, 3, 4, 5, 6 or 8.
-        group_size: 32, 64 or 128.
+        group_size: 32, 64 or 128 (MLX's groups), or 16 (GGUF K-quants' sub-blocks;
+            see :data:`turbospark_core.tensor_index.NARROW_GROUPS`).
         mode: ``"affine"`` (MLX's default mode).
     """
 

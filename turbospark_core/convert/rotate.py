@@ -7,8 +7,10 @@ from typing import Any
 import mlx.core as mx
 
 from turbospark_core import plugins
+from turbospark_core.dequant import dequantize
 from turbospark_core.errors import ConversionError
 from turbospark_core.hadamard import fold_rotation, section_for
+from turbospark_core.tensor_index import QuantSpec
 
 
 def refuse_unrotatable(hooks: plugins.FamilyHooks, arch: dict[str, Any]) -> None:
@@ -27,12 +29,10 @@ def dequantize_all(tensors: dict[str, mx.array], quantization: dict[str, Any]) -
         if q.get("mode", "affine") != "affine":
             msg = f"--rotate: {base!r} is stored as {q.get('mode')!r}, which cannot be dequantized for rotation"
             raise ConversionError(msg)
-        w = tensors[f"{base}.weight"]
         scales = tensors.pop(f"{base}.scales")
         biases = tensors.pop(f"{base}.biases", None)
-        tensors[f"{base}.weight"] = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"]).astype(
-            mx.float32
-        )
+        spec = QuantSpec(bits=q["bits"], group_size=q["group_size"])
+        tensors[f"{base}.weight"] = dequantize(tensors[f"{base}.weight"], scales, biases, spec, mx.float32)
     quantization.clear()
 
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.compute import ComputePolicy
+from turbospark_core.dequant import dequantize
 from turbospark_core.experts.layout import ExpertLayout, ProjectionLayout
 from turbospark_core.layers import Linear
 from turbospark_core.manifest import EXPERTS, Manifest
@@ -43,19 +44,15 @@ def read_expert_tensors(manifest: Manifest) -> dict[str, mx.array]:
 
 
 def held_form(proj: ProjectionLayout, raw: dict[str, mx.array], policy: ComputePolicy) -> dict[str, mx.array]:
-    """A projection's tensors ``[n, ...]`` as the policy holds them (float32 unpacked, or as stored)."""
-    if not policy.unpack:
+    """A projection's tensors ``[n, ...]`` as the policy holds them (unpacked to the compute dtype, or as stored)."""
+    if not proj.unpacked(policy.unpack):
         return raw
     dtype = policy.compute_dtype
     out: dict[str, mx.array] = {}
     if proj.quant is None:
         out["weight"] = raw["weight"].astype(dtype)
     else:
-        q = proj.quant
-        scales = raw["scales"].astype(dtype) if q.mode == "affine" else raw["scales"]
-        biases = raw["biases"].astype(dtype) if "biases" in raw else None
-        w = mx.dequantize(raw["weight"], scales, biases, group_size=q.group_size, bits=q.bits, mode=q.mode)
-        out["weight"] = w.astype(dtype)
+        out["weight"] = dequantize(raw["weight"], raw["scales"], raw.get("biases"), proj.quant, dtype)
     if "bias" in raw:
         out["bias"] = raw["bias"].astype(dtype)
     return out
@@ -63,14 +60,14 @@ def held_form(proj: ProjectionLayout, raw: dict[str, mx.array], policy: ComputeP
 
 def linear_of(proj: ProjectionLayout, held: dict[str, mx.array], unpack: bool) -> Linear:
     """The :class:`Linear` over a projection's held tensors (quantized kernels only for a stored-form quantized one)."""
-    if unpack or proj.quant is None:
+    if proj.quant is None or proj.unpacked(unpack):
         return Linear(held["weight"], held.get("bias"))
     return Linear(held["weight"], held.get("bias"), quant=proj.quant, scales=held["scales"], biases=held.get("biases"))
 
 
 def empty_slots(proj: ProjectionLayout, slots: int, policy: ComputePolicy) -> dict[str, mx.array]:
     """Slot tensors ``[slots, ...]`` in held form (zeros until an expert is loaded)."""
-    if policy.unpack:  # from a real buffer (mx.zeros may broadcast a scalar), so slots can be written in place
+    if proj.unpacked(policy.unpack):  # a real buffer (mx.zeros may broadcast a scalar): slots written in place
         dtype = policy.compute_dtype
         held = {"weight": mx.array(np.zeros((slots, proj.out_features, proj.in_features), np.float32)).astype(dtype)}
         if "bias" in proj.tensors:

@@ -172,8 +172,16 @@ class Server:
         import turbospark_core
 
         name = model_id or Path(install).resolve().name
+
+        def opener() -> Runner:
+            return turbospark_core.open(install, **open_options)
+
+        if open_options.get("distributed") is not None:  # rank 0 of a group: the other ranks repeat its work
+            from turbospark_core.distributed.mirror import leading
+
+            opener = leading(opener)
         return cls(
-            lambda: turbospark_core.open(install, **open_options),
+            opener,
             model_id=name,
             host=host,
             port=port,
@@ -234,6 +242,8 @@ class Server:
     def close(self) -> None:
         """Stop accepting, fail what is in flight with 503, stop the worker."""
         self.scheduler.stop()  # in-flight requests get their 503 first, so open streams end
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()  # after the worker: rank 0 of a group tells the others to stop
         server = getattr(self, "_uvicorn", None)
         if server is not None:
             server.should_exit = True

@@ -1,4 +1,4 @@
-"""Config and tensor-name mapping, and a Gemma 3 GGUF converted end to end (exact, dequantized, strict)."""
+"""Config and tensor-name mapping, and a Gemma 3 GGUF converted end to end (exact, group 16, dequantized, strict)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 from tiny_gemma3 import SPECIALS, TINY_CONFIG, random_weights, tokenizer_json
 
 import turbospark_core
@@ -143,8 +144,13 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def _write_gguf(path: Path, weights: dict[str, np.ndarray], q6k: str | None = None) -> Path:
-    """The tiny model as llama.cpp writes Gemma 3: norms hold 1 + w, matrices Q8_0/Q5_0 or F32."""
+def _write_gguf(
+    path: Path, weights: dict[str, np.ndarray], zero: tuple[str, gguf.GGMLQuantizationType] | None = None
+) -> Path:
+    """The tiny model as llama.cpp writes Gemma 3: norms hold 1 + w, matrices Q8_0/Q5_0 or F32.
+
+    ``zero``: one tensor written as all-zero blocks (d = 0: every value 0) of another type.
+    """
     cfg = GGUF_CONFIG
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_context_length(cfg["max_position_embeddings"])
@@ -174,10 +180,10 @@ def _write_gguf(path: Path, weights: dict[str, np.ndarray], q6k: str | None = No
         gname = _gguf_name(name)
         if name.endswith("norm.weight"):
             w.add_tensor(gname, arr + np.float32(1.0))
-        elif gname == q6k:
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-            raw = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)  # all-zero blocks: value 0
-            w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        elif zero is not None and gname == zero[0]:
+            block, size = gguf.GGML_QUANT_SIZES[zero[1]]
+            raw = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
+            w.add_tensor(gname, raw, raw_dtype=zero[1])
         elif "mlp" in name or "q_proj" in name:
             qtype = gguf.GGMLQuantizationType.Q5_0 if "mlp" in name else gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
@@ -212,7 +218,8 @@ def gguf_case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (hf / "tokenizer.json").write_text(tokenizer_json(GGUF_CONFIG["vocab_size"]))
     save_file(_dequantized_like_gguf(weights), str(hf / "model.safetensors"))
     return {"gguf": _write_gguf(root / "tiny.gguf", weights), "hf": hf, "root": root,
-            "q6k": _write_gguf(root / "q6k.gguf", weights, q6k="blk.2.ffn_down.weight")}
+            "q6k": _write_gguf(root / "q6k.gguf", weights, zero=("blk.2.ffn_down.weight", Q.Q6_K)),
+            "iq4nl": _write_gguf(root / "iq4nl.gguf", weights, zero=("blk.2.ffn_down.weight", Q.IQ4_NL))}
 
 
 def test_gguf_install_matches_the_checkpoint_install(gguf_case: dict[str, Path]) -> None:
@@ -228,21 +235,37 @@ def test_gguf_install_matches_the_checkpoint_install(gguf_case: dict[str, Path])
     assert np.abs(from_gguf - from_hf).max() <= 1e-4 * np.abs(from_hf).max()
 
 
-def test_q6_k_is_dequantized_and_reported(gguf_case: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_q6_k_stays_quantized_in_groups_of_16(gguf_case: dict[str, Path]) -> None:
     dst = gguf_case["root"] / "q6k-install"
-    assert cli.main(["convert", str(gguf_case["q6k"]), str(dst), "-q"]) == 0
+    manifest = convert(gguf_case["q6k"], dst, strict=True)  # exact: strict accepts it
+    assert "dequantized" not in manifest.provenance
+    assert manifest.quantization["model.layers.2.mlp.down_proj"] == {"bits": 6, "group_size": 16, "mode": "affine"}
+    # the same zero matrix dequantized to float (IQ4_NL has no exact affine form) is the reference
+    reference = convert(gguf_case["iq4nl"], gguf_case["root"] / "zero-float")
+    assert "model.layers.2.mlp.down_proj" not in reference.quantization
+    prompt = [2, *np.random.default_rng(1).integers(6, 512, 20).tolist()]
+    want = turbospark_core.open(gguf_case["root"] / "zero-float").logits(prompt)
+    got = turbospark_core.open(dst).logits(prompt)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_inexact_blocks_are_dequantized_and_reported(
+    gguf_case: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = gguf_case["root"] / "iq4nl-install"
+    assert cli.main(["convert", str(gguf_case["iq4nl"]), str(dst), "-q"]) == 0
     out = capsys.readouterr().out
-    assert "dequantized 1 tensors (Q6_K, no exact MLX form) to float: blk.2.ffn_down.weight" in out
+    assert "dequantized 1 tensors (IQ4_NL, no exact affine form) to float: blk.2.ffn_down.weight" in out
     manifest = json.loads((dst / "manifest.json").read_text())
-    assert manifest["provenance"]["dequantized"] == {"Q6_K": ["blk.2.ffn_down.weight"]}
+    assert manifest["provenance"]["dequantized"] == {"IQ4_NL": ["blk.2.ffn_down.weight"]}
     assert "model.layers.2.mlp.down_proj" not in manifest["quantization"]
 
 
-def test_strict_refuses_q6_k_by_name(gguf_case: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_strict_refuses_inexact_blocks_by_name(gguf_case: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     dst = gguf_case["root"] / "strict"
-    with pytest.raises(ConversionError, match=r"--strict.*Q6_K: blk\.2\.ffn_down\.weight"):
-        convert(gguf_case["q6k"], dst, strict=True)
+    with pytest.raises(ConversionError, match=r"--strict.*IQ4_NL: blk\.2\.ffn_down\.weight"):
+        convert(gguf_case["iq4nl"], dst, strict=True)
     assert not dst.exists()
-    assert cli.main(["convert", str(gguf_case["q6k"]), str(dst), "--strict", "-q"]) == 2
+    assert cli.main(["convert", str(gguf_case["iq4nl"]), str(dst), "--strict", "-q"]) == 2
     assert "blk.2.ffn_down.weight" in capsys.readouterr().err
     convert(gguf_case["gguf"], dst, strict=True)  # every block type exact: strict accepts it

@@ -7,6 +7,7 @@ from typing import Any
 
 from turbospark_core.family import (
     CacheSpec,
+    DistributedPlan,
     FamilyContext,
     FamilySpec,
     TensorTarget,
@@ -15,7 +16,7 @@ from turbospark_core.family import (
     hookimpl,
 )
 
-from turbospark_gemma4 import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, vision_config
+from turbospark_gemma4 import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, distributed, vision_config
 from turbospark_gemma4.family import Args, Model
 from turbospark_gemma4.tower import Gemma4Tower
 
@@ -58,6 +59,11 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(Args.from_arch(arch))
 
 
 @hookimpl

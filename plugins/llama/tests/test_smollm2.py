@@ -84,9 +84,33 @@ def test_rotated_kv_is_closer_to_float_than_unrotated(
     ref = _decoded_logits(runner, ids, 8)
     err = {}
     for rotate in (False, True):
-        quantized = turbospark_core.open(smollm2_install, max_context=512, kv_quant=kv_quant, kv_rotate=rotate)
+        quantized = turbospark_core.open(
+            smollm2_install, max_context=512, kv_quant=kv_quant, kv_rotate=rotate, kv_recent=0
+        )
         err[rotate] = float(np.abs(_decoded_logits(quantized, ids, 8) - ref).max() / np.abs(ref).max())
     if kv_quant == "q8":
         assert err[True] < err[False], err
     else:  # q4 groups of 32: rotation is about neutral here (docs/rotation-quality.md); it must not hurt much
         assert err[True] < 1.25 * err[False] and err[True] < 0.2, err
+
+
+PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of storms. "
+    "Every evening the keeper climbed the narrow spiral stairs, one hundred and twelve steps in all, to light "
+    "the great lamp that warned the fishing boats away from the rocks below. In the winter the wind howled "
+    "through the cracks in the windows, and the keeper wrapped himself in a heavy wool coat while he polished "
+    "the brass fittings and trimmed the wick. He kept a journal of every ship that passed, the weather, and "
+    "the height of the waves, and over the years the journal grew into a small library of"
+)
+
+
+def test_q4_kv_reading_recent_tokens_exact_tracks_float(runner: turbospark_core.Runner, smollm2_install: Path) -> None:
+    """The q4 default (rotated, the last 32 tokens read exact) against every token quantized, both rotated."""
+    ids = runner.tokenizer.encode(PARAGRAPH)
+    assert len(ids) > 96  # most keys lie outside the recent window
+    ref = _decoded_logits(runner, ids, 8)
+    err = {}
+    for recent in (0, None):
+        quantized = turbospark_core.open(smollm2_install, max_context=512, kv_quant="q4", kv_recent=recent)
+        err[recent] = float(np.abs(_decoded_logits(quantized, ids, 8) - ref).max() / np.abs(ref).max())
+    assert err[None] < 0.6 * err[0] and err[None] < 0.08, err

@@ -7,6 +7,7 @@ from typing import Any
 
 from turbospark_core.family import (
     CacheSpec,
+    DistributedPlan,
     FamilyContext,
     FamilySpec,
     ResidualMap,
@@ -16,7 +17,16 @@ from turbospark_core.family import (
     hookimpl,
 )
 
-from turbospark_llama import DISTRIBUTION, FAMILY, GGUF_ARCHITECTURES, MODEL_TYPES, convert, rotation, vision
+from turbospark_llama import (
+    DISTRIBUTION,
+    FAMILY,
+    GGUF_ARCHITECTURES,
+    MODEL_TYPES,
+    convert,
+    distributed,
+    rotation,
+    vision,
+)
 from turbospark_llama.family import Args, Model
 
 
@@ -75,6 +85,11 @@ def hadamard_residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(Args.from_arch(arch))
 
 
 @hookimpl

@@ -7,6 +7,7 @@ from typing import Any
 
 from turbospark_core.family import (
     CacheSpec,
+    DistributedPlan,
     DraftHead,
     FamilyContext,
     FamilySpec,
@@ -17,7 +18,7 @@ from turbospark_core.family import (
     hookimpl,
 )
 
-from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, mtp, rotation
+from turbospark_qwen import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, distributed, mtp, rotation
 from turbospark_qwen.family import Args, Model
 
 
@@ -64,6 +65,11 @@ def hadamard_residual_map(arch: dict[str, Any], names: list[str]) -> ResidualMap
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(Args.from_arch(arch))
 
 
 @hookimpl
