@@ -129,6 +129,45 @@ def test_adaptive_decoding_goes_plain_where_nothing_is_proposed_and_verifies_whe
     assert 8 <= len(plain_tokens) < 40  # the stretches without proposals decoded plainly, the rest verified
 
 
+def test_step_costs_are_one_forward_per_token_whatever_the_stretch(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy's step times, on a clock that advances one unit per token a forward runs: every plain
+    stretch (one or two tokens included) is timed 1 per token, every verify of ``T`` tokens ``T``.
+
+    A plain stretch's forwards overlap, so timing it read to read would give its first token two
+    forwards and its last none; the stretch is timed as a whole instead.
+    """
+    import attrs
+
+    from turbospark_core.runner import Runner
+    from turbospark_core.speculative import decode
+    from turbospark_core.speculative.factory import DrafterSetup
+
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, 48)
+    truth = [*prompt, *plain.tokens]
+    ticks = [0.0]
+    real = Runner._forward
+
+    def counted(self: Runner, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ticks[0] += inputs.shape[1]
+        return real(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_forward", counted)
+    monkeypatch.setattr(decode, "clock", lambda: ticks[0])
+    runner = turbospark_core.open(llama)
+    for period in (16, 3):  # long stretches, then stretches of one or two tokens between short proposals
+        oracle = _Oracle(truth, lambda n, p=period: (n - len(prompt)) % (2 * p) >= p)
+        setup = DrafterSetup(name="oracle", new=lambda o=oracle: o, num_draft_tokens=4)
+        runner._opened = attrs.evolve(runner.opened, drafter=setup)
+        got = runner.generate(prompt, 48)
+        assert got.tokens == plain.tokens and got.stats.draft_tokens > 0
+        samples = setup.history.times._samples
+        assert samples[1] and set(samples[1]) == {1.0}  # plain stretches: one unit per token
+        assert all(set(v) == {float(t)} for t, v in samples.items())  # verifies: one per token they ran
+
+
 @pytest.fixture
 def llama(make: Callable[[str], Path]) -> Path:
     return make("llama")

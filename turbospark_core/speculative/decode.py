@@ -159,11 +159,18 @@ class SpeculativeLoop:
         """Plain steps, each forward queued before the previous token is read, until a draft would pay.
 
         On entry and exit the caches hold all of ``context`` but its last token.
+
+        The stretch is timed as a whole (its clock from before its first forward until its last
+        token is handled, over the tokens it made): its forwards overlap one another, so the
+        time between two reads is not one step's (the first read waits for two forwards, the
+        last for none when the forward queued before it has already run), and edits leave
+        many stretches of one or two tokens.
         """
+        t0 = clock()
         ctx = self.sampler.params.repetition_context
         history = mx.array(self.context[-ctx:])
         pending = self._queue(mx.array([self.context[-1:]]), history)  # the token after the context
-        produced, t0 = 0, clock()
+        produced = 0
         while True:
             nxt = None
             if produced + 1 < budget:
@@ -173,13 +180,11 @@ class SpeculativeLoop:
             tok = _token(pending)
             self.context.append(tok)
             produced += 1
-            now = clock()
-            self.policy.timed(1, now - t0)
-            t0 = now
             yield tok
             if nxt is None:
-                return
+                break
             pending = nxt
+        self.policy.timed(1, (clock() - t0) / produced)
 
     def _queue(self, token: mx.array, history: mx.array) -> mx.array:
         """Queue the forward of ``token`` ``[1, 1]`` (it may be lazy) and the sampling after it; the token, lazy."""
