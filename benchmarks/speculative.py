@@ -207,23 +207,37 @@ def compare_batch(plain: Any, drafted: Any, rows: int, tokens: int, repeats: int
     return _row(f"batch of {rows} edits / ngram", tokens * rows, p_tps, d_tps, drafts, accepted, repeats, cpu)
 
 
-def forward_cost(runner: Any, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
-    """Median seconds of one forward of ``T`` tokens on a 300-token context, per ``T``."""
+def forward_cost(
+    runners: list[tuple[Any, tuple[int, ...]]], repeats: int
+) -> list[tuple[dict[int, float], dict[int, float]]]:
+    """Per runner: median wall and process-CPU seconds of one forward of ``T`` tokens on a 300-token
+    context, per ``T`` of its sizes. The runners and sizes alternate within each repeat, so the
+    machine's load hits them alike."""
     import mlx.core as mx
 
     from turbospark_core.kv_cache import trim_caches
 
-    caches = runner.opened.new_cache()
-    runner._prefill(list(range(100, 400)), caches)
-    mx.eval([c.state for c in caches])
-    times: dict[int, list[float]] = {t: [] for t in sizes}
+    caches = []
+    for runner, _ in runners:
+        cache = runner.opened.new_cache()
+        runner._prefill(list(range(100, 400)), cache)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+    wall: list[dict[int, list[float]]] = [{t: [] for t in sizes} for _, sizes in runners]
+    cpu: list[dict[int, list[float]]] = [{t: [] for t in sizes} for _, sizes in runners]
     for _ in range(repeats):
-        for t in sizes:
-            t0 = time.perf_counter()
-            mx.eval(runner.model(mx.array([list(range(500, 500 + t))]), caches))
-            times[t].append(time.perf_counter() - t0)
-            trim_caches(caches, t)
-    return {t: statistics.median(v) for t, v in times.items()}
+        for i, (runner, sizes) in enumerate(runners):
+            for t in sizes:
+                t0, c0 = time.perf_counter(), time.process_time()
+                mx.eval(runner.model(mx.array([list(range(500, 500 + t))]), caches[i]))
+                wall[i][t].append(time.perf_counter() - t0)
+                cpu[i][t].append(time.process_time() - c0)
+                trim_caches(caches[i], t)
+
+    def median(samples: dict[int, list[float]]) -> dict[int, float]:
+        return {t: statistics.median(v) for t, v in samples.items()}
+
+    return [(median(w), median(c)) for w, c in zip(wall, cpu, strict=True)]
 
 
 def break_even(verify: dict[int, float], step: float, draft_step: float) -> dict[int, float | None]:
@@ -342,10 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows += [compare_batch(plain, lookup, n, args.tokens, args.repeats) for n in args.rows]
     report: dict[str, Any] = {"rows": rows}
-    verify = forward_cost(plain, (1, 2, 3, 4, 5, 6, 7, 9, 17), 9)
+    sizes = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17)
+    draft_runner = None if args.skip_draft else turbospark_core.open(draft)
+    costs = forward_cost([(plain, sizes)] + ([] if draft_runner is None else [(draft_runner, (1,))]), 9)
+    verify, verify_cpu = costs[0]
     report["cost"] = {
         "target_step_ms": round(verify[1] * 1e3, 2),
+        "target_step_cpu_ms": round(verify_cpu[1] * 1e3, 2),
         "verify_in_plain_steps": {t - 1: round(v / verify[1], 2) for t, v in verify.items() if t > 1},
+        "verify_in_plain_steps_cpu": {t - 1: round(v / verify_cpu[1], 2) for t, v in verify_cpu.items() if t > 1},
         "break_even_acceptance_ngram": break_even(verify, verify[1], 0.0),
     }
     if not args.skip_draft:
@@ -356,9 +375,11 @@ def main(argv: list[str] | None = None) -> int:
             compare(f"chat / draft q3 k={args.draft_tokens}", plain, drafted, chat, args.tokens, args.repeats),
             compare("chat / draft q3 adaptive", plain, adaptive, chat, args.tokens, args.repeats),
         ]
-        draft_step = forward_cost(turbospark_core.open(draft), (1,), 9)[1]
-        report["cost"]["draft_step_ms"] = round(draft_step * 1e3, 2)
-        report["cost"]["break_even_acceptance"] = break_even(verify, verify[1], draft_step)
+        draft_wall, draft_cpu = costs[1]
+        report["cost"]["draft_step_ms"] = round(draft_wall[1] * 1e3, 2)
+        report["cost"]["draft_step_cpu_ms"] = round(draft_cpu[1] * 1e3, 2)
+        report["cost"]["break_even_acceptance"] = break_even(verify, verify[1], draft_wall[1])
+        report["cost"]["break_even_acceptance_cpu"] = break_even(verify_cpu, verify_cpu[1], draft_cpu[1])
     if not args.skip_mtp and args.fixtures.is_dir():
         report["mtp"] = mtp_overhead(args.fixtures, args.workdir, args.tokens, args.repeats)
     print(json.dumps(report, indent=1))
