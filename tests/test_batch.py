@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import turbospark_core
-from turbospark_core.batch_cache import BatchCaches
+from turbospark_core.batch_cache import BatchCaches, BatchKVCache
 from turbospark_core.errors import OptionError
 
 STEP_REL_TOL = 1e-5
@@ -177,6 +177,46 @@ def test_a_row_rewinds_exactly(runner: Any) -> None:
     assert _close(np.array(logits[1]), want)
 
 
+def test_rows_rewind_to_different_points_in_one_pass_and_compact_exactly(runner: Any) -> None:
+    """Verify-like steps of 4 tokens per row, each row keeping another count, then the holes compacted:
+    every row's next steps equal the row alone fed the tokens it kept (a recurrent layer keeps a row's
+    whole step or goes back to its start)."""
+    prompts = _prompts(runner, 3)
+    batch = _joined(runner, prompts)
+    kept_ids: list[list[int]] = [[] for _ in prompts]
+    plans = [[1, 4, 0], [3, 0, 2]] if batch.cuts_anywhere else [[4, 0, 0], [0, 4, 0]]
+    for step, kept in enumerate(plans):
+        feeds = [[10 * (r + 1) + 4 * step + i for i in range(4)] for r in range(len(prompts))]
+        runner.model(mx.array(feeds), batch.caches)
+        batch.step_done(4)
+        batch.rewind([o - 4 + k for o, k in zip(batch.rows.offsets, kept, strict=True)])
+        for r, k in enumerate(kept):
+            kept_ids[r] += feeds[r][:k]
+    full = [c for c in batch.caches if isinstance(c, BatchKVCache) and c.window is None]
+    before = [c.length for c in full]
+    batch.compact(0)
+    assert all(c.length < n for c, n in zip(full, before, strict=True))  # the holes are gone
+    assert batch.rows.offsets == [len(p) + len(k) for p, k in zip(prompts, kept_ids, strict=True)]
+    got = []
+    for t in (5, 6):
+        got.append(np.array(runner.model(mx.array([[t]] * len(prompts)), batch.caches)[:, -1]))
+        batch.step_done(1)
+    for r, prompt in enumerate(prompts):
+        want = _single_step_logits(runner, prompt, [*kept_ids[r], 5, 6])[-2:]
+        for s in range(2):
+            assert _close(got[s][r], want[s]), f"row {r} step {s}: max diff {np.abs(got[s][r] - want[s]).max()}"
+
+
+def test_a_rewind_past_what_a_row_holds_is_refused(runner: Any) -> None:
+    batch = _joined(runner, _prompts(runner, 2))
+    held = list(batch.rows.offsets)
+    with pytest.raises(OptionError, match=r"row 1 holds \d+ tokens; cannot rewind it to position"):
+        batch.rewind([held[0], held[1] + 1])
+    with pytest.raises(OptionError, match="cannot rewind it to position -1"):
+        batch.truncate(0, -1)
+    assert batch.rows.offsets == held  # refused before anything changed
+
+
 def test_rewind_inside_a_step_is_refused_for_recurrent_layers(runner: Any) -> None:
     if runner.manifest.arch["model_type"] != "qwen3_5":
         pytest.skip("only recurrent layers keep just the step's start")
@@ -194,7 +234,7 @@ BIT_EXACT_SCRIPT = """
 import sys
 import turbospark_core, mlx.core as mx, numpy as np
 from turbospark_core import blas
-from turbospark_core.batch_cache import BatchCaches
+from turbospark_core.batch_cache import BatchCaches, BatchKVCache
 assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
 r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)
 ids = list(range(3, 40))
@@ -209,6 +249,8 @@ for p in prompts:
 start = batch.rows.offsets[1]
 r.model(mx.array([[11, 12, 13]] * 3), batch.caches); batch.step_done(3)
 batch.truncate(1, start)  # row 1: holes where the three tokens were
+if sys.argv[3] == "compact":
+    batch.compact(0)  # the holes dropped: row 1's tokens move right over them
 got = []
 for t in (5, 6):
     got.append(np.array(r.model(mx.array([[t]] * 3), batch.caches)[:, -1])); batch.step_done(1)
@@ -220,12 +262,13 @@ print("bit-identical")
 """
 
 
-@pytest.mark.parametrize("kv_quant", ["none", "q8"])
-def test_reference_blas_makes_rows_bit_identical(turbospark_install: Any, kv_quant: str) -> None:
+@pytest.mark.parametrize(("kv_quant", "holes"), [("none", "keep"), ("q8", "keep"), ("q8", "compact")])
+def test_reference_blas_makes_rows_bit_identical(turbospark_install: Any, kv_quant: str, holes: str) -> None:
     """Under MLX's own BLAS (sgemm reduces each row alike for any M) batched rows are bit-identical.
 
-    Padding, holes and masks add exact zeros; the only difference the tests
-    above tolerate is OpenBLAS's batch-size-dependent reduction order.
+    Padding, holes (kept, or compacted away) and masks add exact zeros; the
+    only difference the tests above tolerate is OpenBLAS's batch-size-dependent
+    reduction order.
     """
     import os
     import subprocess
@@ -234,7 +277,11 @@ def test_reference_blas_makes_rows_bit_identical(turbospark_install: Any, kv_qua
     env = {**os.environ, "TURBOSPARK_BLAS": "reference"}
     path = str(turbospark_install("llama" if kv_quant == "none" else "qwen3", "float32"))
     done = subprocess.run(
-        [sys.executable, "-c", BIT_EXACT_SCRIPT, path, kv_quant], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", BIT_EXACT_SCRIPT, path, kv_quant, holes],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0 and "bit-identical" in done.stdout, done.stderr[-2000:]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,21 @@ def test_two_drafter_flags_are_one_error_line(f32_install: Path, capsys: pytest.
     assert "name two speculative drafters" in err[-1]
 
 
-def test_serve_with_a_drafter_keeps_batching_and_answers_as_plain_decoding(f32_install: Path) -> None:
+def test_serve_with_a_drafter_keeps_batching_and_answers_as_plain_decoding(
+    f32_install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from turbospark_core.batch import Batch
+
+    verified: list[int] = []  # rows per batched verify
+    real = Batch._verify
+
+    def spy(self: Batch, out: Any, plans: Any, width: int, t0: float, c0: float) -> None:
+        verified.append(len(plans))
+        real(self, out, plans, width, t0, c0)
+
+    monkeypatch.setattr(Batch, "_verify", spy)
     reference = turbospark_core.open(f32_install)
-    srv = Server.from_install(f32_install, port=0, session_slots=3, draft_model=f32_install).start()
+    srv = Server.from_install(f32_install, port=0, session_slots=3, draft_model=f32_install, num_draft_tokens=3).start()
     try:
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
         prompts = [PROMPT, "the quick brown fox", "one two three four"]
@@ -67,8 +80,16 @@ def test_serve_with_a_drafter_keeps_batching_and_answers_as_plain_decoding(f32_i
         for t in threads:
             t.join()
         assert [got[i] for i in range(3)] == want
+        assert max(verified) >= 2  # concurrent requests were verified together, in one forward
         stream = client.completions.create(model="m", prompt=prompts[1], max_tokens=20, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == want[1]
+        with urllib.request.urlopen(f"{srv.url}/metrics", timeout=30) as answer:
+            metrics = answer.read().decode()
+        drafted = next(line for line in metrics.splitlines() if line.startswith("turbospark_draft_tokens_total"))
+        accepted = next(
+            line for line in metrics.splitlines() if line.startswith("turbospark_accepted_draft_tokens_total")
+        )
+        assert float(drafted.split()[-1]) == float(accepted.split()[-1]) > 0  # drafting for itself: all kept
     finally:
         srv.close()
 

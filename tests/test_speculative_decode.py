@@ -12,7 +12,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.errors import UnknownFamilyError
-from turbospark_core.testing import find_fixtures_root
+from turbospark_core.testing import chi_square, find_fixtures_root
 
 ROOT = Path(os.environ.get("TURBOSPARK_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 FAMILY_FIXTURES = sorted(
@@ -60,14 +60,112 @@ def test_greedy_is_lossless_with_every_drafter_on_every_family(make: Callable[[s
     assert lookup.stats.draft_tokens > 0
 
 
-def test_a_draft_model_of_another_family_is_lossless(make: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("num_draft_tokens", [3, None])
+def test_a_draft_model_of_another_family_is_lossless(make: Callable[[str], Path], num_draft_tokens: int | None) -> None:
     target, draft = make("qwen3_5"), make("llama")
     prompt = _prompt("qwen3_5")
     plain = turbospark_core.open(target).generate(prompt, TOKENS)
-    runner = turbospark_core.open(target, draft_model=draft, num_draft_tokens=3)
+    runner = turbospark_core.open(target, draft_model=draft, num_draft_tokens=num_draft_tokens)
     got = runner.generate(prompt, TOKENS)
     assert got.tokens == plain.tokens
-    assert got.stats.draft_tokens > got.stats.accepted_tokens  # random weights: rejections happen and are rewound
+    # random weights: rejections happen and are rewound (adaptive: it soon decodes plainly, probing now and then)
+    assert got.stats.draft_tokens > got.stats.accepted_tokens
+
+
+class _Oracle:
+    """A free drafter that knows plain greedy's continuation but proposes only at the positions ``where`` says."""
+
+    name = "oracle"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, truth: list[int], where: Callable[[int], bool]) -> None:
+        self.truth, self.where = truth, where
+
+    def reset(self) -> None:
+        """Stateless."""
+
+    def observe(self, start: int, hidden: Any) -> None:
+        """Never called."""
+
+    def rewind(self, length: int) -> None:
+        """Stateless."""
+
+    def propose(self, context: Any, k: int, sampler: Any) -> Any:
+        from turbospark_core.speculative.drafter import Draft
+
+        n = len(context)
+        return Draft(tokens=self.truth[n : n + k] if self.where(n) else [], source=1)
+
+
+def test_adaptive_decoding_goes_plain_where_nothing_is_proposed_and_verifies_where_it_is(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain stretches run pipelined (the drafter asked after every token); a proposal whose first token is the
+    one in flight ends them, and the rest of it is what the next verify checks."""
+    import attrs
+
+    from turbospark_core.speculative.decode import SpeculativeLoop
+    from turbospark_core.speculative.factory import DrafterSetup
+
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, 48)
+    truth = [*prompt, *plain.tokens]
+    runner = turbospark_core.open(llama)
+    oracle = _Oracle(truth, lambda n: (n - len(prompt)) % 16 >= 8)  # proposes for 8 tokens, then not for 8
+    setup = DrafterSetup(name="oracle", new=lambda: oracle, num_draft_tokens=4)
+    runner._opened = attrs.evolve(runner.opened, drafter=setup)
+    plain_tokens = []
+    real = SpeculativeLoop._plain
+
+    def counted(self: SpeculativeLoop, budget: int) -> Any:
+        for tok in real(self, budget):
+            plain_tokens.append(tok)
+            yield tok
+
+    monkeypatch.setattr(SpeculativeLoop, "_plain", counted)
+    got = runner.generate(prompt, 48)
+    assert got.tokens == plain.tokens
+    assert got.stats.accepted_tokens == got.stats.draft_tokens > 0  # every oracle token kept
+    assert 8 <= len(plain_tokens) < 40  # the stretches without proposals decoded plainly, the rest verified
+
+
+def test_step_costs_are_one_forward_per_token_whatever_the_stretch(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy's step times, on a clock that advances one unit per token a forward runs: every plain
+    stretch (one or two tokens included) is timed 1 per token, every verify of ``T`` tokens ``T``.
+
+    A plain stretch's forwards overlap, so timing it read to read would give its first token two
+    forwards and its last none; the stretch is timed as a whole instead.
+    """
+    import attrs
+
+    from turbospark_core.runner import Runner
+    from turbospark_core.speculative import decode
+    from turbospark_core.speculative.factory import DrafterSetup
+
+    prompt = _prompt("llama")
+    plain = turbospark_core.open(llama).generate(prompt, 48)
+    truth = [*prompt, *plain.tokens]
+    ticks = [0.0]
+    real = Runner._forward
+
+    def counted(self: Runner, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ticks[0] += inputs.shape[1]
+        return real(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_forward", counted)
+    monkeypatch.setattr(decode, "clock", lambda: ticks[0])
+    runner = turbospark_core.open(llama)
+    for period in (16, 3):  # long stretches, then stretches of one or two tokens between short proposals
+        oracle = _Oracle(truth, lambda n, p=period: (n - len(prompt)) % (2 * p) >= p)
+        setup = DrafterSetup(name="oracle", new=lambda o=oracle: o, num_draft_tokens=4)
+        runner._opened = attrs.evolve(runner.opened, drafter=setup)
+        got = runner.generate(prompt, 48)
+        assert got.tokens == plain.tokens and got.stats.draft_tokens > 0
+        samples = setup.history.times._samples
+        assert samples[1] and set(samples[1]) == {1.0}  # plain stretches: one unit per token
+        assert all(set(v) == {float(t)} for t, v in samples.items())  # verifies: one per token they ran
 
 
 @pytest.fixture
@@ -161,6 +259,7 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
     sampler = Sampler(params)
     first = int(np.argmax(runner.logits(prompt)[-1]))
     context = [*prompt, first]
+
     # the plain law of the two tokens after ``context``: p(a) p(b | a), with plain decoding's penalty history
     def law(ctx: list[int]) -> np.ndarray:
         logits = mx.array(runner.logits(ctx)[-1:])
@@ -191,7 +290,7 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
     setup = DrafterSetup(name="guess", new=Guess, num_draft_tokens=2, adaptive=False)
 
     def forward(tokens: list[int], cs: Any, capture: Any) -> mx.array:
-        return runner.model(mx.array([tokens]), cs)
+        return runner.model(tokens, cs)
 
     n = 1500
     counts: dict[tuple[int, int], int] = {}
@@ -204,13 +303,5 @@ def test_sampled_continuations_are_distributed_as_plain_sampling(llama: Path) ->
         key = (got[0], got[1])
         counts[key] = counts.get(key, 0) + 1
         trim_caches(caches, loop.held - len(prompt))
-    cells = [c for c in expected if expected[c] * n >= 5]
-    stat = sum((counts.get(c, 0) - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
-    rest = n - sum(counts.get(c, 0) for c in cells)
-    rest_p = 1.0 - sum(expected[c] for c in cells)
-    if rest_p * n >= 5:
-        stat += (rest - n * rest_p) ** 2 / (n * rest_p)
-    dof = len(cells) - (0 if rest_p * n >= 5 else 1)
-    c = 2.0 / (9.0 * dof)
-    critical = dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3  # p = 0.001
-    assert stat < critical, (stat, dof)
+    stat, critical = chi_square(counts, expected, n)
+    assert stat < critical, (stat, critical)

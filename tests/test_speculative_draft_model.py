@@ -45,3 +45,22 @@ def test_proposals_after_rejections_equal_a_fresh_drafters(
     # a context that diverges earlier (another conversation) is followed too
     other = [*prompt[:30], 7, 8, 9]
     assert drafter.propose(other, 3, greedy).tokens == fresh().propose(other, 3, greedy).tokens
+
+
+def test_the_draft_model_counts_in_the_open_estimate_and_budget(turbospark_install: Any) -> None:
+    """The draft install's weights and KV (for every session slot) join the target's estimate; over budget: refused."""
+    from turbospark_core.errors import MemoryBudgetError
+
+    path = turbospark_install("llama", "float32")
+    plain = turbospark_core.open(path, max_context=256, session_slots=2).opened.estimate
+    runner = turbospark_core.open(path, max_context=256, session_slots=2, draft_model=path, num_draft_tokens=2)
+    estimate = runner.opened.estimate
+    assert estimate.drafter == plain.total  # a model drafting for itself: the same weights and KV again
+    assert estimate.total == plain.total + estimate.drafter
+    fits = plain.total + estimate.drafter
+    opened = turbospark_core.open(path, max_context=256, session_slots=2, memory_budget=fits, draft_model=path)
+    assert opened.opened.drafter is not None
+    with pytest.raises(
+        MemoryBudgetError, match=r"draft_model=.* does not fit beside the model.*open without draft_model"
+    ):
+        turbospark_core.open(path, max_context=256, session_slots=2, memory_budget=fits - 1, draft_model=path)

@@ -63,7 +63,7 @@ def _check_rewind(runner: Runner, prompt: list[int], steps: int = 10, k: int = 4
     assert first == greedy[0]
 
     def forward(tokens: list[int], cs: Any, capture: Any) -> mx.array:
-        return runner.model(mx.array([tokens]), cs)
+        return runner.model(tokens, cs)
 
     setup = DrafterSetup(name="test", new=lambda: drafter, num_draft_tokens=k, adaptive=False)
     drafter = PartlyRightDrafter(truth, vocab)

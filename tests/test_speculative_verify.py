@@ -12,26 +12,9 @@ import pytest
 from turbospark_core.sampling import Sampler, SamplingParams
 from turbospark_core.speculative.drafter import Draft
 from turbospark_core.speculative.verify import accept, penalized_rows
+from turbospark_core.testing import chi_square
 
 V = 6
-
-
-def chi2_critical(dof: int, z: float = 3.09) -> float:
-    """The chi-square value a correct sampler exceeds with probability ~0.001 (Wilson-Hilferty)."""
-    c = 2.0 / (9.0 * dof)
-    return float(dof * (1.0 - c + z * np.sqrt(c)) ** 3)
-
-
-def _chi2(counts: Counter[Any], expected: dict[Any, float], n: int) -> tuple[float, int]:
-    cells = [c for c in expected if expected[c] * n >= 5]
-    rest = 1.0 - sum(expected[c] for c in cells)
-    stat = sum((counts[c] - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
-    other = n - sum(counts[c] for c in cells)
-    if rest * n >= 5:
-        stat += (other - n * rest) ** 2 / (n * rest)
-        return stat, len(cells)
-    assert other <= 5
-    return stat, len(cells) - 1
 
 
 def test_greedy_keeps_the_longest_matching_prefix_and_adds_the_target_token() -> None:
@@ -76,8 +59,8 @@ def test_speculative_sampling_reproduces_the_target_distribution(kind: str) -> N
     q = rng.dirichlet(np.ones(V) * 0.7, size=2) if kind == "model" else None
     n = 3000
     counts = _sampled_pairs(q, n, params, logits)
-    stat, dof = _chi2(counts, expected, n)
-    assert stat < chi2_critical(dof), (stat, dof)
+    stat, critical = chi_square(counts, expected, n)
+    assert stat < critical, (stat, critical)
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted() -> None:

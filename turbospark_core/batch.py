@@ -19,11 +19,15 @@ Exactness: a row's prompt but its last token is prefilled alone; its last
 prompt token and its decode steps run in the batch (see
 :mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
 
-Speculative decoding (a drafter opened with the runner): a row decoding
-alone (nothing else decoding, prefilling or queued) leaves the batched caches
-and decodes speculatively on its own caches, exactly as the single-sequence
-path does; as soon as another row joins, it moves back into the batch and
-decodes plainly there. Batched rows are not drafted for.
+Speculative decoding (a drafter opened with the runner): every row has its
+own drafter. Rows decoding together are verified together
+(:mod:`turbospark_core.speculative.batched`): each proposes its own drafts,
+one ``[B, L]`` forward checks them all, each row accepts by its own sampler's
+rules (log probabilities come from the verify's rows) and is rewound exactly
+in the batched caches; ``L`` is chosen for the most tokens per second over
+every row. A row decoding alone (nothing else decoding, prefilling or queued;
+no log probabilities asked for) leaves the batched caches and decodes on its
+own, exactly as the single-sequence path does, until another row joins.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
-from turbospark_core.speculative.decode import SpeculativeLoop, observe
+from turbospark_core.speculative import batched
+from turbospark_core.speculative.adaptive import DraftPolicy, clock
+from turbospark_core.speculative.decode import SpeculativeLoop, new_policy, observe
 from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.steering import DirectionSet, Edit, fingerprint
 from turbospark_core.stop import StopMatcher
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
 
 PREFILL_CHUNK = 512
 MAX_TOP_LOGPROBS = 20  # alternatives a row may ask for per token (OpenAI's bound)
+COMPACT_SLACK = 32  # holes (rewound columns) a full-attention layer keeps before compacting (or a quarter of its rows)
 
 
 @attrs.frozen
@@ -118,9 +125,15 @@ class _Seq:
     t0: float = 0.0
     top_logprobs: int | None = None  # None: no log probabilities; k: the sampled token's and k alternatives
     drafter: Drafter | None = None  # with a drafter open: this row's
+    policy: DraftPolicy | None = None  # and its draft length
     spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
     joining: bool = False  # in the batch with its last prompt token pending: the next decode samples its first token
     passed: int = 0  # short prompts prefilled ahead of this long one (at most ``max_rows``)
+
+    @property
+    def context(self) -> list[int]:
+        """Every committed token: the prompt and all sampled (past a stop, the rest of a verify's block too)."""
+        return [*self.ids, *self.sampled]
 
 
 class Batch:
@@ -245,7 +258,7 @@ class Batch:
         if self._solo:
             self._speculate(self._solo[0], out)
         if self._decoding:
-            self._decode(out)
+            self._decode_step(out)
         return out
 
     def __iter__(self) -> Iterator[tuple[BatchRow, str]]:
@@ -285,8 +298,8 @@ class Batch:
             self._prefilling = seq
             if seq.caches is not None:
                 return  # a long prompt resuming after short ones passed it: its caches hold what it fed
-            # rows asking for log probabilities or holding images decode in the batch, never speculatively
-            setup = self.runner.opened.drafter if seq.top_logprobs is None and seq.vision is None else None
+            setup = self.runner.opened.drafter
+            seq.policy = None if setup is None else new_policy(setup)
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 seq.drafter = None if setup is None else setup.new()
@@ -297,7 +310,7 @@ class Batch:
             seq.progress.reused_tokens = reused
             seq.fed = reused
             seq.caches = seq.state.caches
-            seq.drafter = None if setup is None else self.runner._drafter(seq.state, reused)
+            seq.drafter = self.runner._drafter(seq.state, reused)
 
     def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""
@@ -347,14 +360,12 @@ class Batch:
         self._prefilling = None
         seq.t0 = time.perf_counter()
         seq.row.status = "decoding"
-        self._accept(seq, _token_id(token), out, scores)
+        seq.sampled.append(_token_id(token))
+        self._accept(seq, seq.sampled[-1], out, scores)
         if seq.row.done:
             return
         if seq.drafter is not None:
             seq.drafter.rewind(len(ids) + 1)
-            self._go_solo(seq, seq.caches, len(ids))
-            seq.caches = None
-            return
         if self._caches is None:
             self._caches = BatchCaches(seq.caches)
         self._caches.add_row(seq.caches, len(ids))
@@ -365,12 +376,11 @@ class Batch:
     def _foldable(self, seq: _Seq) -> bool:
         """Whether a row's last prompt token can run in the batched decode forward (its first token sampled there).
 
-        Not for rows with a drafter (they observe the last token's hidden
-        states), images (their positions shift) or untrimmable session caches
-        (the session checkpoints the whole prompt).
+        Not for rows with images (their positions shift) or untrimmable
+        session caches (the session checkpoints the whole prompt).
         """
         trimmable = seq.state is None or seq.state.trimmable
-        return seq.drafter is None and seq.vision is None and trimmable and 0 < seq.fed == len(seq.ids) - 1
+        return seq.vision is None and trimmable and 0 < seq.fed == len(seq.ids) - 1
 
     def _join_with_last_token(self, seq: _Seq) -> None:
         """Move a prefilled row (all but its last prompt token) into the batch, that token pending."""
@@ -384,15 +394,54 @@ class Batch:
         self._prefilling = None
         self._decoding.append(seq)
 
-    def _decode(self, out: list[tuple[BatchRow, str]]) -> None:
+    def _decode_step(self, out: list[tuple[BatchRow, str]]) -> None:
+        """One forward over every row in the batch: a verify when a row drafts or must catch up, else plain."""
+        setup = self.runner.opened.drafter
+        if setup is None:
+            self._decode(out)
+            return
+        assert self._caches is not None
+        t0, c0 = time.perf_counter(), clock()
+        held = self._caches.rows.offsets
+        plans = [
+            batched.propose(s.policy, s.drafter, s.context, held[b], s.max_tokens - s.generated - 1, s.sampler)
+            for b, s in enumerate(self._decoding)
+        ]
+        width = batched.choose_width(plans, [s.policy for s in self._decoding], setup.history.batch_times)
+        if width == 1:
+            self._decode(out, t0, c0)
+        else:
+            self._verify(out, [batched.fit(p, width) for p in plans], width, t0, c0)
+
+    def _forward_rows(self, tokens: mx.array, capture: dict[int, mx.array] | None = None) -> mx.array:
+        """The batched forward of ``tokens`` ``[B, L]``: each row's steering and image shift; residuals for drafters."""
         assert self._caches is not None
         rows = self._decoding
-        pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         edit = Edit.of_rows([s.steering for s in rows])
         shifts = [0 if s.vision is None else s.vision.shift for s in rows]  # positions after a row's images
         vision = VisionInputs(shift=mx.array(shifts, dtype=mx.int32)) if any(shifts) else None
-        t0 = time.perf_counter()
-        logits = self.runner._forward(pending[:, None], self._caches.caches, edit, vision)[:, -1, :]
+        layers = frozenset(layer for s in rows if s.drafter is not None for layer in s.drafter.capture_layers)
+        if capture is not None and not layers:
+            capture = None
+        return self.runner._forward(tokens, self._caches.caches, edit, vision, capture, layers or None)
+
+    def _observe(self, capture: dict[int, mx.array], held: Sequence[int], lengths: Sequence[int]) -> None:
+        """Hand each row's drafter its residuals of the forward (its first ``lengths[b]`` tokens)."""
+        for b, seq in enumerate(self._decoding):
+            if seq.drafter is not None and seq.drafter.capture_layers:
+                observe(seq.drafter, held[b], capture, b, lengths[b])
+
+    def _decode(self, out: list[tuple[BatchRow, str]], t0: float | None = None, c0: float | None = None) -> None:
+        """One plain step of every row (``t0``, ``c0``: the wall and CPU clocks when the step began)."""
+        assert self._caches is not None
+        rows = self._decoding
+        pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
+        t0 = time.perf_counter() if t0 is None else t0
+        c0 = clock() if c0 is None else c0
+        capture: dict[int, mx.array] = {}
+        held = list(self._caches.rows.offsets)
+        logits = self._forward_rows(pending[:, None], capture)[:, -1, :]
+        self._observe(capture, held, [1] * len(rows))
         for seq in rows:
             assert seq.pending is not None
             if not seq.joining:  # a joining row's history already ends with its last prompt token
@@ -416,16 +465,84 @@ class Batch:
         self._caches.step_done(1)
         ids: list[int] = np.asarray(stacked).tolist()  # one host sync for every row's token
         now = time.perf_counter()
+        setup = self.runner.opened.drafter
+        if setup is not None:
+            setup.history.batch_times.record(len(rows), clock() - c0)
         for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
             seq.pending = token.reshape(1)
-            if seq.joining:
-                seq.joining = False
-                seq.fed = len(seq.ids)
-                seq.progress.prompt_s += now - t0
-                seq.t0 = now
-                seq.row.status = "decoding"
+            self._joined(seq, now, t0)
+            if seq.drafter is not None:
+                seq.progress.drafts.verifies += 1  # a plain step of a drafted-for row counts too
+            seq.sampled.append(tok)
             self._accept(seq, tok, out, score)
         self._drop_finished()
+
+    def _joined(self, seq: _Seq, now: float, t0: float) -> None:
+        """A joining row's first token was sampled in the step that began at ``t0``: its prompt is done."""
+        if seq.joining:
+            seq.joining = False
+            seq.fed = len(seq.ids)
+            seq.progress.prompt_s += now - t0
+            seq.t0 = now
+            seq.row.status = "decoding"
+
+    def _verify(
+        self, out: list[tuple[BatchRow, str]], plans: list[batched.RowPlan], width: int, t0: float, c0: float
+    ) -> None:
+        """One ``[B, width]`` forward verifying every row's drafts; each row commits its own tokens and is rewound."""
+        assert self._caches is not None
+        caches, rows = self._caches, self._decoding
+        held = list(caches.rows.offsets)
+        capture: dict[int, mx.array] = {}
+        logits = self._forward_rows(batched.padded(plans, width), capture)  # [B, width, V]
+        self._observe(capture, held, [len(p.feed) for p in plans])
+        fast = [s.sampler.params.greedy and s.sampler.params.repetition_penalty == 1.0 for s in rows]
+        best = mx.argmax(logits.astype(mx.float32), axis=-1) if any(fast) else None
+        mx.eval(best, caches.state)
+        caches.step_done(width)
+        best_ids = None if best is None else np.asarray(best)
+        judged = [
+            batched.judge(
+                logits[b], plan, seq.context, seq.sampler,
+                best_ids[b] if fast[b] and best_ids is not None else None, seq.top_logprobs is not None,
+            )
+            for b, (seq, plan) in enumerate(zip(rows, plans, strict=True))
+        ]  # fmt: skip
+        keep = []
+        for b, (plan, verdict) in enumerate(zip(plans, judged, strict=True)):
+            kept = len(plan.backlog) + verdict.accepted  # fed tokens the row keeps (the bonus is run next)
+            keep.append(held[b] + kept if caches.cuts_anywhere or kept == width else held[b])
+        caches.rewind(keep)
+        caches.compact(max(COMPACT_SLACK, max(keep) // 4))
+        now = time.perf_counter()
+        setup = self.runner.opened.drafter
+        assert setup is not None
+        setup.history.batch_times.record(len(rows) * width, clock() - c0)
+        for seq, plan, verdict in zip(rows, plans, judged, strict=True):
+            self._joined(seq, now, t0)
+            self._commit(seq, plan, verdict, out)
+        self._drop_finished()
+
+    def _commit(
+        self, seq: _Seq, plan: batched.RowPlan, verdict: batched.Judged, out: list[tuple[BatchRow, str]]
+    ) -> None:
+        """Record a row's verify (stats, policy, drafter) and emit its committed tokens until it finishes."""
+        drafted = plan.verify
+        seq.progress.drafts.drafted += drafted
+        seq.progress.drafts.accepted += verdict.accepted
+        seq.progress.drafts.verifies += 1
+        if seq.policy is not None:
+            seq.policy.update(drafted, verdict.accepted, plan.draft.source)
+        seq.sampled.extend(verdict.committed)
+        if seq.drafter is not None:
+            seq.drafter.rewind(len(seq.ids) + len(seq.sampled))
+        seq.pending = mx.array(verdict.committed[-1:])
+        seq.history = mx.array(seq.context[:-1][-seq.sampler.params.repetition_context :])
+        for i, tok in enumerate(verdict.committed):
+            scores = [] if verdict.scores is None else _logprob_arrays(seq, verdict.scores[i : i + 1], mx.array([tok]))
+            self._accept(seq, tok, out, scores)
+            if seq.row.done:
+                return
 
     # ------------------------------------------------------------- speculative rows
     def _go_solo(self, seq: _Seq, caches: list[Cache], held: int) -> None:
@@ -434,23 +551,22 @@ class Batch:
         assert setup is not None and seq.drafter is not None
         edit = Edit.of_rows([seq.steering])
         layers = frozenset(seq.drafter.capture_layers) or None
+        step_vision = None if seq.vision is None else seq.vision.decode_step()
         runner = self.runner
 
-        def forward(tokens: list[int], cs: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
-            return runner._forward(
-                mx.array([tokens]), cs, edit, capture=capture, capture_layers=layers if capture is not None else None
-            )
+        def forward(tokens: mx.array, cs: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
+            return runner._forward(tokens, cs, edit, step_vision, capture, layers if capture is not None else None)
 
-        context = [*seq.ids, *seq.sampled]
+        policy = seq.policy if seq.policy is not None else new_policy(setup)
         seq.spec = SpeculativeLoop(
-            forward, caches, seq.drafter, setup, seq.sampler, context, held, seq.progress.drafts
+            forward, caches, seq.drafter, setup, seq.sampler, seq.context, held, seq.progress.drafts, policy
         )
         self._solo.append(seq)
 
     def _place_rows(self) -> None:
         """A row alone decodes speculatively; with company, every row decodes in the batch."""
         alone = len(self._decoding) + len(self._solo) == 1 and not self._waiting and self._prefilling is None
-        if alone and self._decoding and self._decoding[0].drafter is not None:
+        if alone and self._decoding and self._solo_ready(self._decoding[0]):
             assert self._caches is not None
             seq = self._decoding[0]
             fresh = self.runner.opened.new_cache()
@@ -459,8 +575,6 @@ class Batch:
             mx.eval([c.state for c in fresh])
             self._caches.keep_rows([])
             self._decoding = []
-            assert seq.drafter is not None
-            seq.drafter.rewind(len(seq.ids) + len(seq.sampled))
             self._go_solo(seq, fresh, held)
         elif not alone:
             for seq in self._solo:
@@ -475,10 +589,22 @@ class Batch:
                 self._decoding.append(seq)
             self._solo = []
 
+    def _solo_ready(self, seq: _Seq) -> bool:
+        """Whether a lone row can leave the batch to decode on its own caches (the single-sequence loop).
+
+        It needs a drafter, its first token, no log probabilities (the loop
+        reports none) and caches holding all its context but the last token.
+        """
+        assert self._caches is not None
+        caught_up = self._caches.rows.offsets[0] == len(seq.ids) + len(seq.sampled) - 1
+        return seq.drafter is not None and not seq.joining and seq.top_logprobs is None and caught_up
+
     def _speculate(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """One verify of the row decoding alone; its committed tokens are handled one by one."""
         assert seq.spec is not None
-        for tok in seq.spec.step(seq.max_tokens - seq.generated):
+        committed = seq.spec.step(seq.max_tokens - seq.generated)
+        seq.sampled.extend(committed)
+        for tok in committed:
             self._accept(seq, tok, out)
             if seq.row.done:
                 break
@@ -501,9 +627,8 @@ class Batch:
     def _accept(
         self, seq: _Seq, tok: int, out: list[tuple[BatchRow, str]], scores: list[mx.array] | None = None
     ) -> None:
-        """The single-sequence path's handling of one sampled token (EOS, stop strings, max_tokens)."""
+        """The single-sequence path's handling of one committed token (EOS, stop strings, max_tokens)."""
         seq.generated += 1
-        seq.sampled.append(tok)
         seq.progress.decode_s = time.perf_counter() - seq.t0
         if tok in self.runner.eos_token_ids:
             self._finish(seq, "stop", flush=True, out=out)

@@ -275,12 +275,42 @@ class BatchKVCache:
         v = self._v.map(lambda a: a[row : row + 1][:, :, idx, :])
         into.load_rows(k, v, mx.array(pos[cols].astype(np.int32)), self.rows.offsets[row])
 
-    def truncate(self, row: int, position: int) -> None:
-        """Forget row ``row``'s tokens at ``position`` and after (their columns become holes)."""
+    def rewind_rows(self, keep: Sequence[int]) -> None:
+        """Forget each row ``b``'s tokens at position ``keep[b]`` and after (their columns become holes)."""
         if self.positions is None:
             return
-        hole = (mx.arange(self.positions.shape[0])[:, None] == row) & (self.positions >= position)
+        hole = self.positions >= mx.array(list(keep), dtype=mx.int32)[:, None]
         self.positions = mx.where(hole, -1, self.positions)
+
+    def holes(self) -> int:
+        """Columns a full layer could drop by :meth:`compact` (rewound tokens): a bound from the row positions."""
+        return 0 if self.window is not None else self.length - max(self.rows.offsets, default=0)
+
+    def compact(self) -> None:
+        """Drop the holes rewinds left: each row's tokens move right, in order, over its holes (exact)."""
+        if self.positions is None or self._k is None or self._v is None:
+            return
+        pos = np.array(self.positions[:, : self.length])
+        valid = pos >= 0
+        counts = valid.sum(axis=1)
+        width = int(counts.max(initial=0))
+        if width == self.length:
+            return
+        order = np.argsort(~valid, axis=1, kind="stable")  # each row's held columns first, in column order
+        rank = np.arange(width)[None, :] - (width - counts)[:, None]  # right-aligned: padding first
+        source = np.take_along_axis(order, np.maximum(rank, 0), axis=1)
+        moved = np.where(rank >= 0, np.take_along_axis(pos, source, axis=1), -1)
+        idx = mx.array(source.astype(np.int32))[:, None, :, None]
+        self._k = self._k.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))
+        self._v = self._v.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))
+        self.positions = mx.array(moved.astype(np.int32))
+        self.length = width
+
+    def truncate(self, row: int, position: int) -> None:
+        """Forget row ``row``'s tokens at ``position`` and after (their columns become holes)."""
+        offsets = list(self.rows.offsets)
+        offsets[row] = position
+        self.rewind_rows(offsets)
 
 
 class BatchExactRecentKVCache:
@@ -421,23 +451,42 @@ class BatchRecurrentState:
         into.arrays = {n: mx.array(a[row : row + 1]) for n, a in self.arrays.items()}
         into.offset = self.rows.offsets[row]
 
-    def truncate(self, row: int, position: int) -> None:
-        """Return row ``row`` to the start of the latest step (the only exact point kept)."""
+    def rewind_rows(self, keep: Sequence[int]) -> None:
+        """Return each row ``b`` with ``keep[b]`` short of its position to the start of the latest step.
+
+        The only exact point kept: ``keep[b]`` must be that start (or the row's position: nothing to do).
+
+        Raises:
+            OptionError: A row asked to go anywhere else (nothing is changed then).
+        """
+        back = [b for b, k in enumerate(keep) if k != self.rows.offsets[b]]
+        if not back:
+            return
         latest = self._before is not None and self._before[0] == self.rows.steps - 1
-        if self._before is None or not latest or self._before[1][row] != position:
-            start = self._before[1][row] if self._before is not None and latest else None
-            msg = (
-                f"a recurrent layer can rewind row {row} only to the start of the latest step "
-                f"(position {start}), not to {position}"
-            )
-            raise OptionError(msg)
+        for b in back:
+            if self._before is None or not latest or self._before[1][b] != keep[b]:
+                start = self._before[1][b] if self._before is not None and latest else None
+                msg = (
+                    f"a recurrent layer can rewind row {b} only to the start of the latest step "
+                    f"(position {start}), not to {keep[b]}"
+                )
+                raise OptionError(msg)
+        assert self._before is not None
         before = self._before[2]
+        rows = np.zeros(len(keep), dtype=bool)
+        rows[back] = True
         for name, arr in self.arrays.items():
             old = before.get(name)
             if old is None:
                 old = mx.zeros_like(arr)
-            is_row = (mx.arange(arr.shape[0]) == row).reshape((-1,) + (1,) * (arr.ndim - 1))
-            self.arrays[name] = mx.where(is_row, old, arr)
+            restore = mx.array(rows).reshape((-1,) + (1,) * (arr.ndim - 1))
+            self.arrays[name] = mx.where(restore, old, arr)
+
+    def truncate(self, row: int, position: int) -> None:
+        """Return row ``row`` to the start of the latest step (the only exact point kept)."""
+        offsets = list(self.rows.offsets)
+        offsets[row] = position
+        self.rewind_rows(offsets)
 
 
 BatchCache = BatchKVCache | BatchExactRecentKVCache | BatchRecurrentState
@@ -488,15 +537,39 @@ class BatchCaches:
 
     def truncate(self, row: int, position: int) -> None:
         """Rewind row ``row`` to ``position`` (drop its later tokens), exactly, in every layer."""
-        if not 0 <= position <= self.rows.offsets[row]:
-            msg = f"row {row} holds {self.rows.offsets[row]} tokens; cannot rewind it to position {position}"
-            raise OptionError(msg)
+        keep = list(self.rows.offsets)
+        keep[row] = position
+        self.rewind(keep)
+
+    def rewind(self, keep: Sequence[int]) -> None:
+        """Each row ``b`` keeps its first ``keep[b]`` tokens, exactly, in every layer (one pass for all rows).
+
+        Attention layers cut anywhere; a recurrent layer only back to the start
+        of the latest step (see :attr:`cuts_anywhere`).
+
+        Raises:
+            OptionError: A position a row never held, or one a recurrent layer cannot return to
+                (nothing is changed then).
+        """
+        for row, (position, held) in enumerate(zip(keep, self.rows.offsets, strict=True)):
+            if not 0 <= position <= held:
+                msg = f"row {row} holds {held} tokens; cannot rewind it to position {position}"
+                raise OptionError(msg)
         # recurrent layers first: they may refuse, and then nothing has changed
         for cache in sorted(self.caches, key=lambda c: not isinstance(c, BatchRecurrentState)):
-            cache.truncate(row, position)
-        offsets = list(self.rows.offsets)
-        offsets[row] = position
-        self.rows.set(offsets)
+            cache.rewind_rows(keep)
+        self.rows.set(keep)
+
+    @property
+    def cuts_anywhere(self) -> bool:
+        """Whether every layer can rewind a row to any position of the latest step (no recurrent layer)."""
+        return not any(isinstance(c, BatchRecurrentState) for c in self.caches)
+
+    def compact(self, slack: int) -> None:
+        """Drop the holes rewinds left in full-attention layers once they exceed ``slack`` columns."""
+        for cache in self.caches:
+            if isinstance(cache, BatchKVCache) and cache.holes() > slack:
+                cache.compact()
 
     def step_done(self, n: int) -> None:
         """After a forward of ``n`` tokens per row: advance the positions."""

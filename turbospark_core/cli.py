@@ -346,7 +346,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
     for speed in kernel_speed.measured():
         print(f"kernels      {speed.describe()}")
-    print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB")
+    drafter = f" (drafter {opened.estimate.drafter / 1e9:.3f} GB)" if opened.drafter is not None else ""
+    print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB{drafter}")
     if opened.distributed is not None:
         print(f"distributed  {opened.distributed.describe()}")
     if opened.experts is not None:

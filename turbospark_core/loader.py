@@ -274,7 +274,10 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     12. drafters (:mod:`turbospark_core.speculative.factory`): at most one
         (``OpenOptions`` refused two); a hadamard-folded install refuses any
         (checked with step 6); the named drafter is built last, from the
-        opened target (a draft model is another install opened here);
+        opened target (a draft model is another install opened here, in the
+        memory the target leaves); what it holds (weights, its per-sequence
+        state for every session slot) joins the estimate (``drafter``) and
+        an over-budget drafter is refused naming the knobs;
     13. build the session pool (``session_slots`` parked sequences);
     14. steering (``options.steering``): read the direction set (bounded
         reads, or the in-memory :class:`DirectionSet`), check it against the
@@ -397,8 +400,9 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     if not options.drafters_named():
         return opened
     with timer.phase("drafter"):
-        drafter = make_drafter(opened)  # 12
-    return attrs.evolve(opened, drafter=drafter, startup_stats=timer.finish())
+        drafter = make_drafter(opened)  # 12: each drafter checks its memory against what the model leaves
+    counted = estimate if drafter is None else attrs.evolve(estimate, drafter=drafter.memory)
+    return attrs.evolve(opened, drafter=drafter, estimate=counted, startup_stats=timer.finish())
 
 
 def _forward_one(

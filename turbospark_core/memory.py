@@ -53,16 +53,17 @@ def parse_budget(value: int | float | str | None) -> int:
 
 @attrs.frozen(kw_only=True)
 class MemoryEstimate:
-    """What an open will allocate, in bytes."""
+    """What an open will allocate, in bytes (``drafter``: what a speculative drafter adds, open step 12)."""
 
     weights: int
     kv: int
     experts: int = 0
+    drafter: int = 0
 
     @property
     def total(self) -> int:
         """All of it."""
-        return self.weights + self.kv + self.experts
+        return self.weights + self.kv + self.experts + self.drafter
 
     def check(self, budget: int, *, max_context: int, slots: int) -> None:
         """Refuse an open that would exceed ``budget``, naming the knob to turn.

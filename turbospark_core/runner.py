@@ -335,9 +335,11 @@ class Runner:
         self._remember_images(state, vision)
         step_vision = None if vision is None else vision.decode_step()
         progress.reused_tokens = reused
-        drafter = self._drafter(state, reused) if vision is None else None  # image prompts decode plainly
+        drafter = self._drafter(state, reused)
         if drafter is not None:
-            yield from self._speculative_stream(ids, sampler, max_tokens, progress, state, edit, drafter, reused)
+            yield from self._speculative_stream(
+                ids, sampler, max_tokens, progress, state, edit, drafter, reused, vision
+            )
             return
         history = mx.array(ids[-sampler.params.repetition_context :])
         produced: list[int] = []
@@ -388,20 +390,22 @@ class Runner:
         edit: Edit,
         drafter: Drafter,
         reused: int,
+        vision: VisionPrompt | None = None,
     ) -> Iterator[int]:
         """As :meth:`_token_stream`, drafting and verifying (:mod:`turbospark_core.speculative`)."""
         setup = self._opened.drafter
         assert setup is not None
         layers = frozenset(drafter.capture_layers) or None
+        step_vision = None if vision is None else vision.decode_step()
 
-        def forward(tokens: list[int], caches: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
+        def forward(tokens: mx.array, caches: list[Cache], capture: dict[int, mx.array] | None) -> mx.array:
             wanted = layers if capture is not None else None
-            return self._forward(mx.array([tokens]), caches, edit, capture=capture, capture_layers=wanted)
+            return self._forward(tokens, caches, edit, step_vision, capture, wanted)
 
         loop: SpeculativeLoop | None = None
         t0 = time.perf_counter()
         try:
-            logits = self._prefill(ids[reused:], state.caches, edit, first=reused, drafter=drafter)
+            logits = self._prefill(ids[reused:], state.caches, edit, vision, reused, drafter)
             history = mx.array(ids[-sampler.params.repetition_context :])
             first = int(cast(int, sampler(sampler.penalize(logits.astype(mx.float32), history)).item()))
             state.tokens = list(ids)

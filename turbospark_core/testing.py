@@ -187,6 +187,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("fixture_name", cls.fixture_names())
 
 
+def chi_square(counts: Mapping[Any, int], expected: Mapping[Any, float], n: int) -> tuple[float, float]:
+    """Pearson's statistic of ``n`` draws' ``counts`` against the ``expected`` probabilities, and the value a
+    correct sampler exceeds with probability ~0.001 (Wilson-Hilferty); cells expecting fewer than 5 draws
+    are pooled into one (left out when it expects fewer than 5 too)."""
+    cells = [c for c in expected if expected[c] * n >= 5]
+    stat = sum((counts.get(c, 0) - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
+    rest_p, dof = 1.0 - sum(expected[c] for c in cells), len(cells) - 1
+    if rest_p * n >= 5:
+        rest = n - sum(counts.get(c, 0) for c in cells)
+        stat += (rest - n * rest_p) ** 2 / (n * rest_p)
+        dof += 1
+    c = 2.0 / (9.0 * dof)
+    return stat, float(dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3)
+
+
 def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
     """max|got - ref| / max|ref|."""
     return float(np.abs(got - ref).max() / np.abs(ref).max())

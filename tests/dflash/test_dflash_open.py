@@ -175,7 +175,9 @@ def test_the_drafter_counts_against_the_memory_budget(fx: Any) -> None:
         MemoryBudgetError, match=r"the DFlash drafter .* needs ~.* GB \(weights .* context K/V at max_context"
     ):
         fx.open(dflash=fx.drafter, memory_budget=needed + 1000)
-    assert fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened.drafter is not None
+    opened = fx.open(dflash=fx.drafter, memory_budget=needed + 10**7).opened
+    assert opened.drafter is not None
+    assert opened.estimate.drafter > 0 and opened.estimate.total == needed + opened.estimate.drafter
 
 
 def test_dflash_and_an_mtp_depth_are_a_caller_error(fx: Any) -> None:
@@ -213,3 +215,14 @@ def test_batched_generation_is_lossless(fx: Any) -> None:
     alone = runner.generate_many(prompts, budgets, max_rows=1)
     assert [g.tokens for g in alone] == plain
     assert sum(g.stats.draft_tokens for g in alone) > 0  # the last row, alone, drafted
+
+
+def test_rows_decoding_together_verify_their_blocks_together(fx: Any) -> None:
+    """Batched: each row's drafter reads its own rows of the batched forward's layer outputs; lossless."""
+    prompt = fx.refs["prompt_ids"].tolist()
+    prompts = [prompt, prompt[4:], prompt[:20] * 2]
+    plain = fx.open()
+    want = [plain.generate(p, m).tokens for p, m in zip(prompts, [16, 8, 10], strict=True)]
+    got = fx.open(dflash=fx.drafter, num_draft_tokens=7).generate_many(prompts, [16, 8, 10])
+    assert [g.tokens for g in got] == want
+    assert all(g.stats.draft_tokens > 0 for g in got[1:])  # verified beside the longest row

@@ -115,6 +115,12 @@ class ServerMetrics(NullMetrics):
         self.reused = Counter(
             "turbospark_reused_prompt_tokens", "Prompt tokens served from parked sessions", registry=r
         )
+        self.drafted = Counter(
+            "turbospark_draft_tokens", "Tokens a speculative drafter proposed and the model verified", registry=r
+        )
+        self.accepted = Counter(
+            "turbospark_accepted_draft_tokens", "Drafted tokens the model kept (completed generations)", registry=r
+        )
         self._live = _Live()
         r.register(self._live)
         self._last: weakref.WeakKeyDictionary[Job, float] = weakref.WeakKeyDictionary()  # worker thread only
@@ -153,6 +159,8 @@ class ServerMetrics(NullMetrics):
             if stats.reused_tokens:
                 self.slot_hits.inc()
                 self.reused.inc(stats.reused_tokens)
+            self.drafted.inc(stats.draft_tokens)
+            self.accepted.inc(stats.accepted_tokens)
         self._update_kv()
 
     def _update_kv(self) -> None:

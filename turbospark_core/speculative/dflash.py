@@ -161,21 +161,28 @@ def _check_tensors(manifest: Manifest, cfg: DFlashConfig) -> TensorIndex:
 
 
 def _check_memory(
-    index: TensorIndex, cfg: DFlashConfig, policy: ComputePolicy, max_context: int, memory_left: int | None, root: Path
-) -> None:
-    """The drafter's weights (as the policy holds them) and one sequence's context K/V at ``max_context`` fit."""
-    if memory_left is None:
-        return
+    index: TensorIndex,
+    cfg: DFlashConfig,
+    policy: ComputePolicy,
+    max_context: int,
+    memory_left: int | None,
+    root: Path,
+    slots: int = 1,
+) -> int:
+    """The drafter's weights (as the policy holds them) and ``slots`` sequences' context K/V at ``max_context``
+    must fit ``memory_left``; returns those bytes."""
     itemsize = mx.float32.size if policy.unpack else policy.compute_dtype.size
     weights = index.float_bytes(itemsize) if policy.unpack else index.stored_bytes()
-    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * policy.compute_dtype.size * max_context
-    if weights + kv > memory_left:
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * policy.compute_dtype.size * max_context * slots
+    if memory_left is not None and weights + kv > memory_left:
         msg = (
             f"the DFlash drafter {str(root)!r} needs ~{(weights + kv) / 1e9:.2f} GB (weights {weights / 1e9:.2f} GB, "
-            f"context K/V at max_context={max_context} {kv / 1e9:.2f} GB) but only {max(memory_left, 0) / 1e9:.2f} GB "
-            "of memory_budget is left after the model; lower max_context, raise memory_budget or open without dflash"
+            f"context K/V at max_context={max_context} x {slots} slot(s) {kv / 1e9:.2f} GB) but only "
+            f"{max(memory_left, 0) / 1e9:.2f} GB of memory_budget is left after the model; lower max_context or "
+            "session_slots, raise memory_budget or open without dflash"
         )
         raise MemoryBudgetError(msg)
+    return weights + kv
 
 
 def open_dflash(
@@ -187,6 +194,7 @@ def open_dflash(
     policy: ComputePolicy,
     max_context: int,
     memory_left: int | None = None,
+    slots: int = 1,
 ) -> DFlashFactory:
     """Open step 12 for ``dflash=PATH``: read and check the drafter install, bind it to the target.
 
@@ -207,12 +215,16 @@ def open_dflash(
         raise FamilyRefusalError(msg)
     embed, head, head_bytes = target_projections(target_model, capabilities.family)
     index = _check_tensors(manifest, cfg)
-    _check_memory(index, cfg, policy, max_context, memory_left, root)
+    memory = _check_memory(index, cfg, policy, max_context, memory_left, root, slots)
     weights = WeightStore(manifest.path(WEIGHTS), index, policy)
     network = DFlashNetwork(cfg, weights, embed, head, policy.compute_dtype)
     weights.materialize()
     return DFlashFactory(
-        network=network, max_context=max_context, root=root, round_bytes=index.stored_bytes() + head_bytes
+        network=network,
+        max_context=max_context,
+        root=root,
+        round_bytes=index.stored_bytes() + head_bytes,
+        memory=memory,
     )
 
 
@@ -243,6 +255,7 @@ def setup_dflash(opened: OpenedModel, path: Path, k: int) -> DrafterSetup:
         policy=opened.policy,
         max_context=opened.max_context,
         memory_left=opened.options.memory_budget - opened.estimate.total,
+        slots=opened.options.session_slots,
     )
     # One round reads the drafter's weights and the target's LM head once, whatever k: per drafted token,
     # in plain target decode steps (each reads the target's weights once)
@@ -258,6 +271,7 @@ def setup_dflash(opened: OpenedModel, path: Path, k: int) -> DrafterSetup:
             f"dflash {factory.root} (block {cfg.block_size}, reads layers {list(cfg.target_layer_ids)}, "
             f"up to {k} tokens per verify)"
         ),
+        memory=factory.memory,
     )
 
 
@@ -269,6 +283,7 @@ class DFlashFactory:
     max_context: int
     root: Path
     round_bytes: int = 0  # weight bytes one round reads: the drafter's and the target's LM head
+    memory: int = 0  # what the drafter adds to the open's estimate: weights, context K/V for every session slot
 
     @property
     def capture_layers(self) -> tuple[int, ...]:

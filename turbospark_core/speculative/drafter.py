@@ -68,10 +68,14 @@ class Draft:
             ``max(0, p - q)``, so ``q`` must be the true sampling distribution
             or the output is no longer distributed as plain sampling.
             When greedy (``sampler.params.greedy``), return ``None``.
+        source: What kind of proposal this is, for the adaptive draft length,
+            which tracks acceptance per source (prompt lookup: the length of
+            the matched tail; 0 for drafters with one kind of proposal).
     """
 
     tokens: tuple[int, ...] = attrs.field(converter=_tokens)
     probs: mx.array | None = attrs.field(default=None, eq=False)
+    source: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self.tokens)):

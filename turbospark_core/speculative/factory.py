@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from turbospark_core.errors import DrafterError, InstallError
+from turbospark_core.errors import DrafterError, InstallError, MemoryBudgetError
+from turbospark_core.speculative.adaptive import DraftHistory
 from turbospark_core.speculative.drafter import DrafterFactory
 
 if TYPE_CHECKING:
@@ -45,6 +46,11 @@ class DrafterSetup:
             default); an explicit ``num_draft_tokens`` drafts that many every step.
         description: What ``turbospark inspect`` prints.
         draft: A draft model's own opened install (``None`` for other kinds).
+        history: What the sequences drafted for so far taught the adaptive
+            draft length (step times, acceptance), shared by all of them.
+        memory: Bytes the drafter adds to the open's memory estimate (its
+            weights and its per-sequence state at ``max_context`` for every
+            session slot), checked against ``memory_budget`` with the target's.
     """
 
     name: str
@@ -54,6 +60,8 @@ class DrafterSetup:
     adaptive: bool = True
     description: str = ""
     draft: OpenedModel | None = attrs.field(default=None, eq=False, repr=False)
+    history: DraftHistory = attrs.field(factory=DraftHistory, eq=False, repr=False)
+    memory: int = 0
 
 
 Builder = Callable[["OpenedModel", Any], "DrafterSetup | None"]
@@ -67,6 +75,23 @@ def draft_length(options: OpenOptions) -> int:
     if options.num_draft_tokens is not None:
         return int(options.num_draft_tokens)
     return DEFAULT_LENGTH[named[0]](getattr(options, named[0]))
+
+
+def check_budget(opened: OpenedModel, option: str, extra: int, detail: str) -> None:
+    """The open's estimate plus a drafter's ``extra`` bytes must fit ``memory_budget``.
+
+    Raises:
+        MemoryBudgetError: Naming the drafter's share (``detail``: its breakdown) and the knobs.
+    """
+    estimate, budget = opened.estimate, opened.options.memory_budget
+    if estimate.total + extra <= budget:
+        return
+    msg = (
+        f"{option} needs ~{extra / 1e9:.3f} GB ({detail}) on top of the ~{estimate.total / 1e9:.2f} GB "
+        f"the model needs, but memory_budget is {budget / 1e9:.2f} GB; open without {option}, "
+        f"lower max_context or session_slots, or raise memory_budget"
+    )
+    raise MemoryBudgetError(msg)
 
 
 def refuse_hadamard(manifest: Manifest, options: OpenOptions, role: str = "") -> None:
@@ -149,18 +174,28 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
         raise type(e)(f"draft_model={str(path)!r} cannot be opened: {e}") from None
     refuse_vocab_mismatch(opened.manifest, draft_manifest)
     refuse_hadamard(draft_manifest, options, role="draft_model ")
+    left = options.memory_budget - opened.estimate.total  # the draft opens in what the target leaves
     draft_options = attrs.evolve(
         options,
         draft_model=None,
         num_draft_tokens=None,
         max_context=opened.max_context,
-        session_slots=1,
         steering=None,
         router_histogram=False,
         ffn_histogram=False,
         vision=None,
+        memory_budget=max(left, 1),
     )
-    draft = open_install(path, draft_options, ring_slack=k + 1)
+    try:
+        draft = open_install(path, draft_options, ring_slack=k + 1)
+    except MemoryBudgetError as e:
+        msg = (
+            f"draft_model={str(path)!r} does not fit beside the model: the model needs "
+            f"~{opened.estimate.total / 1e9:.2f} GB of memory_budget={options.memory_budget / 1e9:.2f} GB, "
+            f"leaving {max(left, 0) / 1e9:.2f} GB, and the draft model (its KV counted for every session slot) {e}; "
+            f"or open without draft_model"
+        )
+        raise MemoryBudgetError(msg) from None
     model, new_cache = draft.model, draft.new_cache
     cost = draft.estimate.weights / max(opened.estimate.weights, 1)
     return DrafterSetup(
@@ -174,6 +209,7 @@ def _build_draft_model(opened: OpenedModel, path: Path) -> DrafterSetup:
             f"up to {k} tokens per verify, {cost:.2f}x the target's weights)"
         ),
         draft=draft,
+        memory=draft.estimate.total,
     )
 
 

@@ -21,10 +21,11 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.context import DraftHead, HeadContext
-from turbospark_core.errors import DrafterError, InstallError, MemoryBudgetError, OptionError
+from turbospark_core.errors import DrafterError, InstallError, OptionError
 from turbospark_core.kv_cache import Cache, KVCache, make_caches
 from turbospark_core.manifest import MTP_HEAD
 from turbospark_core.speculative.drafter import Draft
+from turbospark_core.speculative.factory import check_budget
 from turbospark_core.steering import Edit, applying
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import WeightStore
@@ -51,6 +52,12 @@ class MtpFactory:
     def __init__(self, opened: OpenedModel, head: DraftHead, depth: int) -> None:
         self.opened, self.head, self.depth = opened, head, depth
 
+    @property
+    def memory(self) -> int:
+        """Bytes the head adds: its weights, and its KV cache at ``max_context`` for every session slot."""
+        kv = sum(spec.bytes_at(self.opened.max_context, 4) for spec in self.head.cache_layout())
+        return head_bytes(self.opened) + kv * self.opened.options.session_slots
+
     def __call__(self) -> MtpDrafter:
         return MtpDrafter(self.opened, self.head, self.depth)
 
@@ -74,9 +81,9 @@ def open_mtp(opened: OpenedModel, requested: int | str) -> MtpFactory | None:
     if refusal(opened) is None:
         _check_budget(opened, head_bytes(opened))  # before the head is read
     head = load_head(opened)
-    kv = sum(spec.bytes_at(opened.max_context, 4) for spec in head.cache_layout())
-    _check_budget(opened, head_bytes(opened) + kv * opened.options.session_slots)
-    return MtpFactory(opened, head, depth)
+    factory = MtpFactory(opened, head, depth)
+    _check_budget(opened, factory.memory)
+    return factory
 
 
 def _check_budget(opened: OpenedModel, extra: int) -> None:
@@ -85,16 +92,8 @@ def _check_budget(opened: OpenedModel, extra: int) -> None:
     Raises:
         MemoryBudgetError: Naming the head's share and the knobs.
     """
-    estimate, budget = opened.estimate, opened.options.memory_budget
-    if estimate.total + extra <= budget:
-        return
-    msg = (
-        f"mtp needs ~{extra / 1e9:.3f} GB for the MTP head (its weights, and its KV cache at "
-        f"max_context={opened.max_context} x {opened.options.session_slots} slot(s)) on top of the "
-        f"~{estimate.total / 1e9:.2f} GB the open needs, but memory_budget is {budget / 1e9:.2f} GB; "
-        f"open without mtp, lower max_context or session_slots, or raise memory_budget"
-    )
-    raise MemoryBudgetError(msg)
+    slots = f"max_context={opened.max_context} x {opened.options.session_slots} slot(s)"
+    check_budget(opened, "mtp", extra, f"the MTP head: its weights, and its KV cache at {slots}")
 
 
 def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | None:
@@ -116,6 +115,7 @@ def build_setup(opened: OpenedModel, requested: int | str) -> DrafterSetup | Non
             f"mtp (the install's multi-token-prediction head, up to {k} tokens per verify, "
             f"{cost:.2f}x the target's weights)"
         ),
+        memory=factory.memory,
     )
 
 

@@ -264,3 +264,20 @@ def test_bf16_checkpoint_matches_logits_bf16_weights(
     got = runner.logits(_prompt(runner, src, ref, case))
     loose = 1e-3 if runner.opened.policy.compute_dtype == mx.float32 else 0.1  # bf16 activations off the CPU
     assert np.abs(got - ref[f"{case}_logits_bf16_weights"]).max() <= loose
+
+
+def test_image_prompts_speculate_losslessly_alone_and_batched(
+    turbospark_vision_install: Callable[[str], tuple[Path, Path]], src: Path, ref: dict[str, np.ndarray]
+) -> None:
+    """A drafter open: image prompts are drafted for and verified (at their own rope_delta), alone or together."""
+    trunk, sidecar = turbospark_vision_install("qwen3_vl")
+    runner = turbospark_core.open(trunk, vision=sidecar, draft_model=trunk, num_draft_tokens=3)
+    one, two = _prompt(runner, src, ref, "one"), _prompt(runner, src, ref, "two")
+    n = len(ref["one_greedy_tokens"])
+    alone = runner.generate(one, max_tokens=n)
+    assert alone.tokens == ref["one_greedy_tokens"].tolist()
+    assert alone.stats.draft_tokens > 0
+    got = runner.generate_many([one, two], max_tokens=[n, 6])  # type: ignore[list-item]
+    assert got[0].tokens == ref["one_greedy_tokens"].tolist()
+    assert got[1].tokens == ref["two_greedy_tokens"].tolist()[:6]
+    assert got[1].stats.draft_tokens > 0  # verified in the batch, beside the other row

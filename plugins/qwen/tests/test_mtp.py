@@ -321,6 +321,22 @@ def test_greedy_with_mtp_is_plain_greedy(
     assert np.abs(runner.draft_logits(ids) - refs["mtp_logits"]).max() <= TOL
 
 
+def test_rows_decoding_together_draft_with_the_head_and_verify_together(
+    turbospark_install: Any, name: str, refs: Any
+) -> None:
+    """Batched: each row's head reads its own rows of the batched forward's residual; lossless with the
+    recurrent rows rewound to the step's start and caught up in the next forward."""
+    install = turbospark_install(name)
+    ids = refs["prompt_ids"].tolist()
+    prompts = [ids, ids[3:], ids[:25] * 2]
+    limits = [24, 10, 12]
+    plain = turbospark_core.open(install)
+    want = [plain.generate(p, m).tokens for p, m in zip(prompts, limits, strict=True)]
+    got = turbospark_core.open(install, mtp=2, num_draft_tokens=2).generate_many(prompts, limits)
+    assert [g.tokens for g in got] == want
+    assert all(g.stats.draft_tokens > 0 for g in got[1:])  # verified beside the longest row
+
+
 def test_session_prefix_reuse_with_mtp(turbospark_install: Any, name: str, refs: Any) -> None:
     """A second turn reuses the session's cache; the head starts again after the reused prefix, losslessly."""
     install = turbospark_install(name)
@@ -408,6 +424,9 @@ def test_mtp_over_the_memory_budget_is_refused_naming_the_head(turbospark_instal
     turbospark_core.open(install, max_context=256, memory_budget=need)  # plain: fits exactly
     with pytest.raises(MemoryBudgetError, match=r"mtp needs .* MTP head"):
         turbospark_core.open(install, max_context=256, memory_budget=need, mtp=1)
+    with_head = turbospark_core.open(install, max_context=256, mtp=1).opened.estimate
+    assert with_head.drafter > 0 and with_head.total == need + with_head.drafter  # the head joins the estimate
+    turbospark_core.open(install, max_context=256, memory_budget=with_head.total, mtp=1)  # fits exactly
 
 
 def test_sampled_generation_with_mtp_is_seeded(turbospark_install: Any, refs: Any, name: str) -> None:
