@@ -405,3 +405,16 @@ def test_smollm2_conversation_over_http(tmp_path_factory: pytest.TempPathFactory
         second = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=10)
         assert "Berlin" in second.choices[0].message.content
         assert second.usage.prompt_tokens_details.cached_tokens > 30
+
+
+def test_a_new_conversation_copies_the_prefix_another_parked_session_holds(client: OpenAI, reference: Runner) -> None:
+    """A shared system prompt is copied from an idle parked session, not prefilled again (``cached_tokens``)."""
+    shared = "You are a careful assistant who answers questions about the weather in short plain sentences. "
+    first = shared + "Tell me a long story about a lighthouse keeper, his old dog, a storm at sea, and spring."
+    second = shared + "Hi."
+    client.completions.create(model="m", prompt=first, temperature=0, max_tokens=4)
+    got = client.completions.create(model="m", prompt=second, temperature=0, max_tokens=6)
+    assert got.usage is not None and got.usage.prompt_tokens_details is not None
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 16 <= cached < got.usage.prompt_tokens
+    assert got.choices[0].text == reference.generate(second, max_tokens=6).text
