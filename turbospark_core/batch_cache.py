@@ -154,12 +154,18 @@ class BatchKVCache:
         end = self.length + n
         self._grow(keys.shape[0], end, keys.shape[1])
         assert self._k is not None and self._v is not None and self.positions is not None
+        start = self.length
+        self.positions[:, start:end] = self.rows.queries(n)
+        self.length = end
+        if self.kv_bits is None and self.rotation == (False, False):  # plain float rows: no _Rows wrapping per layer
+            k_all, v_all = self._k.parts[0], self._v.parts[0]
+            k_all[..., start:end, :] = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
+            v_all[..., start:end, :] = values if values.dtype == self.dtype else values.astype(self.dtype)
+            return k_all[..., :end, :], v_all[..., :end, :]
         rot_k, rot_v = self.rotation
         keys, values = (_wht(keys) if rot_k else keys), (_wht(values) if rot_v else values)
-        self._k.assign(self.length, end, _Rows.encode(keys, self.kv_bits, self.dtype))
-        self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
-        self.positions[:, self.length : end] = self.rows.queries(n)
-        self.length = end
+        self._k.assign(start, end, _Rows.encode(keys, self.kv_bits, self.dtype))
+        self._v.assign(start, end, _Rows.encode(values, self.kv_bits, self.dtype))
         k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
         return k.decode(rot_k), v.decode(rot_v)
 
