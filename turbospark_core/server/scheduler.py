@@ -13,6 +13,7 @@ prefilled one chunk per step, between the decode steps.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -312,14 +313,16 @@ class Scheduler:
         try:
             state = self.runner.sessions.acquire(job.slot)
             prompt = req.prompt if req.vision is None else req.vision  # a chat with images: the VisionPrompt
-            donors = self._slots.donors(job.slot) if self._slots is not None else []
+            # a batch mirrored to other ranks takes no donors (each rank would need the same copy)
+            shares = self._slots is not None and "donors" in inspect.signature(self._batch.add).parameters
+            donors = {"donors": self._slots.donors(job.slot)} if shares and self._slots is not None else {}
             job._row = self._batch.add(
                 prompt,
                 req.max_tokens,
                 state=state,
-                donors=donors,
                 steering=req.steering,
                 logprobs=req.logprobs,
+                **donors,
                 **req.sampling,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request's client
