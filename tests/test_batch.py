@@ -634,3 +634,20 @@ def test_a_request_copies_a_prefix_another_parked_session_holds(llama: Any) -> N
     few = batch.add([*shared[:10], 1, 2], 2, state=short, donors=[donor])  # a prefix shorter than SHARED_PREFIX_MIN
     batch.run()
     assert few.result is not None and few.result.stats.reused_tokens == 0
+
+
+def test_fresh_rows_and_rows_holding_a_prefix_prefill_together(llama: Any) -> None:
+    """A fresh row (empty caches) joins first, a session's row holding a prefix next: one forward, each exact."""
+    shared = [5 + (i * 7) % 50 for i in range(20)]
+    state = llama.sessions.acquire("prefix-then-fresh")
+    state.reset()
+    first = llama.batch(max_rows=1)
+    first.add(shared, 2, state=state)
+    first.run()
+    batch = llama.batch(max_rows=3)
+    fresh = batch.add([9, 8, 7, 6, 5, 4], 4)
+    held = batch.add([*shared, 3, 4, 5, 6], 4, state=state)
+    batch.run()
+    assert fresh.result is not None and fresh.result.tokens == llama.generate([9, 8, 7, 6, 5, 4], max_tokens=4).tokens
+    assert held.result is not None and held.result.stats.reused_tokens == len(shared)
+    assert held.result.tokens == llama.generate([*shared, 3, 4, 5, 6], max_tokens=4).tokens

@@ -231,7 +231,10 @@ class BatchKVCache:
             return self._add_empty_row()
         n = pos.size
         if self._k is None or self._v is None or self.positions is None:
-            self._k, self._v, self.positions, self.length = k, v, pos[None, :], n
+            empty = len(self.rows) - 1  # rows already here hold nothing (e.g. fresh prompts prefilled together)
+            self._k, self._v = _cat([_empty_like(k, empty, n), k], axis=0), _cat([_empty_like(v, empty, n), v], axis=0)
+            self.positions = mx.concatenate([mx.full((empty, n), -1, dtype=mx.int32), pos[None, :]])
+            self.length = n
             return None
         width = max(self.length, n)
         old_k, old_v, old_pos = self._left_pad(self.length, width)
