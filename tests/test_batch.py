@@ -86,6 +86,54 @@ def test_rows_join_a_running_batch_and_leave_early(runner: Any) -> None:
     assert queued[1].result.tokens == runner.generate(prompts[0][::-1], max_tokens=6).tokens
 
 
+def _spy_forward_shapes(runner: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    forward = runner._forward
+
+    def spy(inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        shapes.append(tuple(inputs.shape))
+        return forward(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_forward", spy)
+    return shapes
+
+
+def test_prompts_joining_together_are_prefilled_in_one_forward(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their chunks run in ``[B, L]`` forwards; each row's tokens and log probabilities equal the row alone.
+
+    Log probabilities within 1e-5 (relative to the logits' scale) as for a
+    decode step: OpenBLAS reduces an ``M > 1`` product in another order; the
+    padding and the masks are exact (``test_reference_blas_makes_rows_bit_identical``).
+    """
+    prompts = _prompts(runner, 4)
+    shapes = _spy_forward_shapes(runner, monkeypatch)
+    batch = runner.batch(max_rows=4, prefill_chunk=512)
+    rows = [batch.add(p, 6, logprobs=2) for p in prompts]
+    batch.step()
+    monkeypatch.undo()
+    assert shapes[0][0] == 4 and shapes[0][1] > 1  # every prompt's chunk in the first forward
+    batch.run()
+    for row, prompt in zip(rows, prompts, strict=True):
+        alone = runner.batch(max_rows=1)
+        want = alone.add(prompt, 6, logprobs=2)
+        alone.run()
+        assert row.result is not None and want.result is not None
+        assert row.result.tokens == want.result.tokens
+        for got_lp, want_lp in zip(row.logprobs, want.logprobs, strict=True):
+            assert abs(got_lp.logprob - want_lp.logprob) <= 1e-5 * max(1.0, abs(want_lp.logprob)) * 10
+            assert [i for i, _ in got_lp.top] == [i for i, _ in want_lp.top]
+
+
+def test_chunked_prompts_joining_together_equal_their_single_answers(runner: Any) -> None:
+    """Chunks of several rows share forwards across steps (a long prompt's chunk too), with sessions' prefixes."""
+    prompts = _prompts(runner, 5)
+    batch = runner.batch(max_rows=5, prefill_chunk=9)
+    rows = [batch.add(p, 5) for p in prompts]
+    batch.run()
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.result is not None and row.result.tokens == runner.generate(prompt, max_tokens=5).tokens
+
+
 def _single_step_logits(runner: Any, prompt: list[int], feed: list[int]) -> list[np.ndarray]:
     caches = runner.opened.new_cache()
     runner._prefill(prompt, caches)
@@ -286,6 +334,49 @@ def test_reference_blas_makes_rows_bit_identical(turbospark_install: Any, kv_qua
     assert done.returncode == 0 and "bit-identical" in done.stdout, done.stderr[-2000:]
 
 
+PREFILL_BIT_EXACT_SCRIPT = """
+import sys
+import turbospark_core
+from turbospark_core import blas
+assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
+r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)
+ids = list(range(3, 40))
+prompts = [ids, ids[5:17], ids[::-1][:23], ids[2:30]]
+together = r.batch(max_rows=4, prefill_chunk=int(sys.argv[3]))
+rows = [together.add(p, 4, logprobs=1) for p in prompts]
+together.run()
+for p, row in zip(prompts, rows):
+    alone = r.batch(max_rows=1)
+    want = alone.add(p, 4, logprobs=1)
+    alone.run()
+    assert row.result.tokens == want.result.tokens, "tokens differ"
+    assert [g.logprob for g in row.logprobs] == [w.logprob for w in want.logprobs], "log probabilities differ"
+print("bit-identical")
+"""
+
+
+@pytest.mark.parametrize(("kv_quant", "chunk"), [("none", 512), ("q8", 7)])
+def test_reference_blas_makes_rows_prefilled_together_bit_identical(
+    turbospark_install: Any, kv_quant: str, chunk: int
+) -> None:
+    """Under MLX's own BLAS, rows prefilled together (padded, in chunks) and decoded together equal each
+    row alone bit for bit: the padding and the masks add exact zeros."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TURBOSPARK_BLAS": "reference"}
+    path = str(turbospark_install("llama" if kv_quant == "none" else "qwen3", "float32"))
+    done = subprocess.run(
+        [sys.executable, "-c", PREFILL_BIT_EXACT_SCRIPT, path, kv_quant, str(chunk)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "bit-identical" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def llama(turbospark_install: Any) -> Any:
     return turbospark_core.open(turbospark_install("llama", "float32"))
@@ -476,3 +567,87 @@ def test_a_long_prompt_lets_at_most_max_rows_pass(llama: Any) -> None:
     assert order.index(long_row.id) == 2  # two short prompts passed it (max_rows), the others waited
     assert long_row.result is not None and long_row.result.tokens == llama.generate(long_prompt, max_tokens=2).tokens
     assert all(r.result is not None for r in shorts)
+
+
+def test_prefill_width_pads_only_where_it_saves_forwards() -> None:
+    from turbospark_core.batch import PAD_TOKENS, _prefill_width
+
+    assert _prefill_width([5, 9, 7], pad=False) == 5  # recurrent layers: every row the same tokens, no padding
+    assert _prefill_width([20, 21, 22, 20], pad=True) == 22  # 3 padding tokens save two forwards
+    assert _prefill_width([3, 200], pad=True) == 3  # 197 padding tokens would cost more than a forward
+    assert _prefill_width([4, 4 + PAD_TOKENS], pad=True) == 4 + PAD_TOKENS
+
+
+def test_decode_steps_are_pipelined_and_rows_equal_their_single_answers(llama: Any) -> None:
+    """Each step launches its forward before handling the previous step's tokens; the answers do not change."""
+    prompts = ["hello there my friend", "one two three", "the end"]
+    batch = llama.batch(max_rows=3)
+    rows = [batch.add(p, n) for p, n in zip(prompts, [7, 3, 12], strict=True)]
+    batch.step()  # prefill, and the first decode forward launched
+    assert batch._inflight is not None and not any(r.pieces for r in rows)
+    batch.step()  # the second launched; the first step's tokens handled
+    assert batch._inflight is not None and all(len(r.pieces) <= 1 for r in rows)
+    batch.run()
+    assert batch._inflight is None  # no forward launched past the last rows' max_tokens
+    for row, prompt, n in zip(rows, prompts, [7, 3, 12], strict=True):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=n).tokens
+
+
+def test_a_row_parks_its_session_as_the_single_path_leaves_it(llama: Any) -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    alone = llama.session("parked-alone")
+    alone.reset()
+    want = alone.generate(prompt, max_tokens=5)
+    alone_holds = alone.tokens
+    state = llama.sessions.acquire("parked-batched")
+    state.reset()
+    batch = llama.batch(max_rows=2)
+    row = batch.add(prompt, 5, state=state)
+    batch.add([5, 6, 7], 9)
+    batch.run()
+    assert row.result is not None and row.result.tokens == want.tokens
+    assert state.tokens == alone_holds
+    follow, held = [*prompt, *want.tokens, 12, 13], len(state.tokens)
+    batch = llama.batch(max_rows=2)
+    again = batch.add(follow, 4, state=state)
+    batch.run()
+    assert again.result is not None and again.result.stats.reused_tokens == held
+    assert again.result.tokens == llama.generate(follow, max_tokens=4).tokens
+
+
+def test_a_request_copies_a_prefix_another_parked_session_holds(llama: Any) -> None:
+    shared = [5 + (i * 7) % 50 for i in range(30)]  # e.g. one system prompt
+    first, second = [*shared, 3, 4], [*shared, 8, 9, 10]
+    donor = llama.sessions.acquire("donor-a")
+    donor.reset()
+    batch = llama.batch(max_rows=2)
+    batch.add(first, 3, state=donor)
+    batch.run()
+    state = llama.sessions.acquire("taker-b")
+    state.reset()
+    row = batch.add(second, 5, state=state, donors=[donor])
+    batch.run()
+    assert row.result is not None and row.result.stats.reused_tokens == len(shared)
+    assert row.result.tokens == llama.generate(second, max_tokens=5).tokens
+    short = llama.sessions.acquire("taker-c")
+    short.reset()
+    few = batch.add([*shared[:10], 1, 2], 2, state=short, donors=[donor])  # a prefix shorter than SHARED_PREFIX_MIN
+    batch.run()
+    assert few.result is not None and few.result.stats.reused_tokens == 0
+
+
+def test_fresh_rows_and_rows_holding_a_prefix_prefill_together(llama: Any) -> None:
+    """A fresh row (empty caches) joins first, a session's row holding a prefix next: one forward, each exact."""
+    shared = [5 + (i * 7) % 50 for i in range(20)]
+    state = llama.sessions.acquire("prefix-then-fresh")
+    state.reset()
+    first = llama.batch(max_rows=1)
+    first.add(shared, 2, state=state)
+    first.run()
+    batch = llama.batch(max_rows=3)
+    fresh = batch.add([9, 8, 7, 6, 5, 4], 4)
+    held = batch.add([*shared, 3, 4, 5, 6], 4, state=state)
+    batch.run()
+    assert fresh.result is not None and fresh.result.tokens == llama.generate([9, 8, 7, 6, 5, 4], max_tokens=4).tokens
+    assert held.result is not None and held.result.stats.reused_tokens == len(shared)
+    assert held.result.tokens == llama.generate([*shared, 3, 4, 5, 6], max_tokens=4).tokens

@@ -147,9 +147,20 @@ def test_seeded_sampling_is_reproducible(client: OpenAI) -> None:
     assert ask() == ask()
 
 
+SENT_PROMPTS: list[list[int]] = []
+
+
 @pytest.mark.parametrize("pinned", [False, True], ids=["prefix-match", "session_id"])
 def test_second_turn_reuses_the_conversation(client: OpenAI, reference: Runner, pinned: bool) -> None:
-    """Two interleaved conversations resend their growing message lists; each later turn is served from cache."""
+    """Two interleaved conversations resend their growing message lists; each later turn is served from cache.
+
+    A first turn holds nothing of its own; it may copy the prefix it shares
+    with another parked conversation (16 tokens or more), never more.
+    """
+    from turbospark_core.sessions import common_prefix
+
+    sent = SENT_PROMPTS  # every prompt this module's server has parked a conversation for (both parametrizations)
+
     convs = {name: [{"role": "system", "content": f"You are {name}, pinned={pinned}."}] for name in ("ada", "bob")}
     for turn in ("Hello!", "Tell me more."):
         for name, messages in convs.items():
@@ -159,7 +170,13 @@ def test_second_turn_reuses_the_conversation(client: OpenAI, reference: Runner, 
                 model="m", messages=messages, temperature=0, max_tokens=8, extra_body=extra
             )
             cached = got.usage.prompt_tokens_details.cached_tokens
-            assert cached > 0 if turn != "Hello!" else cached == 0
+            if turn != "Hello!":
+                assert cached > 0
+            else:  # nothing of its own; at most what it shares with an earlier conversation's prompt
+                ids = reference._encode_prompt(reference.chat_prompt(messages))
+                shared = max([common_prefix(ids, p) for p in sent] + [0])
+                assert cached == 0 or 16 <= cached <= shared
+            sent.append(reference._encode_prompt(reference.chat_prompt(messages)))
             assert got.choices[0].message.content == reference.chat(messages, max_tokens=8).text
             messages.append({"role": "assistant", "content": got.choices[0].message.content})
 
@@ -405,3 +422,16 @@ def test_smollm2_conversation_over_http(tmp_path_factory: pytest.TempPathFactory
         second = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=10)
         assert "Berlin" in second.choices[0].message.content
         assert second.usage.prompt_tokens_details.cached_tokens > 30
+
+
+def test_a_new_conversation_copies_the_prefix_another_parked_session_holds(client: OpenAI, reference: Runner) -> None:
+    """A shared system prompt is copied from an idle parked session, not prefilled again (``cached_tokens``)."""
+    shared = "You are a careful assistant who answers questions about the weather in short plain sentences. "
+    first = shared + "Tell me a long story about a lighthouse keeper, his old dog, a storm at sea, and spring."
+    second = shared + "Hi."
+    client.completions.create(model="m", prompt=first, temperature=0, max_tokens=4)
+    got = client.completions.create(model="m", prompt=second, temperature=0, max_tokens=6)
+    assert got.usage is not None and got.usage.prompt_tokens_details is not None
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 16 <= cached < got.usage.prompt_tokens
+    assert got.choices[0].text == reference.generate(second, max_tokens=6).text

@@ -121,3 +121,57 @@ def test_untrimmable_state_rewinds_to_latest_checkpoint() -> None:
     assert state.tokens == [1, 2] and ring.offset == 2
     assert rec.get("h", 1).tolist() == [[2.0, 2.0]]
     assert state.rewind(1) == 0 and state.tokens == []
+
+
+def _filled_ring_state() -> SequenceState:
+    state = SequenceState(_ring_and_state_caches)
+    ring, rec = state.caches
+    for n, tok in enumerate([1, 2, 3, 4, 5], 1):
+        ring.update_and_fetch(mx.full((1, 1, 1, 4), float(tok)), mx.full((1, 1, 1, 4), float(tok)))
+        rec.set("h", mx.full((1, 2), float(tok)))
+        state.tokens.append(tok)
+        if n == 2:
+            state.checkpoint()
+    return state
+
+
+def test_a_ring_and_recurrent_donor_is_forked_only_at_its_end_or_a_checkpoint() -> None:
+    donor = _filled_ring_state()
+    assert [donor.reusable(n) for n in (1, 2, 4, 5, 9)] == [0, 2, 2, 5, 5]
+    fresh = SequenceState(_ring_and_state_caches)
+    assert fresh.share_prefix([1, 2, 3, 4, 5, 6], [donor]) == 5  # the donor's whole state: its end is the prefix
+    ring, rec = fresh.caches
+    assert fresh.tokens == [1, 2, 3, 4, 5] and ring.offset == 5 and rec.get("h", 1).tolist() == [[5.0, 5.0]]
+    held = [np.array(a.parts[0] if hasattr(a, "parts") else a) for a in donor.caches[0].export_rows()]
+    copied = [np.array(a.parts[0] if hasattr(a, "parts") else a) for a in ring.export_rows()]
+    assert all(np.array_equal(a, b) for a, b in zip(held, copied, strict=True))  # keys, values, positions
+    ring.update_and_fetch(mx.full((1, 1, 1, 4), 9.0), mx.full((1, 1, 1, 4), 9.0))  # the copy's writes stay its own
+    assert donor.caches[0].offset == 5 and not (np.array(donor.caches[0].keys) == 9.0).any()
+    other = SequenceState(_ring_and_state_caches)
+    assert other.share_prefix([1, 2, 3, 4, 7, 8], [donor]) == 2  # mid-state: only the checkpoint at 2
+    assert other.tokens == [1, 2] and other.caches[1].get("h", 1).tolist() == [[2.0, 2.0]]
+    assert SequenceState(_ring_and_state_caches).share_prefix([1, 9], [donor]) == 0  # nothing reusable: no copy
+
+
+def test_a_state_forks_a_shared_prefix_of_full_kv_and_continues_as_a_fresh_run(
+    runner: turbospark_core.Runner, prompt: list[int]
+) -> None:
+    donor_session = runner.session("donor")
+    donor_session.reset()
+    donor_session.generate(prompt[:30], max_tokens=3)
+    donor = runner.sessions.peek("donor")
+    assert donor is not None
+    held = list(donor.tokens)
+    follow = [*prompt[:24], 7, 8, 9]
+    state = SequenceState(runner.opened.new_cache)
+    assert state.share_prefix(follow, [donor]) == 24 and state.tokens == prompt[:24]
+    assert state.share_prefix(follow, [donor]) == 0  # it already holds as much as the donor offers
+    batch = runner.batch(max_rows=1)
+    got = batch.add(follow, 6, state=state)
+    batch.run()
+    assert got.result is not None and got.result.stats.reused_tokens == 24
+    assert got.result.tokens == runner.generate(follow, max_tokens=6).tokens
+    assert donor.tokens == held  # the donor is untouched: its next turn still equals a fresh run
+    again = donor_session.generate([*prompt[:30], 5, 6], max_tokens=4)
+    assert again.stats.reused_tokens == 30
+    assert again.tokens == runner.generate([*prompt[:30], 5, 6], max_tokens=4).tokens

@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 PREFILL_CHUNK = 512
 MAX_TOP_LOGPROBS = 20  # alternatives a row may ask for per token (OpenAI's bound)
+SHARED_PREFIX_MIN = 16  # the shortest prefix a row copies from another parked session (shorter: prefill it)
+PAD_TOKENS = 8  # padding tokens a multi-row prefill may carry per forward it saves (~a forward's fixed cost)
 COMPACT_SLACK = 32  # holes (rewound columns) a full-attention layer keeps before compacting (or a quarter of its rows)
 
 
@@ -136,6 +138,22 @@ class _Seq:
         return [*self.ids, *self.sampled]
 
 
+@attrs.define(eq=False)
+class _Launched:
+    """A plain decode step in flight: its rows (in batch order), which of them sample their first token, the tokens."""
+
+    rows: list[_Seq]
+    first: list[bool]
+    tokens: mx.array  # [B] int32, evaluating
+    scores: list[list[mx.array]]  # each row's log probability arrays ([] when not asked for)
+    t0: float
+    c0: float
+
+    def may_continue(self) -> bool:
+        """Whether a row of this step can go on after it (not done, and short of its ``max_tokens``)."""
+        return any(not s.row.done and s.generated + 1 < s.max_tokens for s in self.rows)
+
+
 class Batch:
     """Rows decoded together; add rows any time, call :meth:`step` (or iterate) to advance.
 
@@ -159,6 +177,7 @@ class Batch:
         self._decoding: list[_Seq] = []
         self._solo: list[_Seq] = []  # a row decoding speculatively on its own caches (at most one)
         self._caches: BatchCaches | None = None
+        self._inflight: _Launched | None = None  # a plain decode step launched, its tokens not handled yet
 
     # ------------------------------------------------------------- rows
     def add(
@@ -167,6 +186,7 @@ class Batch:
         max_tokens: int = 256,
         *,
         state: SequenceState | None = None,
+        donors: Sequence[SequenceState] = (),
         steering: Steering = None,
         logprobs: int | None = None,
         **sampling: Any,
@@ -177,6 +197,14 @@ class Batch:
         row reuses the prefix its caches hold and, when it leaves, the state
         holds exactly the tokens fed, as :meth:`Session.generate` leaves it.
         The caller keeps it out of other rows' hands until the row is done.
+        ``donors`` (other parked sessions, idle): when one holds a longer
+        reusable prefix of the prompt than ``state`` (e.g. the same system
+        prompt), ``state`` becomes a copy of that prefix first
+        (:meth:`SequenceState.share_prefix`: any prefix of full-attention
+        caches; rings and recurrent state only at the donor's end or a
+        checkpoint), of at least ``SHARED_PREFIX_MIN`` tokens. Not with a
+        drafter open (its drafter saw no such prefix) nor with images; only
+        donors filled under the row's steering.
         ``logprobs`` (0 to 20): record each generated token's log probability
         and that many alternatives in ``row.logprobs`` (see :class:`TokenLogprob`).
         """
@@ -193,7 +221,11 @@ class Batch:
         ):
             raise OptionError(f"logprobs={logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (or None)")
         if state is not None:
-            self.runner._match_cache_steering(state, fingerprint(chosen))
+            key = fingerprint(chosen)
+            self.runner._match_cache_steering(state, key)
+            if donors and self.runner.opened.drafter is None and not isinstance(prompt, VisionPrompt):
+                same = [d for d in donors if _steering_key(self.runner, d) == key]
+                state.share_prefix(ids, same, at_least=SHARED_PREFIX_MIN)
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
         self._next_id += 1
         progress = _Progress(prompt_tokens=len(ids))
@@ -238,26 +270,41 @@ class Batch:
 
     # ------------------------------------------------------------- stepping
     def step(self) -> list[tuple[BatchRow, str]]:
-        """One prefill chunk (if a row is joining) and one decode forward; returns the pieces emitted."""
+        """Prefill joining rows (at most ``prefill_chunk`` prompt tokens, in one forward) and one decode forward.
+
+        Returns the pieces emitted. Without a drafter the decode forward is
+        pipelined: this step launches its forward, then handles the previous
+        step's tokens while it runs, so a row's pieces come out one call later.
+        """
         out: list[tuple[BatchRow, str]] = []
-        budget = self.prefill_chunk  # prompt tokens prefilled alone this step, across joining rows
+        together: list[_Seq] = []  # rows whose chunks this step runs in one [B, L] forward
+        budget = self.prefill_chunk  # prompt tokens prefilled this step, across joining rows
         while budget > 0:
             if budget < self.prefill_chunk and self._waiting and len(self._waiting[0].ids) - 1 > budget:
                 break  # the next prompt does not fit what is left of this step's budget: it starts next step
-            self._let_short_prompt_pass(budget)
-            self._admit()
+            self._let_short_prompt_pass(budget, len(together))
+            self._admit(len(together))
             seq = self._prefilling
             if seq is None:
                 break
+            left = len(seq.ids) - 1 - seq.fed
+            if left > 0 and seq.vision is None:
+                together.append(seq)
+                budget -= min(left, self.prefill_chunk)
+                if left > self.prefill_chunk:
+                    break  # a long prompt: its next chunk next step (it stays the prefilling row)
+                self._prefilling = None  # the next row may be admitted
+                continue
             before = seq.fed
             self._prefill_chunk(seq, out)
             budget -= max(seq.fed - before, 1)
             if self._prefilling is seq:
                 break  # a long prompt: its next chunk next step
+        self._prefill_rows(together, out)
         self._place_rows()
         if self._solo:
             self._speculate(self._solo[0], out)
-        if self._decoding:
+        if self._decoding or self._inflight is not None:
             self._decode_step(out)
         return out
 
@@ -271,7 +318,7 @@ class Batch:
         for _ in self:
             pass
 
-    def _let_short_prompt_pass(self, budget: int) -> None:
+    def _let_short_prompt_pass(self, budget: int, planned: int = 0) -> None:
         """A waiting prompt that fits ``budget`` goes ahead of a long one mid-prefill (which keeps its progress).
 
         So a short request behind a long prompt gets its first token after one
@@ -282,7 +329,7 @@ class Batch:
         if long is None or len(long.ids) - 1 - long.fed <= budget or long.passed >= self.max_rows:
             return
         short = next((q for q in self._waiting if q.caches is None and len(q.ids) - 1 <= budget), None)
-        if short is None or len(self._decoding) >= self.max_rows:
+        if short is None or len(self._decoding) + planned >= self.max_rows:
             return
         long.passed += 1
         long.row.status = "queued"
@@ -291,8 +338,9 @@ class Batch:
         self._waiting.appendleft(short)
         self._prefilling = None
 
-    def _admit(self) -> None:
-        if self._prefilling is None and self._waiting and len(self._decoding) < self.max_rows:
+    def _admit(self, planned: int = 0) -> None:
+        """The next waiting row becomes the prefilling one, when a row is free (``planned``: rows joining this step)."""
+        if self._prefilling is None and self._waiting and len(self._decoding) + planned < self.max_rows:
             seq = self._waiting.popleft()
             seq.row.status = "prefill"
             self._prefilling = seq
@@ -321,6 +369,81 @@ class Batch:
             if seq.state is not None:
                 seq.state.reset()  # a failed step leaves the caches unknown: start the session afresh
             raise
+
+    def _prefill_rows(self, rows: list[_Seq], out: list[tuple[BatchRow, str]]) -> None:
+        """This step's prompt chunks: one row's alone (the single-sequence path), several rows' in one forward.
+
+        A row that has then fed all but its last prompt token joins the batch
+        with that token pending (or runs it alone first, when it cannot run batched).
+        """
+        if len(rows) == 1:
+            self._prefill_chunk(rows[0], out)
+            return
+        if rows:
+            self._prefill_together(rows)
+        for seq in rows:
+            if seq.fed == len(seq.ids) - 1:
+                self._prefill_chunk(seq, out)
+
+    def _prefill_together(self, rows: list[_Seq]) -> None:
+        """The next chunk (at most ``prefill_chunk`` tokens) of every row's prompt in ``[B, L]`` forwards.
+
+        The rows' caches join a batch of their own (each at its own offset: a
+        session's reused prefix stays). Where every layer cuts anywhere, rows
+        are right-padded to a common width when the padding costs less than
+        the forwards it saves (:func:`_prefill_width`); the padding's columns
+        are rewound at once, so no real token ever sees them. Otherwise
+        (recurrent layers) a forward feeds every remaining row the same number
+        of tokens, and rows whose chunk is done leave. Each row's caches are
+        then exported back into single-sequence caches (its session's, if it has one).
+        """
+        t0 = time.perf_counter()
+        ends = [s.fed + min(self.prefill_chunk, len(s.ids) - 1 - s.fed) for s in rows]
+        template = rows[0].caches
+        assert template is not None
+        caches = BatchCaches(template)
+        try:
+            for seq in rows:
+                assert seq.caches is not None
+                caches.add_row(seq.caches, seq.fed)
+            live = list(range(len(rows)))
+            while live:
+                members, held = [rows[i] for i in live], list(caches.rows.offsets)
+                left = [ends[i] - h for i, h in zip(live, held, strict=True)]
+                width = _prefill_width(left, caches.cuts_anywhere)
+                feed = [min(n, width) for n in left]
+                tokens = [  # each row's chunk, right-padded with its last token
+                    s.ids[h : h + n] + [s.ids[h + n - 1]] * (width - n)
+                    for s, h, n in zip(members, held, feed, strict=True)
+                ]
+                layers = frozenset(i for s in members if s.drafter is not None for i in s.drafter.capture_layers)
+                capture: dict[int, mx.array] | None = {} if layers else None
+                edit = Edit.of_rows([s.steering for s in members])
+                self.runner._forward(mx.array(tokens), caches.caches, edit, None, capture, layers or None)
+                for b, (seq, h, n) in enumerate(zip(members, held, feed, strict=True)):
+                    if seq.drafter is not None:
+                        observe(seq.drafter, h, capture, b, n)
+                caches.step_done(width)
+                caches.rewind([h + n for h, n in zip(held, feed, strict=True)])  # the padding's columns
+                mx.eval(caches.state)
+                for b, (seq, n, todo) in enumerate(zip(members, feed, left, strict=True)):
+                    if n == todo:
+                        seq.caches = self.runner.opened.new_cache()
+                        caches.export_row(b, seq.caches)
+                        seq.fed = held[b] + n
+                        if seq.state is not None:
+                            seq.state.caches = seq.caches
+                keep = [b for b, (n, todo) in enumerate(zip(feed, left, strict=True)) if n < todo]
+                caches.keep_rows(keep)
+                live = [live[b] for b in keep]
+        except BaseException:
+            for seq in rows:
+                if seq.state is not None:
+                    seq.state.reset()  # a failed step leaves the caches unknown: start the session afresh
+            raise
+        spent = time.perf_counter() - t0
+        for seq in rows:
+            seq.progress.prompt_s += spent
 
     def _prefill_step(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         assert seq.caches is not None
@@ -357,7 +480,8 @@ class Batch:
         if seq.state is not None:
             seq.state.tokens = list(ids)
             seq.state.checkpoint()
-        self._prefilling = None
+        if self._prefilling is seq:
+            self._prefilling = None
         seq.t0 = time.perf_counter()
         seq.row.status = "decoding"
         seq.sampled.append(_token_id(token))
@@ -376,29 +500,36 @@ class Batch:
     def _foldable(self, seq: _Seq) -> bool:
         """Whether a row's last prompt token can run in the batched decode forward (its first token sampled there).
 
-        Not for rows with images (their positions shift) or untrimmable
-        session caches (the session checkpoints the whole prompt).
+        Not for rows with images (their positions shift). A session whose
+        caches cannot be cut anywhere (rings, recurrent state) is checkpointed
+        at that point first, so a later turn or a retry of the prompt returns there.
         """
-        trimmable = seq.state is None or seq.state.trimmable
-        return seq.vision is None and trimmable and 0 < seq.fed == len(seq.ids) - 1
+        return seq.vision is None and 0 < seq.fed == len(seq.ids) - 1
 
     def _join_with_last_token(self, seq: _Seq) -> None:
         """Move a prefilled row (all but its last prompt token) into the batch, that token pending."""
         assert seq.caches is not None
+        if seq.state is not None and not seq.state.trimmable:
+            seq.state.tokens = seq.ids[: seq.fed]
+            seq.state.checkpoint()
         if self._caches is None:
             self._caches = BatchCaches(seq.caches)
         self._caches.add_row(seq.caches, seq.fed)
         seq.caches = None
         seq.pending = mx.array([seq.ids[-1]])
         seq.joining = True
-        self._prefilling = None
+        if self._prefilling is seq:
+            self._prefilling = None
         self._decoding.append(seq)
 
     def _decode_step(self, out: list[tuple[BatchRow, str]]) -> None:
         """One forward over every row in the batch: a verify when a row drafts or must catch up, else plain."""
         setup = self.runner.opened.drafter
         if setup is None:
-            self._decode(out)
+            self._decode(out, ahead=True)
+            return
+        self._settle(out)
+        if not self._decoding:
             return
         assert self._caches is not None
         t0, c0 = time.perf_counter(), clock()
@@ -431,10 +562,26 @@ class Batch:
             if seq.drafter is not None and seq.drafter.capture_layers:
                 observe(seq.drafter, held[b], capture, b, lengths[b])
 
-    def _decode(self, out: list[tuple[BatchRow, str]], t0: float | None = None, c0: float | None = None) -> None:
-        """One plain step of every row (``t0``, ``c0``: the wall and CPU clocks when the step began)."""
+    def _decode(
+        self, out: list[tuple[BatchRow, str]], t0: float | None = None, c0: float | None = None, *, ahead: bool = False
+    ) -> None:
+        """One plain step of every row (``t0``, ``c0``: the wall and CPU clocks when the step began).
+
+        ``ahead``: launch this step's forward before handling the step still in
+        flight (when a row of it can go on), and leave this one in flight.
+        """
+        if self._inflight is not None and not (ahead and self._inflight.may_continue()):
+            self._settle(out)
+        launched = self._launch(t0, c0) if self._decoding else None
+        self._settle(out)  # the previous step, handled while this one runs
+        self._inflight = launched
+        if not ahead:
+            self._settle(out)
+
+    def _launch(self, t0: float | None, c0: float | None) -> _Launched:
+        """Build one plain step's forward and sampling over every row and start evaluating it."""
         assert self._caches is not None
-        rows = self._decoding
+        rows = list(self._decoding)
         pending = mx.concatenate([s.pending.reshape(1) for s in rows if s.pending is not None])
         t0 = time.perf_counter() if t0 is None else t0
         c0 = clock() if c0 is None else c0
@@ -442,9 +589,14 @@ class Batch:
         held = list(self._caches.rows.offsets)
         logits = self._forward_rows(pending[:, None], capture)[:, -1, :]
         self._observe(capture, held, [1] * len(rows))
+        first = [s.joining for s in rows]
         for seq in rows:
             assert seq.pending is not None
-            if not seq.joining:  # a joining row's history already ends with its last prompt token
+            if seq.joining:  # its history already ends with its last prompt token; its first token is sampled now
+                seq.joining = False
+                seq.fed = len(seq.ids)
+                seq.row.status = "decoding"
+            else:
                 ctx = seq.sampler.params.repetition_context
                 seq.history = mx.concatenate([seq.history, seq.pending])[-ctx:]
         scores: list[list[mx.array]]
@@ -452,7 +604,7 @@ class Batch:
             s.top_logprobs is None for s in rows
         ):
             # one argmax over every row (what each row's greedy sampler computes on its own row)
-            tokens = list(mx.argmax(logits.astype(mx.float32), axis=-1).reshape(-1, 1))
+            stacked = mx.argmax(logits.astype(mx.float32), axis=-1)
             scores = [[] for _ in rows]
         else:
             tokens, scores = [], []
@@ -460,17 +612,30 @@ class Batch:
                 penalized = seq.sampler.penalize(logits[b : b + 1].astype(mx.float32), seq.history)
                 tokens.append(seq.sampler(penalized))
                 scores.append(_logprob_arrays(seq, penalized, tokens[-1]))
-        stacked = mx.concatenate([t.reshape(1) for t in tokens])
-        mx.eval(stacked, scores, self._caches.state)
+            stacked = mx.concatenate([t.reshape(1) for t in tokens])
+        for b, seq in enumerate(rows):
+            seq.pending = stacked[b : b + 1]
+        # mlx's stub leaves async_eval unannotated
+        mx.async_eval(stacked, scores, self._caches.state)  # type: ignore[no-untyped-call]
         self._caches.step_done(1)
-        ids: list[int] = np.asarray(stacked).tolist()  # one host sync for every row's token
+        return _Launched(rows, first, stacked, scores, t0, c0)
+
+    def _settle(self, out: list[tuple[BatchRow, str]]) -> None:
+        """Handle the step in flight: one host sync for every row's token, then each row's token in turn."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return
+        ids: list[int] = np.asarray(launched.tokens).tolist()  # one host sync for every row's token
         now = time.perf_counter()
         setup = self.runner.opened.drafter
         if setup is not None:
-            setup.history.batch_times.record(len(rows), clock() - c0)
-        for seq, token, tok, score in zip(rows, tokens, ids, scores, strict=True):
-            seq.pending = token.reshape(1)
-            self._joined(seq, now, t0)
+            setup.history.batch_times.record(len(launched.rows), clock() - launched.c0)
+        for seq, first, tok, score in zip(launched.rows, launched.first, ids, launched.scores, strict=True):
+            if seq.row.done:
+                continue  # it finished (or was cancelled) while this step ran: the token is not its
+            if first:
+                seq.progress.prompt_s += now - launched.t0
+                seq.t0 = now
             if seq.drafter is not None:
                 seq.progress.drafts.verifies += 1  # a plain step of a drafted-for row counts too
             seq.sampled.append(tok)
@@ -677,8 +842,15 @@ class Batch:
         self._decoding = [self._decoding[i] for i in keep]
 
     def _park(self, seq: _Seq, row: int) -> None:
-        """Save a leaving row into its session: its caches and exactly the tokens they hold."""
+        """Save a leaving row into its session: its caches and exactly the tokens they hold.
+
+        A row that reached ``max_tokens`` while a pipelined step fed its last
+        token is first cut back to before it (the latest step, so exact for
+        every cache kind): as the single-sequence path, which never feeds it.
+        """
         assert self._caches is not None and seq.state is not None
+        if seq.progress.finish_reason == "length" and self._caches.rows.offsets[row] == len(seq.context):
+            self._caches.truncate(row, len(seq.context) - 1)
         fresh = self.runner.opened.new_cache()
         self._caches.export_row(row, fresh)
         fed = self._caches.rows.offsets[row]
@@ -686,6 +858,22 @@ class Batch:
         seq.state.caches = fresh
         seq.state.tokens = (seq.ids + seq.sampled)[:fed]
         seq.state.checkpoint()
+
+
+def _prefill_width(left: Sequence[int], pad: bool) -> int:
+    """The width of the next multi-row prefill forward, for rows with ``left`` prompt tokens to go.
+
+    Without padding (``pad`` false: recurrent layers) the shortest row's;
+    else the widest whose padding costs at most :data:`PAD_TOKENS` per forward it saves.
+    """
+    widths = sorted(set(left))
+    if not pad:
+        return widths[0]
+    best = widths[0]
+    for saved, width in enumerate(widths[1:], start=1):
+        if sum(width - n for n in left if n < width) <= PAD_TOKENS * saved:
+            best = width
+    return best
 
 
 def generate_many(
@@ -736,6 +924,12 @@ def _token_logprob(tok: int, scores: list[mx.array]) -> TokenLogprob:
         pairs = zip(ids.tolist(), values.tolist(), strict=True)
         top = tuple(sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0])))
     return TokenLogprob(token=tok, logprob=float(np.array(scores[0]).reshape(-1)[0]), top=top)
+
+
+def _steering_key(runner: Runner, state: SequenceState) -> str | None:
+    """The steering fingerprint ``state``'s caches were filled under (as ``Runner._match_cache_steering`` keeps it)."""
+    entry = runner._cache_steering.get(id(state))
+    return entry[1] if entry is not None and entry[0]() is state else None
 
 
 def _token_id(token: mx.array) -> int:

@@ -29,7 +29,7 @@ chunks, then its caches are merged in) and leave back into them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -63,18 +63,33 @@ class BatchRows:
         self.offset = mx.array(self.offsets, dtype=mx.int32)
         self.steps = 0  # forwards completed (a step's start is where rewinds may return)
         self._queries: dict[int, mx.array] = {}
+        self._masks: dict[tuple[int | None, int, int], mx.array] = {}
 
     def set(self, offsets: Sequence[int]) -> None:
         """Replace every row's position."""
         self.offsets = [int(o) for o in offsets]
         self.offset = mx.array(self.offsets, dtype=mx.int32)
         self._queries = {}
+        self._masks = {}
 
     def queries(self, n: int) -> mx.array:
         """``[B, n]`` int32: the positions of each row's ``n`` new tokens (one array for every layer)."""
         if n not in self._queries:
             self._queries[n] = self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
         return self._queries[n]
+
+    def mask(self, window: int | None, length: int, n: int, positions: Callable[[], mx.array]) -> mx.array:
+        """This step's ``[B, 1, n, length]`` mask of the layers of ``window`` holding ``length`` columns.
+
+        One array for all of them: every layer of one window holds the same
+        positions (each step writes, rewinds, compacts and drops the same
+        columns in all of them), so ``positions()`` is read from the first.
+        """
+        key = (window, length, n)
+        if key not in self._masks:
+            q = self.queries(n)[:, :, None]
+            self._masks[key] = visible_keys(positions()[:, None, :length], q, window)[:, None]
+        return self._masks[key]
 
     def advance(self, n: int) -> None:
         """Every row consumed ``n`` tokens (one forward completed)."""
@@ -139,20 +154,26 @@ class BatchKVCache:
         end = self.length + n
         self._grow(keys.shape[0], end, keys.shape[1])
         assert self._k is not None and self._v is not None and self.positions is not None
+        start = self.length
+        self.positions[:, start:end] = self.rows.queries(n)
+        self.length = end
+        if self.kv_bits is None and self.rotation == (False, False):  # plain float rows: no _Rows wrapping per layer
+            k_all, v_all = self._k.parts[0], self._v.parts[0]
+            k_all[..., start:end, :] = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
+            v_all[..., start:end, :] = values if values.dtype == self.dtype else values.astype(self.dtype)
+            return k_all[..., :end, :], v_all[..., :end, :]
         rot_k, rot_v = self.rotation
         keys, values = (_wht(keys) if rot_k else keys), (_wht(values) if rot_v else values)
-        self._k.assign(self.length, end, _Rows.encode(keys, self.kv_bits, self.dtype))
-        self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
-        self.positions[:, self.length : end] = self.rows.queries(n)
-        self.length = end
+        self._k.assign(start, end, _Rows.encode(keys, self.kv_bits, self.dtype))
+        self._v.assign(start, end, _Rows.encode(values, self.kv_bits, self.dtype))
         k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
         return k.decode(rot_k), v.decode(rot_v)
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
-        assert self.positions is not None
-        q = self.rows.queries(n_queries)[:, :, None]
-        return visible_keys(self.positions[:, None, : self.length], q, self.window)[:, None]
+        positions = self.positions
+        assert positions is not None
+        return self.rows.mask(self.window, self.length, n_queries, lambda: positions)
 
     @property
     def state(self) -> list[mx.array]:
@@ -210,7 +231,10 @@ class BatchKVCache:
             return self._add_empty_row()
         n = pos.size
         if self._k is None or self._v is None or self.positions is None:
-            self._k, self._v, self.positions, self.length = k, v, pos[None, :], n
+            empty = len(self.rows) - 1  # rows already here hold nothing (e.g. fresh prompts prefilled together)
+            self._k, self._v = _cat([_empty_like(k, empty, n), k], axis=0), _cat([_empty_like(v, empty, n), v], axis=0)
+            self.positions = mx.concatenate([mx.full((empty, n), -1, dtype=mx.int32), pos[None, :]])
+            self.length = n
             return None
         width = max(self.length, n)
         old_k, old_v, old_pos = self._left_pad(self.length, width)
@@ -368,6 +392,11 @@ class BatchExactRecentKVCache:
         self.quantized.export_row(row, into.quantized)
         self.exact.export_row(row, into.exact)
         into.quantized.offset = into.exact.offset = self.rows.offsets[row]
+
+    def rewind_rows(self, keep: Sequence[int]) -> None:
+        """Forget each row ``b``'s tokens at position ``keep[b]`` and after, in both parts (holes)."""
+        self.quantized.rewind_rows(keep)
+        self.exact.rewind_rows(keep)
 
     def truncate(self, row: int, position: int) -> None:
         """Forget row ``row``'s tokens at ``position`` and after, in both parts."""

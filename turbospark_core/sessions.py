@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
 from turbospark_core.errors import OptionError
-from turbospark_core.kv_cache import Cache, KVCache, restore_caches, snapshot_caches
+from turbospark_core.kv_cache import (
+    Cache,
+    ExactRecentKVCache,
+    KVCache,
+    RingKVCache,
+    restore_caches,
+    snapshot_caches,
+)
 
 MAX_CHECKPOINTS = 4
 
@@ -21,6 +28,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def copy_cache(src: Cache, dst: Cache) -> None:
+    """Fill the fresh cache ``dst`` (``src``'s kind) with what ``src`` holds (no array shared that either writes)."""
+    if isinstance(src, ExactRecentKVCache) and isinstance(dst, ExactRecentKVCache):
+        copy_cache(src.quantized, dst.quantized)
+        copy_cache(src.exact, dst.exact)
+    elif isinstance(src, (KVCache, RingKVCache)) and isinstance(dst, (KVCache, RingKVCache)):
+        keys, values, positions = src.export_rows()  # new arrays (slices or gathers): writes to dst stay in dst
+        if keys is not None and values is not None:
+            dst.load_rows(keys, values, positions, src.offset)
+    else:
+        dst.restore(src.snapshot())  # recurrent state: the snapshot copies its arrays
 
 
 @attrs.define
@@ -76,6 +96,45 @@ class SequenceState:
         for p in [p for p in self.checkpoints if p > kept]:
             del self.checkpoints[p]
         return kept
+
+    def reusable(self, n: int) -> int:
+        """How many tokens :meth:`rewind` to ``n`` would keep (nothing changes)."""
+        if n >= len(self.tokens):
+            return len(self.tokens)
+        if self.trimmable:
+            return n
+        return max((p for p in self.checkpoints if p <= n), default=0)
+
+    def fork(self, donor: SequenceState, n: int) -> int:
+        """Become a copy of ``donor`` holding at most its first ``n`` tokens; returns how many it holds.
+
+        The caches are copied (nothing written through one state reaches the
+        other). Full-attention KV keeps any prefix; rings and recurrent state
+        only the donor's whole state or one of its checkpoints (:meth:`rewind`).
+        """
+        self.caches = self.make_caches()
+        for mine, theirs in zip(self.caches, donor.caches, strict=True):
+            copy_cache(theirs, mine)
+        self.tokens = list(donor.tokens)
+        self.checkpoints = OrderedDict(donor.checkpoints)  # snapshots are only read (restore copies them)
+        return self.rewind(n)
+
+    def share_prefix(self, prompt: list[int], donors: Iterable[SequenceState], at_least: int = 1) -> int:
+        """Fork the donor holding the longest reusable prefix of ``prompt`` when it beats this state's own.
+
+        At most ``len(prompt) - 1`` tokens (a prompt's last token is always
+        run), and only a prefix of ``at_least`` tokens or more. Returns the
+        tokens copied (0 when this state keeps its own).
+        """
+        limit = len(prompt) - 1
+        own = self.reusable(min(common_prefix(self.tokens, prompt), limit))
+        best, chosen = max(own, at_least - 1), None
+        for donor in donors:
+            if donor is not self:
+                n = donor.reusable(min(common_prefix(donor.tokens, prompt), limit))
+                if n > best:
+                    best, chosen = n, donor
+        return 0 if chosen is None else self.fork(chosen, best)
 
     def checkpoint(self) -> None:
         """Remember the current position (only needed for untrimmable caches)."""

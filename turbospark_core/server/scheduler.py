@@ -13,6 +13,7 @@ prefilled one chunk per step, between the decode steps.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -28,7 +29,7 @@ from turbospark_core.errors import OptionError, TurbosparkError
 from turbospark_core.runner import Runner
 from turbospark_core.server.metrics import NullMetrics
 from turbospark_core.server.protocol import APIError, GenerationRequest
-from turbospark_core.sessions import common_prefix
+from turbospark_core.sessions import SequenceState, common_prefix
 
 log = logging.getLogger("turbospark.server")
 
@@ -125,6 +126,11 @@ class SlotTable:
     def release(self, key: str) -> None:
         """The request on ``key`` finished; the session stays parked."""
         self.busy.discard(key)
+
+    def donors(self, key: str) -> list[SequenceState]:
+        """The idle parked sessions but ``key``'s (a request may copy a shared prefix from them)."""
+        states = [self._runner.sessions.peek(k) for k in self._keys if k != key and k not in self.busy]
+        return [s for s in states if s is not None]
 
     def tokens(self, key: str) -> list[int]:
         """What the session ``key`` holds."""
@@ -307,8 +313,17 @@ class Scheduler:
         try:
             state = self.runner.sessions.acquire(job.slot)
             prompt = req.prompt if req.vision is None else req.vision  # a chat with images: the VisionPrompt
+            # a batch mirrored to other ranks takes no donors (each rank would need the same copy)
+            shares = self._slots is not None and "donors" in inspect.signature(self._batch.add).parameters
+            donors = {"donors": self._slots.donors(job.slot)} if shares and self._slots is not None else {}
             job._row = self._batch.add(
-                prompt, req.max_tokens, state=state, steering=req.steering, logprobs=req.logprobs, **req.sampling
+                prompt,
+                req.max_tokens,
+                state=state,
+                steering=req.steering,
+                logprobs=req.logprobs,
+                **donors,
+                **req.sampling,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._finish(job, ERROR, e)
