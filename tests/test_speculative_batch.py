@@ -35,16 +35,7 @@ CASES = {
     "qwen3-q4-recent": ("qwen3", {"kv_quant": "q4"}),  # q4's default: the last 32 tokens read exact
     "qwen3_moe-streamed": ("qwen3_moe", {"residency": "streamed", "expert_slots": 2}),
 }
-# The batched exact-recent layer (batch_cache.BatchExactRecentKVCache, from main) has no rewind_rows yet, so
-# a batched verify's rewind fails on it; the fix belongs to batch_cache.py (its owner's branch). Until it
-# lands these cases are expected to fail with exactly that error (anything else still fails the test); strict,
-# so the fix turns them into failures until this mark is dropped.
-PENDING = pytest.mark.xfail(
-    raises=AttributeError, strict=True, reason="BatchExactRecentKVCache.rewind_rows is missing (batch_cache.py)"
-)
-
-
-@pytest.fixture(params=[pytest.param(c, marks=PENDING) if c == "qwen3-q4-recent" else c for c in CASES])
+@pytest.fixture(params=list(CASES))
 def case(request: pytest.FixtureRequest, turbospark_install: Any) -> tuple[Path, dict[str, Any], list[int]]:
     root = find_fixtures_root(request.config)
     name, options = CASES[request.param]

@@ -595,10 +595,13 @@ class BatchCaches:
         return not any(isinstance(c, BatchRecurrentState) for c in self.caches)
 
     def compact(self, slack: int) -> None:
-        """Drop the holes rewinds left in full-attention layers once they exceed ``slack`` columns."""
+        """Drop the holes rewinds left in full-attention layers (an exact-recent layer's two parts
+        among them) once they exceed ``slack`` columns."""
         for cache in self.caches:
-            if isinstance(cache, BatchKVCache) and cache.holes() > slack:
-                cache.compact()
+            parts = (cache.quantized, cache.exact) if isinstance(cache, BatchExactRecentKVCache) else (cache,)
+            for part in parts:
+                if isinstance(part, BatchKVCache) and part.holes() > slack:
+                    part.compact()
 
     def step_done(self, n: int) -> None:
         """After a forward of ``n`` tokens per row: advance the positions."""
