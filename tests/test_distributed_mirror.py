@@ -72,6 +72,34 @@ def test_a_follower_repeating_rank_0s_calls_ends_where_rank_0_is(turbospark_inst
     assert "b" not in follower.sessions and len(follower.sessions) == len(leader.sessions) == 1
 
 
+def test_a_prefix_copied_from_another_session_is_copied_on_every_rank(turbospark_install: Callable[..., Path]) -> None:
+    path = turbospark_install("llama")
+    shared = [5 + (i * 7) % 50 for i in range(30)]
+    channel = Recording()
+    leader = LeaderRunner(turbospark_core.open(path, session_slots=2), channel)
+    batch = leader.batch(max_rows=2)
+    donor = leader.sessions.acquire("a")
+    batch.add([*shared, 3, 4], 3, state=donor)
+    batch.run()
+    row = batch.add([*shared, 8, 9], 4, state=leader.sessions.acquire("b"), donors=[donor])
+    batch.run()
+    assert row.result is not None and row.result.stats.reused_tokens == len(shared)
+    assert [op["donors"] for op in channel.ops if op["op"] == "add"] == [[], ["a"]]
+    follower = turbospark_core.open(path, session_slots=2)
+    follow(follower, Replay(channel.ops), {})
+    mine, theirs = leader.sessions.peek("b"), follower.sessions.peek("b")
+    assert mine is not None and theirs is not None and mine.tokens == theirs.tokens
+    follow_up = [*mine.tokens, 12, 13]  # each rank continues from its own copy alike
+    results = []
+    for runner, held in ((leader, mine), (follower, theirs)):
+        again = runner.batch(max_rows=1)
+        row = again.add(follow_up, 4, state=held)
+        again.run()
+        assert row.result is not None
+        results.append((row.result.tokens, row.result.stats.reused_tokens))
+    assert results[0] == results[1] and results[0][1] > len(shared)
+
+
 def test_a_row_state_must_come_from_the_mirrored_sessions(turbospark_install: Callable[..., Path]) -> None:
     leader = LeaderRunner(turbospark_core.open(turbospark_install("llama")), Recording())
     stray = SequenceState(leader.opened.new_cache)

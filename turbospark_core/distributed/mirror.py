@@ -112,9 +112,10 @@ class LeaderBatch(Batch):
         state: SequenceState | None = None,
         steering: Steering = None,
         logprobs: int | None = None,
+        donors: Sequence[SequenceState] = (),
         **sampling: Any,
     ) -> BatchRow:
-        """As :meth:`Batch.add`, on every rank."""
+        """As :meth:`Batch.add`, on every rank (donors go by their session keys: each rank copies from its own)."""
         op = {
             "op": "add",
             "prompt": _prompt(prompt),
@@ -122,10 +123,13 @@ class LeaderBatch(Batch):
             "state": None if state is None else self.leader.sessions.key_of(state),
             "steering": _steering(steering),
             "logprobs": logprobs,
+            "donors": [self.leader.sessions.key_of(d) for d in donors],
             "sampling": sampling,
         }
         self.leader.channel.send(op)
-        return super().add(prompt, max_tokens, state=state, steering=steering, logprobs=logprobs, **sampling)
+        return super().add(
+            prompt, max_tokens, state=state, steering=steering, logprobs=logprobs, donors=donors, **sampling
+        )
 
     def step(self) -> list[tuple[BatchRow, str]]:
         """As :meth:`Batch.step`, on every rank."""
@@ -200,6 +204,7 @@ class Follower:
                 state=state,
                 steering=self._steering(op["steering"]),
                 logprobs=op["logprobs"],
+                donors=[self.states[key] for key in op["donors"]],
                 **op["sampling"],
             )
             self.rows[row.id] = row

@@ -13,7 +13,6 @@ prefilled one chunk per step, between the decode steps.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import queue
 import threading
@@ -313,16 +312,13 @@ class Scheduler:
         try:
             state = self.runner.sessions.acquire(job.slot)
             prompt = req.prompt if req.vision is None else req.vision  # a chat with images: the VisionPrompt
-            # a batch mirrored to other ranks takes no donors (each rank would need the same copy)
-            shares = self._slots is not None and "donors" in inspect.signature(self._batch.add).parameters
-            donors = {"donors": self._slots.donors(job.slot)} if shares and self._slots is not None else {}
             job._row = self._batch.add(
                 prompt,
                 req.max_tokens,
                 state=state,
                 steering=req.steering,
                 logprobs=req.logprobs,
-                **donors,
+                donors=[] if self._slots is None else self._slots.donors(job.slot),
                 **req.sampling,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request's client
