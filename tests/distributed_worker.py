@@ -17,6 +17,21 @@ from typing import Any
 
 import numpy as np
 
+DECODE_STEPS = 4
+
+
+def decode_logits(runner: Any, ids: list[int], steps: int = DECODE_STEPS) -> np.ndarray:
+    """Logits of the prompt's last ``steps`` tokens fed one at a time after the rest: the cached one-token path."""
+    import mlx.core as mx
+
+    cache = runner.opened.new_cache()
+    mx.eval(runner.model(mx.array([ids[:-steps]]), cache))
+    rows = []
+    for token in ids[-steps:]:
+        rows.append(runner.model(mx.array([[token]]), cache)[0, -1])
+        mx.eval(rows[-1])
+    return np.stack([np.array(r) for r in rows])
+
 
 def _model_checks(t: Any, mode: str, job: dict[str, Any]) -> dict[str, Any]:
     runner = t.open(job["path"], distributed=mode, **job.get("options", {}))
@@ -24,6 +39,7 @@ def _model_checks(t: Any, mode: str, job: dict[str, Any]) -> dict[str, Any]:
     weights = runner.opened.weights
     out: dict[str, Any] = {
         "logits": runner.logits(ids).tolist(),
+        "decode_logits": decode_logits(runner, ids).tolist(),
         "greedy": runner.generate(ids, max_tokens=job["max_tokens"], temperature=0.0).tokens,
         "info": runner.opened.distributed.describe(),
         "bytes_read": weights.reader.bytes_read,

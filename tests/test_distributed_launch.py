@@ -2,8 +2,10 @@
 
 Each test is one launch (every rank imports mlx once), running many checks:
 ``tests/distributed_worker.py`` writes what each rank got, these tests compare
-it with the single-process runs of the same installs. Tensor parallelism sums
-partial products in another order, so its logits are held within 1e-5 of the
+it with the single-process runs of the same installs (at least one of every
+family's), each for its prompt's logits, the logits of one-token steps after it
+(the cached decode path) and greedy tokens. Tensor parallelism sums partial
+products in another order, so its logits are held within 1e-5 of the
 single process's (relative to max(1, max|logit|), float32); pipeline ranks run
 exactly the single process's operations, so its logits are equal bit for bit.
 Greedy tokens are identical in both.
@@ -12,6 +14,7 @@ Greedy tokens are identical in both.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -35,7 +38,21 @@ import turbospark_core
 from turbospark_core.steering import DirectionSet
 from turbospark_core.testing import llama_tensor_shapes
 
+
+def _module(path: Path) -> Any:
+    """A helper module of this repository's tests, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROOT = Path(__file__).parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
+worker = _module(WORKER)
+tiny_v3 = _module(ROOT / "plugins/deepseek/tests/tiny_v3.py")
+tiny_gemma3 = _module(ROOT / "examples/turbospark-gemma3/tests/tiny_gemma3.py")
 LAUNCH_TIMEOUT_S = 600
 RANKS = 2
 TOLERANCE = 1e-5
@@ -47,7 +64,21 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "gpt_oss": {},
     "qwen3_5_moe": {"residency": "streamed", "expert_slots": 2},  # streamed experts under expert parallelism
     "qwen3_5_mtp": {"mtp": 2, "num_draft_tokens": 2},
+    "spark2_5": {},  # fused q|k|v, head-wise output gate
+    "deepseek_v2": {},  # latent attention: expanded prefill, absorbed decode; shared and routed experts
+    "deepseek_v2_qlora": {},  # low-rank queries, v_head_dim != qk_nope_head_dim, group-limited routing
+    "deepseek_v3": {},  # tiny random (below): sigmoid + bias noaux_tc routing
+    "gemma3": {},  # the example plugin's tiny config: q/k norms, sliding layers, GeGLU
 }
+TINY = {  # tiny random installs (no shared fixture): config, tensor shapes
+    "deepseek_v3": (tiny_v3.V3, tiny_v3.v3_tensors(tiny_v3.V3)),
+    "gemma3": (
+        tiny_gemma3.TINY_CONFIG,
+        {name: w.shape for name, w in tiny_gemma3.random_weights(tiny_gemma3.TINY_CONFIG, 0).items()},
+    ),
+}
+DUMMY = {"model_type": "dummy_lm", "hidden_size": 16, "vocab_size": 32}  # the test plugin's family: no plan
+DUMMY_TENSORS = {"model.embed_tokens.weight": (32, 16), "lm_head.weight": (32, 16)}
 INDIVISIBLE = {  # three query and key/value heads: two ranks cannot split them
     "model_type": "llama",
     "hidden_size": 48,
@@ -126,15 +157,22 @@ def _run(job: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def _prompt(fixtures: Path, name: str) -> list[int]:
+    if name in TINY:  # 48 tokens, as the fixtures' prompts
+        return np.random.default_rng(5).integers(3, TINY[name][0]["vocab_size"], size=48).tolist()
     return [int(i) for i in np.load(fixtures / name / "references.npz")["prompt_ids"]]
 
 
 @pytest.fixture(scope="module")
-def installs(turbospark_install: Callable[..., Path], turbospark_fixtures: Path) -> dict[str, Path]:
-    paths = {name: turbospark_install(name) for name in FIXTURES}
+def installs(
+    turbospark_install: Callable[..., Path],
+    turbospark_tiny_install: Callable[..., Path],
+    turbospark_fixtures: Path,
+) -> dict[str, Path]:
+    paths = {name: turbospark_install(name) for name in FIXTURES if name not in TINY}
+    paths |= {name: turbospark_tiny_install(name, *TINY[name]) for name in TINY}
     paths["dflash"] = turbospark_install("llama_dflash")
     paths["dflash_drafter"] = turbospark_install("dflash", root=turbospark_fixtures / "llama_dflash")
-    paths["deepseek_v2"] = turbospark_install("deepseek_v2")
+    paths["dummy"] = turbospark_tiny_install("dummy", DUMMY, DUMMY_TENSORS)
     return paths
 
 
@@ -147,6 +185,7 @@ def single(installs: dict[str, Path], turbospark_fixtures: Path) -> dict[str, An
         ids = _prompt(turbospark_fixtures, name)
         out[name] = {
             "logits": runner.logits(ids),
+            "decode_logits": worker.decode_logits(runner, ids),
             "greedy": runner.generate(ids, max_tokens=16, temperature=0.0).tokens,
         }
         if "mtp" in options:
@@ -201,7 +240,7 @@ def _job(mode: str, installs: dict[str, Path], fixtures: Path, tmp_path: Path, t
     refusals = [
         {"path": str(installs["llama"]), "options": {"router_histogram": True}},
         {"path": str(installs["llama"]), "options": {"ngram": 3}},
-        {"path": str(installs["deepseek_v2"])},
+        {"path": str(installs["dummy"])},
         {"path": str(tiny)},
     ]
     features = {
@@ -239,7 +278,7 @@ def test_two_ranks_compute_what_one_process_computes(
             mine = got["models"][name]
             assert mine["greedy"] == want["greedy"], name
             _close(mine["logits"], want["logits"], exact=exact)
-            for extra in ("draft_logits", "dflash_logits"):
+            for extra in ("decode_logits", "draft_logits", "dflash_logits"):
                 if extra in want:
                     _close(mine[extra], want[extra], exact=exact)
             assert f"{mode} parallel, rank {rank} of {RANKS}" in mine["info"]
@@ -264,7 +303,7 @@ def _check_refusals(messages: list[str], mode: str) -> None:
     histogram, adaptive, no_plan, heads = messages
     assert histogram.startswith("DistributedError: router_histogram=True with distributed=")
     assert "needs num_draft_tokens=K" in adaptive
-    assert "family 'deepseek' (turbospark-deepseek) declares no distributed plan" in no_plan
+    assert "family 'dummy' (turbospark-dummy) declares no distributed plan" in no_plan
     if mode == "tensor":
         assert "cannot split num_attention_heads=3 (neither divides the other)" in heads
         assert "use distributed='pipeline'" in heads

@@ -18,6 +18,9 @@ from turbospark_core.errors import DistributedError
 from turbospark_core.options import OpenOptions
 from turbospark_core.testing import distributed_open
 
+DUMMY = {"model_type": "dummy_lm", "hidden_size": 16, "vocab_size": 32}
+DUMMY_TENSORS = {"model.embed_tokens.weight": (32, 16), "lm_head.weight": (32, 16)}
+
 
 def _prepare(path: Path, size: int, rank: int = 0, **options: Any) -> Any:
     return distributed_open(path, options.pop("distributed", None), size, rank, **options)
@@ -54,7 +57,7 @@ def test_an_unknown_mode_is_refused_by_the_option() -> None:
         OpenOptions(distributed="data")
 
 
-def test_a_family_without_a_plan_for_the_mode_is_refused_by_name(turbospark_install: Callable[..., Path]) -> None:
+def test_a_family_without_a_plan_for_the_mode_is_refused_by_name(turbospark_tiny_install: Callable[..., Path]) -> None:
     hooks = plugins.family_hooks("llama")
     with pytest.raises(DistributedError, match=r"family 'llama' \(turbospark-llama\) declares no distributed plan"):
         mode_plan(None, "tensor", hooks, "llama")
@@ -66,10 +69,9 @@ def test_a_family_without_a_plan_for_the_mode_is_refused_by_name(turbospark_inst
         mode_plan(only_pipeline, "tensor", hooks, "x")
     with pytest.raises(DistributedError, match=r"it declares no pipeline-parallel plan; use distributed='tensor'"):
         mode_plan(DistributedPlan(tensor=TensorPlan()), "pipeline", hooks, "x")
-    with pytest.raises(
-        DistributedError, match=r"family 'deepseek' \(turbospark-deepseek\) declares no distributed plan"
-    ):
-        _prepare(turbospark_install("deepseek_v2"), 2, distributed="pipeline")
+    bigram = turbospark_tiny_install("dummy", DUMMY, DUMMY_TENSORS)  # the test plugin's family declares no plan
+    with pytest.raises(DistributedError, match=r"family 'dummy' \(turbospark-dummy\) declares no distributed plan"):
+        _prepare(bigram, 2, distributed="pipeline")
 
 
 def test_tensor_parallelism_builds_the_flow_from_per_rank_counts(turbospark_install: Callable[..., Path]) -> None:

@@ -86,6 +86,18 @@ def test_quantized_matrices_split_packed_words_and_groups(tmp_path: Path) -> Non
         TensorShare(PLAN, index, 8, 0)
 
 
+def test_a_column_split_inside_a_packed_word_is_refused() -> None:
+    from turbospark_core.distributed.share import _packed
+    from turbospark_core.tensor_index import QuantSpec
+
+    # 3-bit codes in groups of 16 (GGUF Q3_K): 16 columns are 48 bits, not a whole number of words
+    q3 = QuantSpec(bits=3, group_size=16)
+    with pytest.raises(DistributedError, match=r"16 input columns of 3-bit codes do not end on a 32-bit word"):
+        _packed([(0, 16), (16, 32)], q3, "weight", "m", 2)
+    assert _packed([(0, 32), (32, 64)], q3, "weight", "m", 2) == [(0, 3), (3, 6)]
+    assert _packed([(0, 32), (32, 64)], q3, "scales", "m", 2) == [(0, 2), (2, 4)]
+
+
 def test_routed_experts_split_by_expert(turbospark_fixtures: Path, tmp_path: Path) -> None:
     from turbospark_core.convert import convert
 

@@ -242,7 +242,7 @@ def test_hook_distributed_plan(arch: dict[str, Any], llama: plugins.FamilyHooks)
     assert plan is not None and plan.tensor is not None and plan.pipeline is not None
     assert plan.tensor.per_rank == ("num_attention_heads", "num_key_value_heads")
     assert plan.tensor.splits["*.self_attn.o_proj"].axis == "in"
-    assert plugins.family_hooks("deepseek_v2").distributed_plan({"model_type": "deepseek_v2"}) is None  # no hook
+    assert plugins.family_hooks("dummy_lm").distributed_plan({"model_type": "dummy_lm"}) is None  # no hook
 
 
 def test_hook_cache_layout(arch: dict[str, Any], llama: plugins.FamilyHooks) -> None:

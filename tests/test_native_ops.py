@@ -216,3 +216,35 @@ def test_gelu_tanh_mul_equals_mlx() -> None:
     np.testing.assert_allclose(got, np.array(nn.gelu_approx(edge)), atol=1e-30, rtol=2e-6)
     with pytest.raises(ValueError, match="gelu_tanh_mul: gate and up must be float32"):
         native.gelu_tanh_mul(edge, edge[:3])
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 32), (64, 64), (128, 32), (256, 64), (96, 32)])
+def test_kv_rows_equal_mlx_dequantize_and_hadamard(bits: int, head_dim: int, group: int) -> None:
+    # a quantized cache's fetched rows: a slice of the buffer along the token axis, read in place
+    x = mx.random.normal((2, 3, 40, head_dim), key=mx.random.key(bits + head_dim))
+    w, s, b = mx.quantize(x, group_size=group, bits=bits)
+    w, s, b = w[:, :, 3:29], s[:, :, 3:29], b[:, :, 3:29]
+    want = mx.dequantize(w, s, b, group_size=group, bits=bits)
+    np.testing.assert_allclose(np.array(native.kv_rows(w, s, b, bits, False)), np.array(want), atol=1e-6, rtol=1e-6)
+    if head_dim & (head_dim - 1) == 0:  # stored Hadamard-rotated: rotated back
+        got = native.kv_rows(w, s, b, bits, True)
+        np.testing.assert_allclose(np.array(got), np.array(mx.hadamard_transform(want)), atol=2e-6, rtol=1e-5)
+    # symmetric rows (no biases): each bias is -2^(bits-1) * its scale
+    sym = native.kv_rows(w, s, None, bits, False)
+    np.testing.assert_array_equal(np.array(sym), np.array(native.kv_rows(w, s, s * -(2 ** (bits - 1)), bits, False)))
+
+
+@needs_native
+def test_kv_rows_refusals() -> None:
+    from turbospark_core._native import _qmm
+
+    w, s, b = mx.quantize(mx.random.normal((4, 96)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="power-of-two"):
+        _qmm.kv_rows(w, s, b, 4, True)
+    with pytest.raises(ValueError, match="bits must be"):
+        _qmm.kv_rows(w, s, b, 7, False)
+    five = mx.concatenate([s, s[:, :2]], axis=1)  # 96 values do not split into 5 groups
+    with pytest.raises(ValueError, match="one value per group"):
+        _qmm.kv_rows(w, five, five, 4, False)

@@ -107,6 +107,20 @@ def test_group_16_rows_of_odd_group_counts_and_half_scales(bits: int, m: int) ->
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_symmetric_matrices_need_no_biases(bits: int, m: int) -> None:
+    from turbospark_core._native import _qmm
+
+    # GGUF's Q8_0/Q4_0/Q5_0/Q6_K/Q3_K blocks: every bias is -2^(bits-1) * its scale, so the kernels derive it
+    x, w, s, _ = _case(70, 640, m, bits, 32, mx.float16, seed=9)
+    b = s * -(2 ** (bits - 1))
+    with_biases = np.array(_qmm.quantized_matmul(x, w, s, b, group_size=32, bits=bits))
+    without = np.array(_qmm.quantized_matmul(x, w, s, None, group_size=32, bits=bits))
+    np.testing.assert_array_equal(without, with_biases)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
     x, w, s, b = _case(40, 128, 6, 4, 32, dtype)
@@ -117,21 +131,36 @@ def test_scale_dtypes_and_batched_input(dtype: mx.Dtype) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("panel_rows", [None, 17])
-def test_large_m_row_kernel_and_panels(panel_rows: int | None) -> None:
+@pytest.mark.parametrize("path", ["native", "blas"])
+@pytest.mark.parametrize(
+    ("n", "k", "m", "bits", "group"),
+    [
+        (1000, 512, 33, 4, 64),
+        (75, 576, 17, 5, 32),
+        (130, 1152, 50, 8, 32),
+        (64, 640, 255, 6, 32),
+        (70, 96, 23, 3, 32),
+        (33, 128, 19, 2, 128),
+    ],
+)
+def test_large_m_products(path: str, n: int, k: int, m: int, bits: int, group: int) -> None:
     from turbospark_core._native import _qmm
 
-    # more activation rows than one tile, more weight rows than one sgemm panel
-    x, w, s, b = _case(1000, 512, 33, 4, 64, mx.float16)
-    before = _qmm.gemm_min_rows()
-    if panel_rows is not None:
-        if not _qmm.has_blas():
-            pytest.skip("no BLAS bound for the panel path")
-        _qmm.set_gemm_min_rows(panel_rows)
+    # more activation rows than the row kernels take: panels of weight rows (and their tails) through
+    # the native GEMM (rows of x in tiles of 6 and the rest) or through sgemm
+    if path == "blas" and not _qmm.has_blas():
+        pytest.skip("no BLAS bound for the panel path")
+    if path == "native" and _qmm.kernel() != "avx512":
+        pytest.skip("the native GEMM is AVX-512's")
+    x, w, s, b = _case(n, k, m, bits, group, mx.float16)
+    before = _qmm.gemm_path()
+    _qmm.set_gemm_path(path)
     try:
-        _close(native.quantized_matmul(x, w, s, b, QuantSpec(bits=4, group_size=64)), _reference(x, w, s, b, 64, 4))
+        assert _qmm.gemm_path() == path
+        got = native.quantized_matmul(x, w, s, b, QuantSpec(bits=bits, group_size=group))
+        _close(got, _reference(x, w, s, b, group, bits))
     finally:
-        _qmm.set_gemm_min_rows(before)
+        _qmm.set_gemm_path(before)
 
 
 @needs_native
@@ -168,13 +197,47 @@ def test_odd_shapes_are_refused() -> None:
         _qmm.quantized_matmul(x, w, s[:, :1], b[:, :1], group_size=32, bits=4)
 
 
-def test_unsupported_layouts_use_mlx() -> None:
+@needs_native
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_mxfp4_equals_mlx(m: int) -> None:
+    # gpt-oss's experts: e2m1 codes times uint8 power-of-two scales (the lookup tables are e2m1 values times the scale)
     spec = QuantSpec(bits=4, group_size=32, mode="mxfp4")
-    assert not native.supports(spec)
-    w, s = mx.quantize(mx.random.normal((16, 64)), group_size=32, bits=4, mode="mxfp4")
-    x = mx.random.normal((2, 64))
-    want = mx.quantized_matmul(x, w, s, None, transpose=True, group_size=32, bits=4, mode="mxfp4")
-    np.testing.assert_array_equal(np.array(native.quantized_matmul(x, w, s, None, spec)), np.array(want))
+    assert native.supports(spec)
+    w, s = mx.quantize(mx.random.normal((75, 640)) * 4, group_size=32, bits=4, mode="mxfp4")
+    x = mx.random.normal((m, 640))
+    dense = mx.dequantize(w, s, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+    _close(native.quantized_matmul(x, w, s, None, spec), np.array(x @ dense.T))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("mode", "bits", "group"), [("affine", 4, 32), ("affine", 8, 64), ("affine", 6, 16), ("mxfp4", 4, 32)]
+)
+def test_gathered_experts_equal_mlx(mode: str, bits: int, group: int) -> None:
+    # routed experts: each token's rows times its chosen experts' matrices (decode: broadcast x over k choices;
+    # a prefill's sorted path: runs of one expert as one many-row product)
+    spec = QuantSpec(bits=bits, group_size=group, mode=mode)
+    w = mx.random.normal((6, 40, 128), key=mx.random.key(bits))
+    if mode == "mxfp4":
+        (wq, s), b = mx.quantize(w, group_size=32, bits=4, mode="mxfp4"), None
+        dense = mx.dequantize(wq, s, None, group_size=32, bits=4, mode="mxfp4").astype(mx.float32)
+    else:
+        from turbospark_core.dequant import dequantize
+
+        wq, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
+        if group == 16:  # a narrow group: scales per 16 values
+            s, b = mx.repeat(s, 2, axis=-1), mx.repeat(b, 2, axis=-1)
+        dense = dequantize(wq, s, b, spec, mx.float32)
+    x = mx.random.normal((5, 1, 1, 128))
+    idx = mx.array(np.random.default_rng(0).integers(0, 6, (5, 3)).astype(np.uint32))
+    want = mx.stack([mx.stack([x[t, 0, 0] @ dense[int(e)].T for e in idx[t].tolist()]) for t in range(5)])
+    got = native.gather_quantized_matmul(x, wq, s, b, idx, spec)
+    assert got.shape == (5, 3, 1, 40)
+    _close(got[:, :, 0], np.array(want))
+    rows = mx.random.normal((40, 1, 128))
+    order = mx.array(np.sort(np.random.default_rng(1).integers(0, 6, 40)).astype(np.uint32))
+    want = mx.stack([rows[p, 0] @ dense[int(e)].T for p, e in enumerate(order.tolist())])
+    _close(native.gather_quantized_matmul(rows, wq, s, b, order, spec)[:, 0], np.array(want))
 
 
 _CHILD = """

@@ -154,6 +154,16 @@ def test_quantization_entry_for_a_matrix_without_scales(install: Path, tamper, n
     names(e, "'model.norm'", "'.scales'", "turbospark convert")
 
 
+def test_affine_matrix_without_biases_is_refused_by_name(q4_copy: Path, tamper, names) -> None:
+    base = "model.layers.0.mlp.up_proj"
+    tensors = tamper.load_weights(q4_copy)
+    del tensors[f"{base}.biases"]
+    tamper.put_weights(q4_copy, tensors)
+    with pytest.raises(TensorStorageError) as e:
+        turbospark_core.open(q4_copy)
+    names(e, f"'{base}'", "'.biases'", "turbospark convert")
+
+
 # ------------------------------------------------------------------ dtypes with no kernel
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.int32, np.int8])
 def test_tensor_dtype_without_a_kernel_is_refused_by_name(install: Path, tamper, dtype, names) -> None:

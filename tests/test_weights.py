@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -13,7 +14,7 @@ from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
 from turbospark_core.layers import Activation, ExpertBank, Experts
-from turbospark_core.manifest import WEIGHTS, load_manifest
+from turbospark_core.manifest import MANIFEST, WEIGHTS, load_manifest
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import ExpertSource, WeightStore
 
@@ -86,6 +87,44 @@ def test_group_16_matrices_stay_quantized_only_where_native_kernels_multiply_the
     assert rows.dtype == dtype
     assert mx.array_equal(rows, reference.embedding("model.embed_tokens")(ids).astype(dtype)).item()
     store.materialize()
+
+
+def _symmetric_copy(src: Path, dst: Path, bases: list[str]) -> dict[str, np.ndarray]:
+    """A copy of install ``src`` whose matrices ``bases`` have every bias -8 * its scale (4-bit symmetric)."""
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(dst / WEIGHTS))
+    for base in bases:
+        scales = tensors[f"{base}.scales"]
+        tensors[f"{base}.biases"] = (scales.astype(np.float32) * -8).astype(scales.dtype)
+    save_file(tensors, str(dst / WEIGHTS))
+    raw = json.loads((dst / MANIFEST).read_text())
+    raw["files"][WEIGHTS]["size"] = (dst / WEIGHTS).stat().st_size
+    (dst / MANIFEST).write_text(json.dumps(raw))
+    return tensors
+
+
+@pytest.mark.skipif(not native.available(), reason="symmetric matrices drop their biases on the native path only")
+def test_symmetric_matrices_are_held_without_biases(q4_dir: Path, tmp_path: Path) -> None:
+    # GGUF's Q4_0/Q8_0 blocks: every bias is -2^(bits-1) * its scale; the native kernels derive them
+    base, table = "model.layers.0.self_attn.o_proj", "model.embed_tokens"
+    tensors = _symmetric_copy(q4_dir, tmp_path / "sym", [base, table])
+    held, unpacked = _store(tmp_path / "sym", unpack=True, native_kernels=True), _store(tmp_path / "sym", unpack=True)
+    sym, other = held.linear(base), held.linear("model.layers.0.mlp.up_proj")
+    assert sym.quant is not None and sym.biases is None  # never read per token
+    assert other.quant is not None and other.biases is not None  # an asymmetric matrix keeps its biases
+    x = _normal((3, 64), 7)
+    stored = mx.array(tensors[f"{base}.biases"])
+    want = native.quantized_matmul(x, sym.weight, sym.scales, stored, sym.quant)
+    np.testing.assert_array_equal(np.array(sym(x)), np.array(want))  # derived biases: bit for bit
+    _close(sym(x), unpacked.linear(base)(x))
+    # a symmetric table's gathered rows get derived biases too
+    assert held.embedding(table).table.biases is None
+    ids = mx.array([[3, 9]])
+    _close(held.embedding(table)(ids), unpacked.embedding(table)(ids), atol=1e-6)
 
 
 def test_experts_come_from_the_container_without_a_source(q4_dir: Path) -> None:

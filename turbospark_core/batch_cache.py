@@ -145,9 +145,8 @@ class BatchKVCache:
         self._v.assign(self.length, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.positions[:, self.length : end] = self.rows.queries(n)
         self.length = end
-        k = self._k.map(lambda a: a[..., :end, :]).decode()
-        v = self._v.map(lambda a: a[..., :end, :]).decode()
-        return (_wht(k) if rot_k else k), (_wht(v) if rot_v else v)
+        k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
+        return k.decode(rot_k), v.decode(rot_v)
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""

@@ -8,6 +8,9 @@ biases reads the raw integer codes exactly, and each narrow group's scale and
 bias are applied to them in float32. Every code is an integer below 256 and
 ``scale * code`` is exact in float32 for the GGUF mappings, so the values are
 those of the GGUF file's own dequantizer.
+
+An affine matrix held without biases (``biases=None``) is symmetric: each
+group's bias is ``-2^(bits-1)`` times its scale (:func:`symmetric_biases`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def dequantize(
     from float16 storage into float32), then ``mx.dequantize``. Narrow groups: codes,
     scales and biases in float32 (the result without ``dtype``), then one cast.
     """
+    if biases is None and quant.mode == "affine":
+        biases = symmetric_biases(scales, quant.bits)
     if quant.mlx_kernels:
         if dtype is not None and quant.mode == "affine":
             scales, biases = scales.astype(dtype), None if biases is None else biases.astype(dtype)
@@ -48,6 +53,21 @@ def dequantize(
             values = values + biases.astype(mx.float32)[..., None]
         out = values.reshape(*lead, cols)
     return out if dtype is None else out.astype(dtype)
+
+
+def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
+    """The biases of a symmetric affine matrix: ``-2^(bits-1) * scale`` for each group (exact: a power of two)."""
+    biases: mx.array = scales * -(2 ** (bits - 1))
+    return biases
+
+
+def is_symmetric(scales: mx.array, biases: mx.array, bits: int) -> bool:
+    """Whether every bias is ``-2^(bits-1)`` times its scale (GGUF's Q8_0/Q4_0/Q5_0/Q6_K/Q3_K blocks).
+
+    Such a matrix multiplies without its biases (:class:`~turbospark_core.layers.Linear`
+    holds ``biases=None``): the kernels derive them, bit for bit, and never read them.
+    """
+    return bool(mx.array_equal(biases, symmetric_biases(scales, bits)).item())
 
 
 def raw_codes(w: mx.array, bits: int) -> mx.array:

@@ -10,6 +10,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import ContextOverflowError
 
@@ -81,12 +82,20 @@ class _Rows:
         group = kv_group_size(x.shape[-1], bits)
         return cls(tuple(mx.quantize(x.astype(dtype), group_size=group, bits=bits)), bits, dtype)
 
-    def decode(self) -> mx.array:
+    def decode(self, rotated: bool = False) -> mx.array:
+        """The rows as floats; ``rotated``: they are stored Hadamard-rotated, rotate them back.
+
+        Quantized float32 rows on the CPU: one native op (dequantized and rotated
+        back row by row) instead of MLX's composed dequantization and hadamard_transform.
+        """
         if self.bits is None:
-            return self.parts[0]
+            return _wht(self.parts[0]) if rotated else self.parts[0]
         w, scales, biases = self.parts
+        if self.dtype == mx.float32 and native.kv_rows_supported(w, scales):
+            return native.kv_rows(w, scales, biases, self.bits, rotated)
         group = w.shape[-1] * 32 // self.bits // scales.shape[-1]
-        return mx.dequantize(w, scales, biases, group_size=group, bits=self.bits).astype(self.dtype)
+        out = mx.dequantize(w, scales, biases, group_size=group, bits=self.bits).astype(self.dtype)
+        return _wht(out) if rotated else out
 
     def map(self, fn: Callable[[mx.array], mx.array]) -> _Rows:
         return _Rows(tuple(fn(p) for p in self.parts), self.bits, self.dtype)
@@ -105,20 +114,30 @@ class _Rows:
 
 
 class _KVBuffers:
-    """The key/value row buffers shared by the full and the ring cache."""
+    """The key/value row buffers shared by the full and the ring cache.
+
+    ``rotate_keys`` / ``rotate_values``: rows are stored Hadamard-rotated (see
+    :class:`RotatedKVCache`) and rotated back when fetched.
+    """
 
     _k: _Rows | None
     _v: _Rows | None
+    rotate_keys: bool = False
+    rotate_values: bool = False
 
     @property
     def keys(self) -> mx.array | None:
-        """The whole key buffer (all allocated rows; dequantized when quantized)."""
-        return None if self._k is None else self._k.decode()
+        """The whole key buffer (all allocated rows; dequantized and rotated back when stored so)."""
+        return None if self._k is None else self._k.decode(self.rotate_keys)
 
     @property
     def values(self) -> mx.array | None:
         """The whole value buffer."""
-        return None if self._v is None else self._v.decode()
+        return None if self._v is None else self._v.decode(self.rotate_values)
+
+    def _fetch(self, keys: _Rows, values: _Rows) -> tuple[mx.array, mx.array]:
+        """Fetched rows as the family reads them: floats, rotated back."""
+        return keys.decode(self.rotate_keys), values.decode(self.rotate_values)
 
 
 class KVCache(_KVBuffers):
@@ -173,10 +192,7 @@ class KVCache(_KVBuffers):
         self._k.assign(self.offset, end, _Rows.encode(keys, self.kv_bits, self.dtype))
         self._v.assign(self.offset, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.offset = end
-        return (
-            self._k.map(lambda a: a[..., :end, :]).decode(),
-            self._v.map(lambda a: a[..., :end, :]).decode(),
-        )
+        return self._fetch(self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :]))
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped."""
@@ -273,11 +289,11 @@ class RingKVCache(_KVBuffers):
             v.assign(slot, slot + 1, v_new)
             positions[slot : slot + 1] = new_pos
             self._fetched_positions = positions
-            return k.decode(), v.decode()
+            return self._fetch(k, v)
         k_all, v_all, p_all = self._ordered_with(k_new, v_new, new_pos)
         self._fetched_positions = p_all
         self._keep_last(k_all, v_all, p_all)
-        return k_all.decode(), v_all.decode()
+        return self._fetch(k_all, v_all)
 
     def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
         if self._k is None or self._v is None or self.positions is None:
@@ -490,49 +506,23 @@ class RotatedKVCache(KVCache):
     ``rotate_values`` rotates values too (both are rotated back when fetched).
     """
 
-    rotate_values: bool = True
+    rotate_keys = True
+    rotate_values = True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`KVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
-        rv = self.rotate_values
-        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
-        return _wht(k), _wht(v) if rv else v
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The whole key buffer, dequantized and rotated back."""
-        k = super().keys
-        return None if k is None else _wht(k)
-
-    @property
-    def values(self) -> mx.array | None:
-        """The whole value buffer, dequantized (and rotated back)."""
-        v = super().values
-        return v if v is None or not self.rotate_values else _wht(v)
+        return super().update_and_fetch(_wht(keys), _wht(values) if self.rotate_values else values)
 
 
 class RotatedRingKVCache(RingKVCache):
     """A quantized :class:`RingKVCache` that stores keys and values Hadamard-rotated per head."""
 
-    rotate_values: bool = True
+    rotate_keys = True
+    rotate_values = True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`RingKVCache.update_and_fetch`; the rows are stored rotated and handed back unrotated."""
-        rv = self.rotate_values
-        k, v = super().update_and_fetch(_wht(keys), _wht(values) if rv else values)
-        return _wht(k), _wht(v) if rv else v
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The whole key ring, dequantized and rotated back."""
-        k = super().keys
-        return None if k is None else _wht(k)
-
-    @property
-    def values(self) -> mx.array | None:
-        """The whole value ring, dequantized (and rotated back)."""
-        v = super().values
-        return v if v is None or not self.rotate_values else _wht(v)
+        return super().update_and_fetch(_wht(keys), _wht(values) if self.rotate_values else values)
 
 
 def _rotated_kv_class(spec: CacheSpec) -> type[KVCache] | type[RingKVCache] | None:

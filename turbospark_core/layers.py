@@ -22,7 +22,12 @@ SORT_THRESHOLD = 64  # (token, expert) pairs from which ExpertBank.glu groups ro
 
 
 class Linear:
-    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul."""
+    """``y = x @ W.T (+ b)``, dense or through MLX's quantized matmul.
+
+    An affine quantized matrix held with ``biases=None`` is symmetric: each
+    group's bias is ``-2^(bits-1)`` times its scale (GGUF's Q8_0/Q4_0/Q6_K...),
+    derived where needed instead of stored and read.
+    """
 
     def __init__(
         self,
@@ -41,6 +46,9 @@ class Linear:
         self.quant = quant
         self.scales = scales
         self.biases = biases
+        # a dense matrix's transposed view, made once: a new ``weight.T`` per call would be one more graph
+        # node per product and step
+        self._weight_t = weight.T if quant is None else None
 
     @property
     def out_features(self) -> int:
@@ -48,8 +56,9 @@ class Linear:
         return self.weight.shape[-2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quant is None or self.scales is None:  # __init__ gives every quantized Linear its scales
-            return x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        if self._weight_t is not None:
+            return x @ self._weight_t if self.bias is None else mx.addmm(self.bias, x, self._weight_t)
+        assert self.quant is not None and self.scales is not None  # __init__ gives every quantized Linear its scales
         y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
@@ -263,18 +272,7 @@ def _gather(proj: Linear, x: mx.array, indices: mx.array, is_sorted: bool = Fals
     if proj.quant is None or proj.scales is None:
         y = mx.gather_mm(x, proj.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=is_sorted)
     else:
-        y = mx.gather_qmm(
-            x,
-            proj.weight,
-            proj.scales,
-            proj.biases,
-            rhs_indices=indices,
-            sorted_indices=is_sorted,
-            transpose=True,
-            group_size=proj.quant.group_size,
-            bits=proj.quant.bits,
-            mode=proj.quant.mode,
-        )
+        y = native.gather_quantized_matmul(x, proj.weight, proj.scales, proj.biases, indices, proj.quant)
     if proj.bias is not None:
         y = y + mx.expand_dims(proj.bias[indices], -2)
     return y

@@ -58,7 +58,7 @@ from turbospark_core.sessions import SessionPool
 from turbospark_core.speculative.factory import DrafterSetup, draft_length, make_drafter, refuse_hadamard
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.steering import DirectionSet
-from turbospark_core.tensor_index import QuantSpec, TensorIndex, build_index
+from turbospark_core.tensor_index import TensorIndex, build_index
 from turbospark_core.weights import WeightStore
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -543,9 +543,9 @@ def _plan_memory(
 
 
 def _unpacked_bytes(index: TensorIndex) -> int:
-    """Weight bytes under the CPU's unpacking policy: float32, except the 2-D quantized
-    matrices the native kernels multiply in stored form (expert stacks are unpacked)."""
-    return index.float_bytes(4, keep=lambda base, spec: _native_keeps(index, base, spec))
+    """Weight bytes under the CPU's unpacking policy: float32, except the quantized
+    matrices (and expert stacks) the native kernels multiply in stored form."""
+    return index.float_bytes(4, keep=lambda base, spec: native.keeps(spec))
 
 
 def _stored_bytes(index: TensorIndex) -> int:
@@ -553,14 +553,8 @@ def _stored_bytes(index: TensorIndex) -> int:
     (no MLX kernel) that the native kernels do not multiply, unpacked to the compute dtype."""
     itemsize = (mx.float32 if mx.default_device() == mx.cpu else GPU_COMPUTE_DTYPE).size
     return index.stored_bytes(
-        unpack=lambda base, spec: not spec.mlx_kernels and not _native_keeps(index, base, spec), itemsize=itemsize
+        unpack=lambda base, spec: not spec.mlx_kernels and not native.keeps(spec), itemsize=itemsize
     )
-
-
-def _native_keeps(index: TensorIndex, base: str, spec: QuantSpec) -> bool:
-    """Whether the native kernels multiply matrix ``base`` as stored (2-D, on the CPU, a layout they take)."""
-    on_cpu = mx.default_device() == mx.cpu
-    return on_cpu and native.supports(spec) and len(index.logical_shape(base)) == 2
 
 
 def _expert_layout(manifest: Manifest, index: TensorIndex, opts: OpenOptions) -> ExpertLayout | None:

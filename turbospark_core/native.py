@@ -1,8 +1,11 @@
 """Native CPU kernels for quantized matrices (an MLX custom primitive built at install).
 
 With the extension, quantized weights stay quantized on the CPU and multiply
-through :func:`quantized_matmul` (AVX2/FMA or portable kernels, a thread pool
-that sleeps when idle). Without it (not built, built against another MLX, or
+through :func:`quantized_matmul` (AVX-512, AVX2/FMA or portable kernels, a thread
+pool that sleeps when idle): row kernels for up to 16 rows of x (decode, batched
+decode, verify), and from 17 rows a native GEMM over dequantized panels (AVX-512;
+``TURBOSPARK_QMM_GEMM=blas`` sends them through OpenBLAS's sgemm instead, as the
+AVX2 and portable sets always do). Without it (not built, built against another MLX, or
 ``TURBOSPARK_NATIVE=0``) the compute policy unpacks them as before;
 :data:`STATUS` says which, for ``turbospark inspect`` and the runner's stats.
 """
@@ -15,6 +18,7 @@ from types import ModuleType
 
 import mlx.core as mx  # before the extension: it finds libmlx because mlx loaded it
 
+from turbospark_core import dequant
 from turbospark_core.tensor_index import QuantSpec
 
 OFF_ENV = "TURBOSPARK_NATIVE"
@@ -34,8 +38,9 @@ def _load() -> tuple[ModuleType | None, str]:
             f"native kernels built for mlx {_qmm.mlx_version()} but mlx {MLX_VERSION} is installed; "
             f"reinstall turbospark to rebuild them"
         )
-    panels = _bind_blas(_qmm) and _qmm.gemm_min_rows() < 2**62
-    gemm = f", dequantized panels through OpenBLAS from {_qmm.gemm_min_rows()} rows" if panels else ""
+    _bind_blas(_qmm)
+    how = {"native": "native GEMM", "blas": "dequantized panels through OpenBLAS"}.get(_qmm.gemm_path())
+    gemm = f", {how} from {_qmm.gemm_min_rows()} rows" if how else ""
     return _qmm, f"native {_qmm.kernel()} kernels, {_qmm.threads()} threads{gemm}"
 
 
@@ -58,20 +63,60 @@ def available() -> bool:
 
 
 def supports(quant: QuantSpec) -> bool:
-    """Whether the native kernels multiply matrices stored as ``quant``."""
-    return _MODULE is not None and quant.mode == "affine" and quant.bits in BITS and quant.group_size % 8 == 0
+    """Whether the native kernels multiply matrices stored as ``quant`` (affine 2-8 bit, any group of 8k; mxfp4)."""
+    if _MODULE is None:
+        return False
+    if quant.mode == "mxfp4":
+        return (quant.bits, quant.group_size) == (4, 32)
+    return quant.mode == "affine" and quant.bits in BITS and quant.group_size % 8 == 0
+
+
+def keeps(quant: QuantSpec) -> bool:
+    """Whether matrices stored as ``quant`` stay as stored here: the native kernels multiply them on the CPU."""
+    return supports(quant) and mx.default_device() == mx.cpu
 
 
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, quant: QuantSpec
 ) -> mx.array:
-    """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel."""
-    if _MODULE is not None and biases is not None and supports(quant) and mx.default_device() == mx.cpu:
-        out: mx.array = _MODULE.quantized_matmul(x, w, scales, biases, group_size=quant.group_size, bits=quant.bits)
+    """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel.
+
+    ``biases=None`` with an affine ``quant``: a symmetric matrix (each bias is
+    ``-2^(bits-1)`` times its scale), whose biases the native kernels derive.
+    """
+    if _MODULE is not None and keeps(quant):
+        out: mx.array = _MODULE.quantized_matmul(
+            x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
+        )
         return out
+    if biases is None and quant.mode == "affine":
+        biases = dequant.symmetric_biases(scales, quant.bits)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
+
+
+def gather_quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, indices: mx.array, quant: QuantSpec
+) -> mx.array:
+    """Routed experts: ``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)``.
+
+    Native on the CPU when supported (each element's rows of x times its
+    expert's stored matrix; a sorted prefill's runs of one expert as one
+    many-row product), else MLX's own kernel.
+    """
+    if _MODULE is not None and keeps(quant):
+        out: mx.array = _MODULE.gather_quantized_matmul(
+            x, w, scales, biases, indices.astype(mx.uint32), group_size=quant.group_size, bits=quant.bits,
+            mode=quant.mode,
+        )  # fmt: skip
+        return out
+    if biases is None and quant.mode == "affine":
+        biases = dequant.symmetric_biases(scales, quant.bits)
+    return mx.gather_qmm(
+        x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=quant.group_size, bits=quant.bits,
+        mode=quant.mode,
+    )  # fmt: skip
 
 
 def rope_supported(x: mx.array, offset: int | mx.array) -> bool:
@@ -173,4 +218,22 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``mlx.nn.gelu_approx(gate) * up`` as one vectorized op. Check :func:`gated_supported` first."""
     assert _MODULE is not None
     out: mx.array = _MODULE.gelu_tanh_mul(gate, up)
+    return out
+
+
+def kv_rows_supported(w: mx.array, scales: mx.array) -> bool:
+    """Whether :func:`kv_rows` takes these: quantized KV rows on the CPU (groups a multiple of 8)."""
+    if _MODULE is None or mx.default_device() != mx.cpu or w.ndim < 1 or scales.ndim != w.ndim:
+        return False
+    return w.dtype == mx.uint32 and scales.shape[-1] > 0
+
+
+def kv_rows(w: mx.array, scales: mx.array, biases: mx.array | None, bits: int, rotated: bool) -> mx.array:
+    """Quantized KV rows as float32 (``rotated``: then each row's normalized Hadamard transform), one op.
+
+    ``mx.dequantize`` (and ``mx.hadamard_transform``) row by row, reading a
+    cache buffer's slice in place. Check :func:`kv_rows_supported` first.
+    """
+    assert _MODULE is not None
+    out: mx.array = _MODULE.kv_rows(w, scales, biases, bits, rotated)
     return out

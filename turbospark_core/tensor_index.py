@@ -237,10 +237,11 @@ def _check_quantized(tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
             )
             raise TensorStorageError(msg)
     for base, spec in quant.items():
-        if f"{base}.weight" not in tensors or f"{base}.scales" not in tensors:
+        needed = ("weight", "scales", "biases") if spec.mode == "affine" else ("weight", "scales")
+        if any(f"{base}.{leaf}" not in tensors for leaf in needed):
             msg = (
-                f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks its "
-                f"'.weight' or '.scales' tensor; re-run `turbospark convert`"
+                f"quantized matrix {base!r} ({spec.mode} {spec.bits}-bit) lacks one of its "
+                f"{', '.join(repr('.' + leaf) for leaf in needed)} tensors; re-run `turbospark convert`"
             )
             raise TensorStorageError(msg)
         flat = [f"{base}.{leaf}" for leaf in ("weight", "scales") if len(tensors[f"{base}.{leaf}"].shape) < 2]

@@ -25,7 +25,8 @@ Hugging Face checkpoint with random weights from each config dict in
 runs the structural checks (the install opens, logits have the right shape,
 incremental decoding equals the full forward, sessions, the hook contract,
 steering: scale 0 is bit-identical to none, an ablated residual has no
-component along the direction, each request gets its own edit)::
+component along the direction, each request gets its own edit; compiled
+one-token steps equal uncompiled ones and never retrace)::
 
     class TestMyFamilySmoke(TinyRandomConformance):
         tiny_configs = {"tiny": {"model_type": "my_llama", "hidden_size": 64, ...}}
@@ -51,6 +52,7 @@ BF16_ARGMAX_AGREEMENT = 0.95
 INCREMENTAL_ABS_TOL = 1e-4
 STEERING_ABS_TOL = 1e-4  # max |logit - steering.npz reference| (the fixtures README's suggestion)
 ABLATION_REL_TOL = 1e-5  # |h . d^| / |h| left in a captured residual after ablation
+DECODE_STEPS = 4  # one-token steps the compiled-decode checks run (a ring of window 16 wraps in the 48-token prompt)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -412,6 +414,8 @@ class StructuralChecks(SteeringChecks):
     the ``install`` and ``prompt_ids`` fixtures.
     """
 
+    compiled_decode: ClassVar[bool] = False  # the family's one-token decode step runs mx.compile'd functions
+
     @classmethod
     def fixture_names(cls) -> list[str]:
         """The values ``fixture_name`` takes (one run of every test each)."""
@@ -486,6 +490,44 @@ class StructuralChecks(SteeringChecks):
         assert _close(_last_logits(runner, ids[kept:], parked), fresh)
         session.reset()
 
+    # ------------------------------------------------------------ compiled decode
+    def test_compiled_decode_equals_uncompiled(self, runner: Any, prompt_ids: list[int]) -> None:
+        """One-token steps (one row; two rows at their own positions in the core's batched caches) give the
+        same logits with ``mx.compile`` on as with it off, bit for bit: MLX's CPU fusion keeps the arithmetic."""
+        from turbospark_core.diagnostics import compile_off
+
+        for prompts in _decode_prompts(prompt_ids):
+            compiled = _decode_steps(runner, prompts, DECODE_STEPS)
+            with compile_off():
+                plain = _decode_steps(runner, prompts, DECODE_STEPS)
+            assert np.array_equal(compiled, plain), f"{len(prompts)} row(s)"
+
+    def test_decode_steps_do_not_retrace(
+        self, install: Callable[..., Path], prompt_ids: list[int], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A compiled function traces on its first one-token step of a batch shape, never on a later step
+        (positions, cache lengths and ring wraps change every step; ``compiled_decode``: the family compiles)."""
+        import turbospark_core
+
+        traces: list[object] = []
+        compile_ = mx.compile
+
+        def counted(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            def traced(*inputs: Any) -> Any:
+                traces.append(fun)  # runs only while MLX traces ``fun``
+                return fun(*inputs)
+
+            return compile_(traced, *args, **kwargs)
+
+        monkeypatch.setattr(mx, "compile", counted)
+        runner = turbospark_core.open(install("float32"))
+        for prompts in _decode_prompts(prompt_ids):
+            _decode_steps(runner, prompts, 1)
+            first = len(traces)
+            _decode_steps(runner, prompts, DECODE_STEPS)
+            assert len(traces) == first, f"{len(prompts)} row(s): {len(traces) - first} traces after the first step"
+        assert bool(traces) == (self.compiled_decode and not os.environ.get("MLX_DISABLE_COMPILE"))
+
     def test_layer_count(self, runner: Any) -> None:
         assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
 
@@ -517,6 +559,39 @@ class StructuralChecks(SteeringChecks):
         (bad / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(ArchConfigError, match="num_hidden_layers"):
             turbospark_core.open(bad)
+
+
+def _decode_prompts(ids: list[int]) -> list[list[list[int]]]:
+    """One row, then two rows of different lengths (different positions in one batch)."""
+    return [[ids], [ids, ids[::-1][: max(2, len(ids) // 3)]]]
+
+
+def _decode_steps(runner: Any, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """Logits ``[steps, rows, vocab]`` of greedy one-token steps after prefilling ``prompts``.
+
+    One prompt decodes in its own caches; several are each prefilled alone and
+    then decode together in the core's batched caches (per-row positions).
+    """
+    from turbospark_core.batch_cache import BatchCaches
+
+    filled = []
+    for prompt in prompts:
+        caches = runner.opened.new_cache()
+        filled.append((caches, runner.model(mx.array([prompt]), caches)[0, -1]))
+    batch = None
+    if len(prompts) > 1:
+        batch = BatchCaches(runner.opened.new_cache())
+        for (caches, _), prompt in zip(filled, prompts, strict=True):
+            batch.add_row(caches, len(prompt))
+    caches = filled[0][0] if batch is None else batch.caches
+    logits = mx.stack([last for _, last in filled])
+    out = []
+    for _ in range(steps):
+        logits = runner.model(mx.argmax(logits, axis=-1)[:, None], caches)[:, -1]
+        if batch is not None:
+            batch.step_done(1)
+        out.append(np.array(logits))
+    return np.stack(out)
 
 
 def _last_logits(runner: Any, ids: list[int], state: Any) -> np.ndarray:

@@ -119,14 +119,12 @@ class WeightStore:
         native_here = native_ok and self.policy.native and native.supports(quant)
         if not native_here and (self.policy.unpack or not quant.mlx_kernels):
             return Linear(self._unpacked(base), bias)
+        scales = self._take(f"{base}.scales")
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
-        return Linear(
-            self._take(f"{base}.weight"),
-            bias,
-            quant=quant,
-            scales=self._take(f"{base}.scales"),
-            biases=biases,
-        )
+        affine = native_here and biases is not None and quant.mode == "affine"
+        if affine and dequant.is_symmetric(scales, biases, quant.bits):  # type: ignore[arg-type]  # not None
+            biases = None  # the kernels derive them: a symmetric matrix's biases are never read per token
+        return Linear(self._take(f"{base}.weight"), bias, quant=quant, scales=scales, biases=biases)
 
     def embedding(self, base: str) -> Embedding:
         """The embedding table ``<base>.weight``."""
@@ -141,9 +139,7 @@ class WeightStore:
         if self._experts is not None and self._experts.has(prefix):
             return self._experts.bank(prefix, gate, up, down)
         return ExpertBank(
-            self.linear(f"{prefix}.{gate}", native_ok=False),
-            self.linear(f"{prefix}.{up}", native_ok=False),
-            self.linear(f"{prefix}.{down}", native_ok=False),
+            self.linear(f"{prefix}.{gate}"), self.linear(f"{prefix}.{up}"), self.linear(f"{prefix}.{down}")
         )
 
     def materialize(self) -> None:

@@ -111,12 +111,19 @@ class TensorShare:
 def _packed(ranges: list[Range], quant: QuantSpec, leaf: str, base: str, size: int) -> list[Range]:
     """Column ranges of a quantized matrix's ``leaf``: packed words of the weight, groups of scales/biases."""
     group = quant.group_size
+    width = ranges[0][1] - ranges[0][0]
     if any(a % group or b % group for a, b in ranges):
-        width = ranges[0][1] - ranges[0][0]
         msg = (
             f"distributed='tensor' over {size} ranks cannot split quantized matrix {base!r}: each rank's "
             f"{width} input columns are not a multiple of its quantization group ({group}); launch with fewer "
             f"ranks, re-convert with a smaller --group-size, or use distributed='pipeline'"
+        )
+        raise DistributedError(msg)
+    if any(a * quant.bits % 32 or b * quant.bits % 32 for a, b in ranges):  # e.g. 3-bit groups of 16 (GGUF Q3_K)
+        msg = (
+            f"distributed='tensor' over {size} ranks cannot split quantized matrix {base!r}: each rank's "
+            f"{width} input columns of {quant.bits}-bit codes do not end on a 32-bit word of the packed rows; "
+            f"launch with fewer ranks, or use distributed='pipeline'"
         )
         raise DistributedError(msg)
     if leaf == "weight":

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from turbospark_core import native
 from turbospark_core.errors import InstallError, TensorStorageError
 from turbospark_core.tensor_index import FLOAT_DTYPES, PACKED_DTYPES, QuantSpec
 
@@ -91,9 +92,12 @@ class ProjectionLayout:
         return cols if self.quant is None else cols * 32 // self.quant.bits
 
     def unpacked(self, unpack: bool) -> bool:
-        """Whether the projection is held unpacked: when the policy unpacks, and always at a
-        narrow group (MLX's ``gather_qmm`` has no kernel for it)."""
-        return unpack or (self.quant is not None and not self.quant.mlx_kernels)
+        """Whether the projection is held unpacked: never where the native kernels multiply
+        its layout as stored (the CPU); else when the policy unpacks, and always at a narrow
+        group (MLX's ``gather_qmm`` has no kernel for it)."""
+        if self.quant is None:
+            return unpack
+        return not native.keeps(self.quant) and (unpack or not self.quant.mlx_kernels)
 
     def held_bytes(self, unpack: bool) -> int:
         """Bytes one expert's projection takes in memory (float32 when unpacked, else as stored)."""

@@ -188,8 +188,10 @@ def _writable_views(held: dict[str, dict[str, mx.array]]) -> dict[str, dict[str,
     for name, leaves in held.items():
         views[name] = {}
         for leaf, arr in leaves.items():
+            if arr.dtype != mx.float32:  # stored-form slots (the native kernels multiply them): MLX slice updates
+                return None
             view = np.asarray(arr)
-            if arr.dtype != mx.float32 or not (view.flags.writeable and view.flags.c_contiguous):
+            if not (view.flags.writeable and view.flags.c_contiguous):
                 return None
             view.flat[0] = 1.0  # probe: a write through the view must be what MLX reads
             shared = arr.reshape(-1)[0].item() == 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+from turbospark_core.family import CacheSpec, DistributedPlan, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
 from turbospark_gemma3 import (
     DISTRIBUTION,
@@ -13,6 +13,7 @@ from turbospark_gemma3 import (
     GGUF_ARCHITECTURES,
     MODEL_TYPES,
     convert,
+    distributed,
 )
 from turbospark_gemma3.family import Args, Model
 
@@ -79,6 +80,11 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(Args.from_arch(arch))
 
 
 @hookimpl

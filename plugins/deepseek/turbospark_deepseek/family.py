@@ -51,9 +51,14 @@ class Model:
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = None if args.tie_word_embeddings else w.linear("lm_head")
-        mx.eval([a for b in self.blocks for a in b.self_attn.derived])
+        self._derived = False
 
     def __call__(self, inputs: mx.array, cache: list[AttentionCache] | None = None) -> mx.array:
+        if not self._derived:
+            # The per-head maps cut from kv_b_proj, computed once, for the blocks this model runs: a pipeline
+            # rank's list holds relays in place of other ranks' layers, whose maps are never computed
+            mx.eval([a for b in self.blocks if isinstance(b, Block) for a in b.self_attn.derived])
+            self._derived = True
         h = self.embed_tokens(inputs)
         for i, block in enumerate(self.blocks):
             h = steer(block(h, None if cache is None else cache[i]), i)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+from turbospark_core.family import CacheSpec, DistributedPlan, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
-from turbospark_deepseek import DISTRIBUTION, FAMILY, MODEL_TYPES, REFUSED_MODEL_TYPES, convert
+from turbospark_deepseek import DISTRIBUTION, FAMILY, MODEL_TYPES, REFUSED_MODEL_TYPES, convert, distributed
 from turbospark_deepseek.args import Args
 from turbospark_deepseek.family import Model
 
@@ -56,6 +56,11 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(Args.from_arch(arch))
 
 
 @hookimpl

@@ -6,4 +6,5 @@ from turbospark_core.testing import FamilyConformance
 
 
 class TestGemma4Family(FamilyConformance):
+    compiled_decode = True  # its one-token decode step runs compiled
     fixtures = ("gemma4_e", "gemma4_moe")

@@ -284,29 +284,36 @@ class Attention:
             self.v_proj = self.k_proj if args.k_eq_v(i) else w.linear(f"{prefix}.v_proj")
         self.rope = make_rope(self.head_dim, args.rope[args.layer_types[i]])
 
-    def _own_kv(self, x: mx.array, cache: AttentionCache | None, offset: int) -> SharedKV:
+    def query(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """Normed, rotated queries ``[B, heads, L, D]``."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        return self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
+
+    def key_value(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """This layer's own normed, rotated keys and normed values ``[B, kv_heads, L, D]``."""
         B, L, _ = x.shape
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         v = k if self.v_proj is self.k_proj else self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
-        v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        return k, rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+
+    def cached(self, k: mx.array, v: mx.array, cache: AttentionCache | None) -> SharedKV:
+        """Every key and value the queries see (``k``, ``v`` written to the cache first), with the mask."""
+        L = k.shape[2]
         if cache is None:
             return k, v, causal_mask(L, self.window)
         k, v = cache.update_and_fetch(k, v)
         return k, v, cache.mask(L)
 
-    def __call__(
-        self, x: mx.array, cache: AttentionCache | None, offset: int, shared: SharedKV | None
-    ) -> tuple[mx.array, SharedKV]:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
-        kv = shared if shared is not None else self._own_kv(x, cache, offset)
+    def attend(self, q: mx.array, kv: SharedKV) -> mx.array:
+        """Attention of ``q`` over ``kv``; ``[B, L, heads * D]``."""
+        B, _, L, _ = q.shape
         k, v, mask = kv
         if k.dtype != q.dtype:  # caches may be held in another dtype than the activations
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         out = attention(q, k, v, scale=1.0, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), kv
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 class MLP:
@@ -369,35 +376,70 @@ class Block:
             self.per_layer_projection = w.linear(f"{prefix}.per_layer_projection")
             self.post_per_layer_input_norm = norm("post_per_layer_input_norm")
 
+        # One-token decode has fixed shapes: its pure parts run compiled; the cache update, the attention
+        # over it and the routed experts (a streamed or observed bank holds Python-side state) do not
+        self._decode_qkv = mx.compile(self._qkv)
+        self._decode_rest = mx.compile(self._rest)
+        self._decode_route = mx.compile(self._route)
+        self._decode_combine = mx.compile(self._combine)
+
     def _norm(self, x: mx.array, weight: mx.array) -> mx.array:
         return rms_norm(x, weight, self.eps)
 
-    def _feed_forward(self, h: mx.array) -> mx.array:
-        out = self.mlp(self._norm(h, self.pre_feedforward_layernorm))
-        if not self.moe:
-            return out
+    def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, ...]:
+        """The queries, and this layer's own keys and values unless it reads another layer's."""
+        normed = self._norm(x, self.input_layernorm)
+        q = self.self_attn.query(normed, offset)
+        return (q, *self.self_attn.key_value(normed, offset)) if self.self_attn.owns_kv else (q,)
+
+    def _attended(self, x: mx.array, attended: mx.array) -> mx.array:
+        return x + self._norm(self.self_attn.o_proj(attended), self.post_attention_layernorm)
+
+    def _dense(self, h: mx.array) -> mx.array:
+        return self.mlp(self._norm(h, self.pre_feedforward_layernorm))
+
+    def _finish(self, h: mx.array, ff: mx.array, per_layer: mx.array | None) -> mx.array:
+        """The feed-forward residual, the per-layer input and the layer scalar."""
+        h = h + self._norm(ff, self.post_feedforward_layernorm)
+        if self.ple:
+            assert per_layer is not None, "a per-layer-input block is given its per-layer input"
+            g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer
+            h = h + self._norm(self.per_layer_projection(g), self.post_per_layer_input_norm)
+        return h * self.layer_scalar
+
+    def _rest(self, x: mx.array, attended: mx.array, per_layer: mx.array | None) -> mx.array:
+        h = self._attended(x, attended)
+        return self._finish(h, self._dense(h), per_layer)
+
+    def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, ...]:
+        h = self._attended(x, attended)
         # The routed experts run beside the dense MLP, on the same residual
-        inds, weights = self.router(h)
-        y = self.experts.glu(self._norm(h, self.pre_feedforward_layernorm_2), inds, geglu, weights=weights)
+        return (h, self._dense(h), self._norm(h, self.pre_feedforward_layernorm_2), *self.router(h))
+
+    def _combine(
+        self, h: mx.array, dense: mx.array, y: mx.array, weights: mx.array, per_layer: mx.array | None
+    ) -> mx.array:
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return self._norm(out, self.post_feedforward_layernorm_1) + self._norm(y, self.post_feedforward_layernorm_2)
+        ff = self._norm(dense, self.post_feedforward_layernorm_1) + self._norm(y, self.post_feedforward_layernorm_2)
+        return self._finish(h, ff, per_layer)
 
     def __call__(
         self,
         x: mx.array,
         cache: AttentionCache | None,
-        offset: int,
+        offset: int | mx.array,
         shared: SharedKV | None,
         per_layer: mx.array | None,
     ) -> tuple[mx.array, SharedKV]:
-        a, kv = self.self_attn(self._norm(x, self.input_layernorm), cache, offset, shared)
-        h = x + self._norm(a, self.post_attention_layernorm)
-        h = h + self._norm(self._feed_forward(h), self.post_feedforward_layernorm)
-        if self.ple:
-            assert per_layer is not None, "a per-layer-input block is given its per-layer input"
-            g = gelu_tanh(self.per_layer_input_gate(h)) * per_layer
-            h = h + self._norm(self.per_layer_projection(g), self.post_per_layer_input_norm)
-        return h * self.layer_scalar, kv
+        decode = x.shape[1] == 1
+        qkv = self._decode_qkv(x, mx.array(offset)) if decode else self._qkv(x, offset)
+        kv = shared if shared is not None else self.self_attn.cached(qkv[1], qkv[2], cache)
+        attended = self.self_attn.attend(qkv[0], kv)
+        if not self.moe:
+            return (self._decode_rest if decode else self._rest)(x, attended, per_layer), kv
+        h, dense, normed, inds, weights = (self._decode_route if decode else self._route)(x, attended)
+        y = self.experts.glu(normed, inds, geglu, weights=weights)
+        return (self._decode_combine if decode else self._combine)(h, dense, y, weights, per_layer), kv
 
 
 class Model:

@@ -19,6 +19,7 @@ NO_BF16_COPY = {
 
 
 class TestGptOssFamily(FamilyConformance):
+    compiled_decode = True  # its one-token decode step runs compiled
     fixtures = ("gpt_oss", "gpt_oss_mxfp4")
 
     def test_bf16_weights_agree_with_reference(  # type: ignore[override]

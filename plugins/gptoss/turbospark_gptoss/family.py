@@ -182,13 +182,17 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Rotated queries and keys and the values, ``[B, heads, L, D]``."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        """Attention with the sinks over the cache (written first); ``[B, L, heads * D]``."""
+        B, _, L, _ = q.shape
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
@@ -197,7 +201,7 @@ class Attention:
         out = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=self.scale, mask=mask, sinks=self.sinks.astype(q.dtype)
         )
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 class MoE:
@@ -207,14 +211,12 @@ class MoE:
         self.router = w.linear(f"{prefix}.router")
         self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chosen experts and their weights: a softmax over the chosen experts' logits only."""
         k = self.top_k
         logits = self.router(x).astype(mx.float32)
         inds = mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
-        # Softmax over the chosen experts' logits only
-        weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
-        y = self.experts.glu(x, inds, self.activation, weights=weights)
-        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
 
 
 class Block:
@@ -226,10 +228,32 @@ class Block:
         self.mlp = MoE(args, w, f"{prefix}.mlp")
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+        # One-token decode has fixed shapes: its pure parts run compiled; the cache update, the attention
+        # over the cache and the routed experts (a streamed or observed bank holds Python-side state) do not
+        self._decode_qkv = mx.compile(self._qkv)
+        self._decode_route = mx.compile(self._route)
+        self._decode_combine = mx.compile(self._combine)
+
+    def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
+
+    def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        h = x + self.self_attn.o_proj(attended)
+        normed = rms_norm(h, self.post_attention_layernorm, self.eps)
+        return (h, normed, *self.mlp.route(normed))
+
+    def _combine(self, h: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        # The chosen experts' outputs [..., k, D] summed with their weights
+        return h + (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        decode = x.shape[1] == 1 and cache is not None
+        offset = 0 if cache is None else cache.offset
+        q, k, v = self._decode_qkv(x, mx.array(offset)) if decode else self._qkv(x, offset)
+        attended = self.self_attn.attend(q, k, v, cache)
+        h, normed, inds, weights = (self._decode_route if decode else self._route)(x, attended)
+        y = self.mlp.experts.glu(normed, inds, self.mlp.activation, weights=weights)
+        return (self._decode_combine if decode else self._combine)(h, y, weights)
 
 
 class Model:

@@ -305,7 +305,8 @@ class MoE:
         self.e_score_correction_bias = w.optional(f"{prefix}.e_score_correction_bias")
         self.experts = w.experts(f"{prefix}.experts", "gate_proj", "up_proj", "down_proj")
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chosen experts and their weights."""
         k = self.args.top_k
         logits = self.gate(x).astype(mx.float32)
         if self.args.scoring == "softmax":
@@ -319,8 +320,16 @@ class MoE:
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        y = self.experts.glu(x, inds, swiglu, weights=weights)
-        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return inds, weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.route(x)
+        return combine(self.experts.glu(x, inds, swiglu, weights=weights), weights)
+
+
+def combine(y: mx.array, weights: mx.array) -> mx.array:
+    """The chosen experts' outputs ``[..., k, D]`` summed with their weights."""
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
 class Block:
@@ -333,9 +342,12 @@ class Block:
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
-        # One-token decode has fixed shapes: compile the pure parts around the cache update
+        # One-token decode has fixed shapes: compile the pure parts around the cache update and the
+        # routed experts (a streamed or observed bank holds Python-side state)
         self._decode_qkv = mx.compile(self._qkv)
-        self._decode_rest = mx.compile(self._rest) if isinstance(self.mlp, MLP) else self._rest
+        self._decode_rest = mx.compile(self._rest)
+        self._decode_route = mx.compile(self._route)
+        self._decode_combine = mx.compile(self._combine)
 
     def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
@@ -344,13 +356,26 @@ class Block:
         h = x + self.self_attn.o_proj(attended)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
+    def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        assert isinstance(self.mlp, MoE)
+        h = x + self.self_attn.o_proj(attended)
+        normed = rms_norm(h, self.post_attention_layernorm, self.eps)
+        return (h, normed, *self.mlp.route(normed))
+
+    def _combine(self, h: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        return h + combine(y, weights)
+
     def __call__(
         self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
     ) -> mx.array:
         if x.shape[1] == 1 and cache is not None and positions is None:
             offset = mx.array(cache.offset)
             q, k, v = self._decode_qkv(x, offset if isinstance(shift, int) and not shift else offset + shift)
-            return self._decode_rest(x, self.self_attn.attend(q, k, v, cache))
+            attended = self.self_attn.attend(q, k, v, cache)
+            if isinstance(self.mlp, MLP):
+                return self._decode_rest(x, attended)
+            h, normed, inds, weights = self._decode_route(x, attended)
+            return self._decode_combine(h, self.mlp.experts.glu(normed, inds, swiglu, weights=weights), weights)
         h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 

@@ -6,4 +6,5 @@ from turbospark_core.testing import FamilyConformance
 
 
 class TestQwenFamily(FamilyConformance):
+    compiled_decode = True  # its one-token decode step runs compiled
     fixtures = ("qwen3_5", "qwen3_5_moe")

@@ -60,3 +60,14 @@ def test_padding_leaves_the_state_untouched() -> None:
     _, exact = gd.chunked(*x, chunk=10)
     _, padded = gd.chunked(*x, chunk=16)  # 10 tokens padded to one chunk of 16
     assert _rel(padded, exact) < 1e-6
+
+
+def test_one_token_takes_the_step_exactly() -> None:
+    """A decode step (one token) runs the compiled step on its rows: bit for bit the recurrence's step."""
+    q, k, v, g, beta, state = _inputs(2, 4, 1, 16, 8, seed=4)
+    qk = [x[:, ::2].swapaxes(1, 2) for x in (q, k)]  # two key heads, each serving two value heads
+    out, new_state = gd.gated_delta(*qk, v.swapaxes(1, 2), g.swapaxes(1, 2), beta.swapaxes(1, 2), state)
+    rep = [mx.repeat(x[:, ::2], 2, axis=1) for x in (q, k)]
+    want, want_state = gd.recurrent(*rep, v, g, beta, state)
+    assert out.shape == (2, 1, 4, 8)
+    assert mx.array_equal(out.swapaxes(1, 2), want) and mx.array_equal(new_state, want_state)

@@ -231,25 +231,25 @@ class GatedDeltaNet:
         self.in_proj_a = w.linear(f"{prefix}.in_proj_a")
         self.out_proj = w.linear(f"{prefix}.out_proj")
         conv = w.tensor(f"{prefix}.conv1d.weight")  # [C, 1, K] (or mlx-lm's [C, K, 1])
-        self.conv1d = constant(mx.contiguous(conv.reshape(conv.shape[0], self.kernel).T))  # [K, C]
+        taps = mx.contiguous(conv.reshape(conv.shape[0], self.kernel).T)  # [K, C]
+        self.conv1d = [constant(taps[j]) for j in range(self.kernel)]  # one row per tap (no indexing per step)
         self.neg_A = constant(-mx.exp(w.tensor(f"{prefix}.A_log").astype(mx.float32)))
         self.dt_bias = constant(w.tensor(f"{prefix}.dt_bias").astype(mx.float32))
         self.norm = constant(w.tensor(f"{prefix}.norm.weight").astype(mx.float32))  # gated norm: plain w
 
-    def _conv(self, qkv: mx.array, cache: RecurrentState | None) -> mx.array:
-        B, L, C = qkv.shape
-        past = mx.zeros((B, self.kernel - 1, C), qkv.dtype) if cache is None else cache.get("conv", B)
+    def _conv(self, qkv: mx.array, past: mx.array) -> tuple[mx.array, mx.array]:
+        """The causal depthwise conv over ``past`` (the last K-1 inputs) then ``qkv``; and the new window."""
+        L = qkv.shape[1]
         window = mx.concatenate([past.astype(qkv.dtype), qkv], axis=1)
-        if cache is not None:
-            cache.set("conv", mx.contiguous(window[:, L:]))
         out = window[:, :L] * self.conv1d[0]
         for j in range(1, self.kernel):
             out = out + window[:, j : j + L] * self.conv1d[j]
-        return silu(out)
+        return silu(out), mx.contiguous(window[:, L:])
 
-    def __call__(self, x: mx.array, cache: RecurrentState | None) -> mx.array:
+    def mix(self, x: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Outputs for ``x`` from the conv window and recurrent state; the new window and state (pure)."""
         B, L, _ = x.shape
-        mixed = self._conv(self.in_proj_qkv(x), cache)
+        mixed, conv = self._conv(self.in_proj_qkv(x), conv)
         key_dim = self.n_k * self.d_k
         q = mixed[..., :key_dim].reshape(B, L, self.n_k, self.d_k)
         k = mixed[..., key_dim : 2 * key_dim].reshape(B, L, self.n_k, self.d_k)
@@ -258,18 +258,24 @@ class GatedDeltaNet:
         k = l2_normalize(k.astype(mx.float32))
         beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
         g = self.neg_A * _softplus(self.in_proj_a(x).astype(mx.float32) + self.dt_bias)
-        state = (
-            mx.zeros((B, self.n_v, self.d_k, self.d_v), mx.float32)
-            if cache is None
-            else cache.get("recurrent", B)
-        )
         out, state = gated_delta(q, k, v, g, beta, state)
-        if cache is not None:
-            cache.set("recurrent", state)
-            cache.advance(L)
         z = self.in_proj_z(x).reshape(B, L, self.n_v, self.d_v)
         out = core_rms_norm(out, self.norm, self.eps) * silu(z.astype(mx.float32))
-        return self.out_proj(out.reshape(B, L, -1).astype(x.dtype))
+        return self.out_proj(out.reshape(B, L, -1).astype(x.dtype)), conv, state
+
+    def state(self, cache: RecurrentState | None, batch: int) -> tuple[mx.array, mx.array]:
+        """The conv window and recurrent state ``cache`` holds (zeros without one)."""
+        if cache is not None:
+            return cache.get("conv", batch), cache.get("recurrent", batch)
+        conv_dim = 2 * self.n_k * self.d_k + self.n_v * self.d_v
+        return mx.zeros((batch, self.kernel - 1, conv_dim)), mx.zeros((batch, self.n_v, self.d_k, self.d_v))
+
+    @staticmethod
+    def keep(cache: RecurrentState, conv: mx.array, state: mx.array, tokens: int) -> None:
+        """Store the new conv window and recurrent state, ``tokens`` tokens on."""
+        cache.set("conv", conv)
+        cache.set("recurrent", state)
+        cache.advance(tokens)
 
 
 def _softplus(x: mx.array) -> mx.array:
@@ -297,7 +303,8 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Rotated queries and keys, values (``[B, heads, L, D]``) and the output gate's logits ``[B, L, -1]``."""
         B, L, _ = x.shape
         q_gate = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
@@ -305,15 +312,24 @@ class Attention:
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         k = rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v, gate.reshape(B, L, -1)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
+        """Attention over the cache (written first); ``[B, L, heads * D]``."""
+        B, _, L, _ = q.shape
         mask: mx.array | str | None = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
         out = attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
-        return self.o_proj(out)
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+    def output(self, attended: mx.array, gate: mx.array) -> mx.array:
+        return self.o_proj(attended * mx.sigmoid(gate))
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        q, k, v, gate = self.project(x, 0 if cache is None else cache.offset)
+        return self.output(self.attend(q, k, v, cache), gate)
 
 
 class MLP:
@@ -334,16 +350,28 @@ class SparseMoE:
         self.shared_expert = MLP(w, f"{prefix}.shared_expert")
         self.shared_expert_gate = w.linear(f"{prefix}.shared_expert_gate")
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chosen experts and their weights."""
         k = self.args.top_k
         scores = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
         inds = mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        y = self.experts.glu(x, inds, swiglu, weights=weights)
-        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return inds, weights
+
+    def shared(self, x: mx.array) -> mx.array:
+        """The gated shared expert."""
+        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.route(x)
+        return combine(self.experts.glu(x, inds, swiglu, weights=weights), weights) + self.shared(x)
+
+
+def combine(y: mx.array, weights: mx.array) -> mx.array:
+    """The chosen experts' outputs ``[..., k, D]`` summed with their weights."""
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
 class Block:
@@ -358,16 +386,54 @@ class Block:
         self.mlp = SparseMoE(args.moe, w, f"{prefix}.mlp") if args.moe else MLP(w, f"{prefix}.mlp")
         self.input_layernorm = norm_weight(w.tensor(f"{prefix}.input_layernorm.weight"))
         self.post_attention_layernorm = norm_weight(w.tensor(f"{prefix}.post_attention_layernorm.weight"))
+        # One-token decode has fixed shapes: its pure parts run compiled; the cache and state updates, the
+        # attention over the cache and the routed experts (a streamed bank holds Python-side state) do not
+        self._decode_delta = mx.compile(self._delta)
+        self._decode_qkv = mx.compile(self._qkv)
+        self._decode_attended = mx.compile(self._attended)
+        self._decode_ffn = mx.compile(self._ffn)
+        self._decode_route = mx.compile(self._route)
+        self._decode_combine = mx.compile(self._combine)
+
+    def _delta(self, x: mx.array, conv: mx.array, state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        out, conv, state = self.linear_attn.mix(rms_norm(x, self.input_layernorm, self.eps), conv, state)
+        return x + out, conv, state
+
+    def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
+
+    def _attended(self, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
+        return x + self.self_attn.output(attended, gate)
+
+    def _ffn(self, h: mx.array) -> mx.array:
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+    def _route(self, h: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        assert isinstance(self.mlp, SparseMoE)
+        normed = rms_norm(h, self.post_attention_layernorm, self.eps)
+        return (normed, *self.mlp.route(normed), self.mlp.shared(normed))
+
+    def _combine(self, h: mx.array, y: mx.array, weights: mx.array, shared: mx.array) -> mx.array:
+        return h + (combine(y, weights) + shared)
 
     def __call__(self, x: mx.array, cache: KVCache | RecurrentState | None) -> mx.array:
-        normed = rms_norm(x, self.input_layernorm, self.eps)
+        decode = x.shape[1] == 1 and cache is not None
         if self.is_linear:
             assert not isinstance(cache, KVCache), "a linear-attention layer's cache is its RecurrentState"
-            h = x + self.linear_attn(normed, cache)
+            conv, state = self.linear_attn.state(cache, x.shape[0])
+            h, conv, state = (self._decode_delta if decode else self._delta)(x, conv, state)
+            if cache is not None:
+                self.linear_attn.keep(cache, conv, state, x.shape[1])
         else:
             assert not isinstance(cache, RecurrentState), "an attention layer's cache is a KVCache"
-            h = x + self.self_attn(normed, cache)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+            offset = 0 if cache is None else cache.offset
+            q, k, v, gate = self._decode_qkv(x, mx.array(offset)) if decode else self._qkv(x, offset)
+            h = (self._decode_attended if decode else self._attended)(x, self.self_attn.attend(q, k, v, cache), gate)
+        if not isinstance(self.mlp, SparseMoE):
+            return (self._decode_ffn if decode else self._ffn)(h)
+        normed, inds, weights, shared = (self._decode_route if decode else self._route)(h)
+        y = self.mlp.experts.glu(normed, inds, swiglu, weights=weights)
+        return (self._decode_combine if decode else self._combine)(h, y, weights, shared)
 
 
 class Model:

@@ -47,7 +47,7 @@ def _step(
 def recurrent(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """Token by token (``[B, H, L, D]`` layout); one compiled step per token."""
+    """Token by token (``[B, H, L, D]`` layout); one compiled step per token (the chunked form's reference)."""
     outs = []
     for t in range(q.shape[2]):
         y, state = _step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], state)
@@ -163,8 +163,11 @@ def gated_delta(
     repeat = v.shape[2] // q.shape[2]
     if repeat > 1:
         q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
-    q, k, v, g, beta = (x.swapaxes(1, 2).astype(mx.float32) for x in (q, k, v, g, beta))
     state = state.astype(mx.float32)
-    run = recurrent if q.shape[2] == 1 else chunked
-    out, state = run(q, k, v, g, beta, state)
+    if q.shape[1] == 1:  # one token (a decode step): the compiled step on its rows, without transposes
+        q, k, v, g, beta = (x.squeeze(1).astype(mx.float32) for x in (q, k, v, g, beta))
+        out, state = _step(q, k, v, g, beta, state)
+        return out[:, None], state
+    q, k, v, g, beta = (x.swapaxes(1, 2).astype(mx.float32) for x in (q, k, v, g, beta))
+    out, state = chunked(q, k, v, g, beta, state)
     return out.swapaxes(1, 2), state

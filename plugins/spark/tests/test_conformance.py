@@ -6,4 +6,5 @@ from turbospark_core.testing import FamilyConformance
 
 
 class TestSparkFamily(FamilyConformance):
+    compiled_decode = True  # its one-token decode step runs compiled
     fixtures = ("spark2_5",)

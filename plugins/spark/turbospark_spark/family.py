@@ -196,23 +196,30 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache: AttentionCache | None) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Rotated queries and keys, values (``[B, heads, L, D]``) and the output gate's logits (one per head)."""
         B, L, _ = x.shape
         q, k, v = mx.split(self.q_k_v_proj(x), self.splits, axis=-1)
         # Views of the fused projection: make them contiguous before the rope kernel
         q = mx.contiguous(q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3))
         k = mx.contiguous(k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v, self.g_proj(x)
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: AttentionCache | None
+    ) -> mx.array:
+        """Attention over the cache (written first); ``[B, L, heads, D]``."""
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-            mask = cache.mask(L)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3)
+            mask = cache.mask(q.shape[2])
+        return attention(q, k, v, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
+
+    def output(self, attended: mx.array, gate: mx.array) -> mx.array:
+        B, L, _, _ = attended.shape
         # One sigmoid gate per head, computed in float32
-        gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(out.dtype)
-        return self.out_proj((out * gate[..., None]).reshape(B, L, -1))
+        gate = mx.sigmoid(gate.astype(mx.float32)).astype(attended.dtype)
+        return self.out_proj((attended * gate[..., None]).reshape(B, L, -1))
 
 
 def gelu(x: mx.array) -> mx.array:
@@ -233,15 +240,28 @@ class Block:
     def __init__(self, args: Args, w: WeightStore, i: int) -> None:
         prefix = f"model.layers.{i}"
         self.eps = args.rms_norm_eps
-        self.is_sliding = args.layer_types[i] == SLIDING
         self.self_attn = Attention(args, w, f"{prefix}.self_attn", args.layer_types[i])
         self.mlp = MLP(w, f"{prefix}.mlp")
         self.input_layernorm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_attention_layernorm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+        # One-token decode has fixed shapes: its pure parts run compiled; the cache update and the
+        # attention over the cache do not
+        self._decode_qkv = mx.compile(self._qkv)
+        self._decode_rest = mx.compile(self._rest)
+
+    def _qkv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
+
+    def _rest(self, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
+        h = x + self.self_attn.output(attended, gate)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
     def __call__(self, x: mx.array, mask: mx.array | str | None, cache: AttentionCache | None) -> mx.array:
-        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), mask, cache)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        decode = x.shape[1] == 1 and cache is not None
+        offset = 0 if cache is None else cache.offset
+        q, k, v, gate = self._decode_qkv(x, mx.array(offset)) if decode else self._qkv(x, offset)
+        attended = self.self_attn.attend(q, k, v, mask, cache)
+        return (self._decode_rest if decode else self._rest)(x, attended, gate)
 
 
 class Model:
@@ -249,6 +269,7 @@ class Model:
         self.args = args
         self.embedding = w.embedding("model.embedding")
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        self.sliding = [kind == SLIDING for kind in args.layer_types]  # per layer (not read from the blocks)
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = None if args.tie_word_embeddings else w.linear("lm_head")
 
@@ -259,7 +280,7 @@ class Model:
         full_mask = "causal" if L > 1 else None
         window_mask = causal_mask(L, self.args.sliding_window) if cache is None else None
         for i, block in enumerate(self.blocks):
-            mask = window_mask if block.is_sliding else full_mask
+            mask = window_mask if self.sliding[i] else full_mask
             h = steer(block(h, mask, None if cache is None else cache[i]), i)
         h = rms_norm(h, self.norm, self.args.rms_norm_eps)
         out = self.embedding.as_linear(h) if self.lm_head is None else self.lm_head(h)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turbospark_core.family import CacheSpec, FamilyContext, FamilySpec, TensorTarget, hookimpl
+from turbospark_core.family import CacheSpec, DistributedPlan, FamilyContext, FamilySpec, TensorTarget, hookimpl
 
-from turbospark_spark import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, family
+from turbospark_spark import DISTRIBUTION, FAMILY, MODEL_TYPES, convert, distributed, family
 
 
 @hookimpl
@@ -43,6 +43,11 @@ def accepts_hadamard(arch: dict[str, Any]) -> bool:
 @hookimpl
 def steering_supported(arch: dict[str, Any]) -> str | None:
     return None  # the layer loop passes every decoder layer's output through steer()
+
+
+@hookimpl
+def distributed_plan(arch: dict[str, Any]) -> DistributedPlan:
+    return distributed.distributed_plan(family.Args.from_arch(arch))
 
 
 @hookimpl

@@ -10,15 +10,20 @@
 
 namespace tsq {
 
-enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };  // kE8M0: uint8 exponents 2^(e - 127) (mxfp4)
+
+// mxfp4's e2m1 values by code (sign bit 3); a weight is kFp4[code] times its group's scale.
+inline constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 struct QMat {
   const uint8_t* w;      // [N, K * bits / 8] bytes
   const void* scales;    // [N, K / group]
-  const void* biases;    // [N, K / group]
+  const void* biases;    // [N, K / group]; null: symmetric, every bias is -2^(bits-1) * its scale
   int scale_type;        // ScaleType
   int64_t N, K;
   int group, bits;
+  bool fp4 = false;      // mxfp4: 4-bit e2m1 codes times kE8M0 scales, no biases
 };
 
 // y[m, n] for n in [n0, n1), all m < M; x is [M, K] row-major, y is [M, ldy].
@@ -66,9 +71,25 @@ void silu_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64
 void gelu_tanh_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 // AVX-512: 4-bit weights in groups of 32k, 2/3/5/6/8-bit in groups of 16k; other layouts go to rows_avx2.
 void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+// AVX-512: many rows of x (K a multiple of 16): panels of 64 weight rows dequantized and
+// transposed once, a 6 x 64 register tile per six rows of x.
+void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+#endif
+
+// One cached key or value row: `D` values in MLX's affine bit stream `w` (groups of `group`,
+// `bits` bits; `biases` null: symmetric), dequantized into `out`, and with `rotate` the
+// normalized Walsh-Hadamard transform of length D (a power of two) applied after.
+using KVRowFn = void (*)(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D,
+                         int group, int bits, bool rotate, float* out);
+void kv_row_scalar(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
+#if defined(__x86_64__) || defined(_M_X64)
+void kv_row_avx512(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
 #endif
 
 float half_to_float(uint16_t h);
+float e8m0_to_float(uint8_t e);
 float load_scale(const void* p, int type, int64_t i);
+// The bias of group i: stored, or -2^(bits-1) * scale for a symmetric matrix (exact: a power of two).
+inline float symmetric_bias(const QMat& q, float scale) { return -(float)(1 << (q.bits - 1)) * scale; }
 
 }  // namespace tsq

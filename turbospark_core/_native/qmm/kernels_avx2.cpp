@@ -12,8 +12,14 @@
 namespace tsq {
 namespace {
 
+inline float scale_at(const void* p, int type, int64_t i);
+// The bias of group i (see QMat: symmetric matrices store none).
+inline float bias_at(const QMat& q, int64_t i) {
+  return q.biases ? scale_at(q.biases, q.scale_type, i) : symmetric_bias(q, scale_at(q.scales, q.scale_type, i));
+}
 inline float scale_at(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
+  if (type == kE8M0) return e8m0_to_float(static_cast<const uint8_t*>(p)[i]);
   uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (type == kF16) return _cvtsh_ss(h);
   uint32_t bits = (uint32_t)h << 16;
@@ -108,7 +114,7 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
   }
   for (int64_t g = 0; g < groups; g++) {
     const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-    const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+    const float b = bias_at(q, n * groups + g);
     const int64_t k0 = g * q.group;
     for (int j = 0; j < q.group; j += 8) {
       const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
@@ -193,7 +199,7 @@ void small_tile(const QMat& q, const float* xp, const float* xsum, int64_t m0, f
         }
       }
       const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-      const float b = scale_at(q.biases, q.scale_type, n * groups + g);
+      const float b = bias_at(q, n * groups + g);
       for (int t = 0; t < MT; t++) {
         acc[t] = _mm256_fmadd_ps(_mm256_add_ps(ga[t], gb[t]), s, acc[t]);
         bsum[t] += b * xsum[(m0 + t) * groups + g];
@@ -253,7 +259,7 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xp.data() + k0 + j + 8), a1);
       }
       acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g)), acc);
-      bsum += scale_at(q.biases, q.scale_type, n * groups + g) * xsum[g];
+      bsum += bias_at(q, n * groups + g) * xsum[g];
     }
     y[n] = hsum(acc) + bsum;
   }
@@ -301,7 +307,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     float* out = dst + (n - n0) * q.K;
     for (int64_t g = 0; g < groups; g++) {
       const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-      const __m256 b = _mm256_set1_ps(scale_at(q.biases, q.scale_type, n * groups + g));
+      const __m256 b = _mm256_set1_ps(bias_at(q, n * groups + g));
       const int64_t k0 = g * q.group;
       for (int j = 0; j < q.group; j += 8)
         _mm256_storeu_ps(out + k0 + j, _mm256_fmadd_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s, b));
@@ -312,6 +318,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
 }  // namespace
 
 void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (q.fp4) return rows_scalar(q, x, M, y, ldy, n0, n1);  // mxfp4 on AVX2: the portable kernel
   switch (q.bits) {
     case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
     case 3: return rows_bits<3>(q, x, M, y, ldy, n0, n1);
@@ -323,6 +330,7 @@ void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
 }
 
 void dequant_avx2(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  if (q.fp4) return dequant_scalar(q, dst, n0, n1);
   switch (q.bits) {
     case 2: return dequant_bits<2>(q, dst, n0, n1);
     case 3: return dequant_bits<3>(q, dst, n0, n1);

@@ -52,10 +52,64 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Horizontal sums of N <= 16 accumulators at once: lane j of the result is
+// _mm512_reduce_add_ps(v[j]), summed by the same tree (lanes i + i^8, then i^4,
+// i^2, i^1), so bit for bit equal; lanes from N on are zero. Pairs of vectors
+// share each shuffle and add: about 3 instructions a sum instead of 8.
+template <int N>
+inline __m512 reduce_lanes(const __m512* v) {
+  static_assert(1 <= N && N <= 16);
+  const __m512 zero = _mm512_setzero_ps();
+  auto at = [&](const __m512* a, int i, int n) { return i < n ? a[i] : zero; };
+  __m512 u[8], w[4], x[2];
+  // lanes 0-7: v[2k]'s i + i^8, lanes 8-15: v[2k + 1]'s
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; k++) {
+    if (2 * k >= N) break;
+    const __m512 a = v[2 * k], b = at(v, 2 * k + 1, N);
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  constexpr int NU = (N + 1) / 2, NW = (N + 3) / 4, NX = (N + 7) / 8;
+  // 128-bit block c of w[m]: v[4m + c]'s partial sums (i + i^4)
+#pragma GCC unroll 4
+  for (int m = 0; m < NW; m++) {
+    const __m512 a = u[2 * m], b = at(u, 2 * m + 1, NU);
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // block c of x[h]: elements 0-1 v[8h + c]'s (i + i^2), elements 2-3 v[8h + 4 + c]'s
+#pragma GCC unroll 2
+  for (int h = 0; h < NX; h++) {
+    const __m512 a = w[2 * h], b = at(w, 2 * h + 1, NW);
+    x[h] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  const __m512 a = x[0], b = at(x, 1, NX);
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  // z's lane 4c + e holds v[4e + c]'s sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// y[(m0 + t) * ldy + n + r] = the sum of acc[r][t] (as _mm512_reduce_add_ps) plus extra's, when given.
+template <int R, int MT>
+inline void store_sums(const __m512 (&acc)[R][MT], int64_t m0, float* y, int64_t ldy, int64_t n,
+                       const __m512 (*extra)[MT] = nullptr) {
+  static_assert(R * MT <= 16);
+  alignas(64) float out[16], add[16];
+  _mm512_store_ps(out, reduce_lanes<R * MT>(&acc[0][0]));
+  if (extra != nullptr) _mm512_store_ps(add, reduce_lanes<R * MT>(&extra[0][0]));
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++)
+      y[(m0 + t) * ldy + n + r] = extra != nullptr ? out[r * MT + t] + add[r * MT + t] : out[r * MT + t];
+}
+
 // Scales (or biases) [first, first + n) as float32 into out.
 void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
   if (type == kF32) {
     std::memcpy(out, static_cast<const float*>(p) + first, sizeof(float) * n);
+    return;
+  }
+  if (type == kE8M0) {
+    for (int64_t i = 0; i < n; i++) out[i] = e8m0_to_float(static_cast<const uint8_t*>(p)[first + i]);
     return;
   }
   const uint16_t* h = static_cast<const uint16_t*>(p) + first;
@@ -88,7 +142,7 @@ struct Aligned64 {
 // Per-thread scratch: rows' scales and biases as float32, x as the kernels read it
 // (each row of K floats starts on a cache line when K is a multiple of 16).
 struct Scratch {
-  std::vector<float> scales, biases, xsum;
+  std::vector<float> scales, biases;
   std::vector<float, Aligned64<float>> xp;
 };
 Scratch& scratch() {
@@ -110,11 +164,12 @@ void split_even_odd(const float* x, int64_t M, int64_t K, float* xp) {
   }
 }
 
-template <int R, int MT>
+// FP4: mxfp4 codes, each group's table its e2m1 values times the group's scale (no bias)
+template <int R, int MT, bool FP4 = false>
 void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
               int64_t n) {
   const int64_t groups = q.K / q.group, row_bytes = q.K / 2;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 iota = FP4 ? _mm512_loadu_ps(kFp4) : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[R][MT];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -125,7 +180,8 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
       g++;
       next += q.group;
       for (int r = 0; r < R; r++)
-        lut[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+        lut[r] = FP4 ? _mm512_mul_ps(iota, _mm512_set1_ps(sf[r * groups + g]))
+                     : _mm512_fmadd_ps(iota, _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
     }
     {
       __m512 we[R], wo[R];
@@ -141,8 +197,7 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
       }
     }
   }
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
 // Constant tables of the BITS-bit kernels: lane i of sixteen values takes the
@@ -226,56 +281,73 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
       for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
     }
   }
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
-template <int R, int MT>
-void q8_block(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
-              int64_t ldy, int64_t n) {
-  const int64_t groups = q.K / q.group;
+// 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
+// 5/6-bit weights in groups of sixteen (GGUF's Q6_K): a group is one chunk, so its
+// lookup tables would be rebuilt for every sixteen weights; instead each chunk's
+// integers are converted and dequantized with one FMA (scale * q + bias), once for
+// all MT rows of x.
+template <int BITS, int R, int MT>
+void narrow_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+                  int64_t n) {
+  static const Unpack<BITS> unpack;
+  const int64_t row_bytes = q.K * BITS / 8;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __m512 acc[R][MT];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  const int64_t groups = q.K / 16;
   for (int64_t g = 0; g < groups; g++) {
-    __m512 ga[R][MT];
-    for (int r = 0; r < R; r++)
-      for (int t = 0; t < MT; t++) ga[r][t] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < q.group; j += 16) {
-      const int64_t k = g * q.group + j;
-      for (int r = 0; r < R; r++) {
-        const __m512 w = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k))));
-        for (int t = 0; t < MT; t++) ga[r][t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (m0 + t) * q.K + k), ga[r][t]);
-      }
-    }
+    const int64_t k = g * 16;
+    __m512 w[R];
     for (int r = 0; r < R; r++) {
-      const __m512 s = _mm512_set1_ps(sf[r * groups + g]);
-      for (int t = 0; t < MT; t++) acc[r][t] = _mm512_fmadd_ps(ga[r][t], s, acc[r][t]);
+      const __m512i v = _mm512_and_si512(unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end), mask);
+      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
     }
-  }
-  for (int r = 0; r < R; r++) {
     for (int t = 0; t < MT; t++) {
-      // bias . per-group sums of x, sixteen groups at a time
-      __m512 bsum = _mm512_setzero_ps();
-      int64_t g = 0;
-      for (; g + 16 <= groups; g += 16)
-        bsum = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * groups + g), _mm512_loadu_ps(xsum + (m0 + t) * groups + g), bsum);
-      if (g < groups) {
-        const __mmask16 m = (__mmask16)((1u << (groups - g)) - 1);
-        bsum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bf + r * groups + g),
-                               _mm512_maskz_loadu_ps(m, xsum + (m0 + t) * groups + g), bsum);
-      }
-      y[(m0 + t) * ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(bsum);
+      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
     }
   }
+  store_sums<R, MT>(acc, m0, y, ldy, n);
+}
+
+template <int R, int MT>
+void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+              int64_t n) {
+  const int64_t groups = q.K / q.group;
+  __m512 acc[R][MT], scale[R], bias[R];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 16) {
+    if (k == next) {
+      g++;
+      next += q.group;
+      for (int r = 0; r < R; r++) {
+        scale[r] = _mm512_set1_ps(sf[r * groups + g]);
+        bias[r] = _mm512_set1_ps(bf[r * groups + g]);
+      }
+    }
+    __m512 w[R];
+    for (int r = 0; r < R; r++) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k)));
+      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), scale[r], bias[r]);
+    }
+    for (int t = 0; t < MT; t++) {
+      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
+      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
+    }
+  }
+  store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
 // Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
 // then every tile of MT x rows passes over the block.
 template <int BITS, int R>
-void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n1,
-                int64_t& n) {
+void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n1, int64_t& n) {
   const int64_t groups = q.K / q.group;
   Scratch& s = scratch();
   s.scales.resize(R * groups);
@@ -286,29 +358,45 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
       for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-      const int64_t esize = q.scale_type == kF32 ? 4 : 2, first = (n + ahead) * groups * esize;
+      const int64_t esize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2, first = (n + ahead) * groups * esize;
       for (int64_t b = 0; b < R * groups * esize; b += 64) {
         _mm_prefetch(static_cast<const char*>(q.scales) + first + b, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
+        if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
     to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
+    if (q.fp4) {
+      // no biases: the tables are e2m1 values times the scale
+    } else if (q.biases != nullptr) {
+      to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
+    } else {
+      for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+    }
     const float *sf = s.scales.data(), *bf = s.biases.data();
     int64_t m = 0;
     auto tile = [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
       for (; m + MT <= M; m += MT) {
         if constexpr (BITS == 4) {
-          q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+          if (q.fp4) {
+            q4_block<R, MT, true>(q, x, sf, bf, m, y, ldy, n);
+          } else {
+            q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+          }
         } else if constexpr (BITS == 8) {
-          q8_block<R, MT>(q, x, xsum, sf, bf, m, y, ldy, n);
+          q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+        } else if constexpr (BITS >= 5) {
+          if (q.group == 16) {
+            narrow_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
+          } else {
+            lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
+          }
         } else {
           lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
         }
       }
     };
-    if constexpr (R <= 2 && BITS != 8) tile(std::integral_constant<int, 8>{});  // 8-bit: measured slower
+    if constexpr (R <= 2) tile(std::integral_constant<int, 8>{});
     if constexpr (R <= 2) tile(std::integral_constant<int, 4>{});  // the rest: 4 + 2 + 1
     if constexpr (R <= 4) tile(std::integral_constant<int, 2>{});
     tile(std::integral_constant<int, 1>{});
@@ -326,27 +414,114 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
     std::memcpy(s.xp.data(), x, sizeof(float) * M * q.K);
   }
   const float* xk = s.xp.data();
-  if constexpr (BITS == 8) {
-    s.xsum.resize(M * groups);
-    for (int64_t m = 0; m < M; m++) {
-      for (int64_t g = 0; g < groups; g++) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = 0; j < q.group; j += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(x + m * q.K + g * q.group + j));
-        s.xsum[m * groups + g] = _mm512_reduce_add_ps(a);
-      }
-    }
-  }
   int64_t n = n0;
   // 1-3 x rows: four weight rows at once; more: two weight rows under tiles of up to eight x rows (measured best)
-  if (M <= 3) row_blocks<BITS, 4>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
-  row_blocks<BITS, 2>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
-  row_blocks<BITS, 1>(q, xk, s.xsum.data(), M, y, ldy, n1, n);
+  if (M <= 3) row_blocks<BITS, 4>(q, xk, M, y, ldy, n1, n);
+  row_blocks<BITS, 2>(q, xk, M, y, ldy, n1, n);
+  row_blocks<BITS, 1>(q, xk, M, y, ldy, n1, n);
+}
+
+// ------------------------------------------------------------ GEMM (many rows of x)
+// Prefill chunks and long verifies: each panel of GEMM_NB weight rows is dequantized
+// once (into floats, then transposed to [K][GEMM_NB] so a k's 64 weights are four
+// vectors) and every GEMM_MR rows of x run a register tile over it: 24 accumulators,
+// one broadcast of x and four FMAs per k and row, one FMA chain per output along k.
+// The panel stays in L2 while every row of x passes over it; no packing of x.
+constexpr int64_t GEMM_NB = 64;
+constexpr int GEMM_MR = 6;
+
+// 16 x 16 floats: rows r of `in` (stride ldi) become columns of `out` (stride ldo).
+inline void transpose16(const float* in, int64_t ldi, float* out, int64_t ldo) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ldi);
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single floats
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // pairs
+    for (int j = 0; j < 2; j++) {
+      r[i + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+      r[i + j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // 128-bit lanes
+    for (int j = 0; j < 4; j++) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; j++) {  // 256-bit halves
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+  // r[j] now holds column (j's position in the network): map back to the natural order
+  static constexpr int ORDER[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+  for (int j = 0; j < 16; j++) _mm512_storeu_ps(out + ORDER[j] * ldo, r[j]);
+}
+
+template <int MR>
+void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t cols) {
+  __m512 c[MR][4];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const float* b = panel + k * GEMM_NB;
+    const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16), b2 = _mm512_load_ps(b + 32),
+                 b3 = _mm512_load_ps(b + 48);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+      c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(a, b3, c[i][3]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < 4; j++) store16(y + i * ldy + j * 16, 0, cols - j * 16 < 0 ? 0 : cols - j * 16, c[i][j]);
+}
+
+struct GemmScratch {
+  std::vector<float, Aligned64<float>> rows, panel;
+};
+GemmScratch& gemm_scratch() {
+  thread_local GemmScratch s;
+  return s;
 }
 
 }  // namespace
 
+void gemm_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  GemmScratch& s = gemm_scratch();
+  s.rows.resize(GEMM_NB * q.K);
+  s.panel.resize(GEMM_NB * q.K);
+  for (int64_t p0 = n0; p0 < n1; p0 += GEMM_NB) {
+    const int64_t cols = std::min(GEMM_NB, n1 - p0);
+    dequant_avx2(q, s.rows.data(), p0, p0 + cols);
+    if (cols < GEMM_NB) std::fill(s.rows.begin() + cols * q.K, s.rows.end(), 0.0f);
+    for (int64_t k = 0; k < q.K; k += 16)
+      for (int64_t j = 0; j < GEMM_NB; j += 16)
+        transpose16(s.rows.data() + j * q.K + k, q.K, s.panel.data() + k * GEMM_NB + j, GEMM_NB);
+    const float* panel = s.panel.data();
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR) gemm_tile<GEMM_MR>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols);
+    switch (M - m) {
+      case 5: gemm_tile<5>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 4: gemm_tile<4>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 3: gemm_tile<3>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 2: gemm_tile<2>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      case 1: gemm_tile<1>(x + m * q.K, q.K, panel, q.K, y + m * ldy + p0, ldy, cols); break;
+      default: break;
+    }
+  }
+}
+
+namespace {
+}  // namespace
+
 void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (q.bits == 4 && q.group % 32 == 0) return rows_bits<4>(q, x, M, y, ldy, n0, n1);
+  if (q.fp4) return rows_scalar(q, x, M, y, ldy, n0, n1);
   if (q.group % 16 == 0) {
     switch (q.bits) {
       case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
@@ -471,6 +646,88 @@ void gelu_tanh_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us
       store16(y + r * n, i, n, _mm512_mul_ps(_mm512_mul_ps(a, t), load16(u + r * us, i, n)));
     }
   }
+}
+
+// ------------------------------------------------------------ quantized KV rows
+namespace {
+
+// sixteen codes of a `BITS`-bit row from p (the row ends at end) as floats
+template <int BITS>
+inline __m512 codes16(const uint8_t* p, const uint8_t* end) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    static const Unpack<BITS> unpack;
+    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+}
+
+// The normalized Walsh-Hadamard transform of C chunks of sixteen floats, in place.
+template <int C>
+void wht(__m512 (&v)[C]) {
+#pragma GCC unroll 8
+  for (int h = 1; h < C; h <<= 1)
+    for (int i = 0; i < C; i++)
+      if (!(i & h)) {
+        const __m512 a = v[i], b = v[i + h];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + h] = _mm512_sub_ps(a, b);
+      }
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 4
+  for (int h = 1; h < 16; h <<= 1) {
+    // lane i: x[i ^ h] + (i & h ? -1 : 1) * x[i]
+    const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    const __m512 sign = _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    for (int i = 0; i < C; i++) v[i] = _mm512_fmadd_ps(v[i], sign, _mm512_permutexvar_ps(partner, v[i]));
+  }
+  const __m512 norm = _mm512_set1_ps(1.0f / std::sqrt(16.0f * C));
+  for (int i = 0; i < C; i++) v[i] = _mm512_mul_ps(v[i], norm);
+}
+
+template <int BITS, int C>
+void kv_row(const uint8_t* w, const void* scales, const void* biases, int scale_type, int group, bool rotate, float* out) {
+  const int64_t D = 16 * C;
+  alignas(64) float sf[C * 16 / 8], bf[C * 16 / 8];  // groups of at least 8
+  const int64_t groups = D / group;
+  to_f32(scales, scale_type, 0, groups, sf);
+  if (biases) {
+    to_f32(biases, scale_type, 0, groups, bf);
+  } else {
+    for (int64_t g = 0; g < groups; g++) bf[g] = -(float)(1 << (BITS - 1)) * sf[g];
+  }
+  const uint8_t* end = w + D * BITS / 8;
+  __m512 v[C];
+#pragma GCC unroll 32
+  for (int c = 0; c < C; c++) {
+    const int64_t g = c * 16 / group;
+    v[c] = _mm512_fmadd_ps(codes16<BITS>(w + c * 16 * BITS / 8, end), _mm512_set1_ps(sf[g]), _mm512_set1_ps(bf[g]));
+  }
+  if (rotate) wht<C>(v);
+  for (int c = 0; c < C; c++) _mm512_storeu_ps(out + c * 16, v[c]);
+}
+
+template <int BITS>
+bool kv_row_bits(const uint8_t* w, const void* s, const void* b, int st, int64_t D, int group, bool rotate, float* out) {
+  switch (D) {
+    case 32: kv_row<BITS, 2>(w, s, b, st, group, rotate, out); return true;
+    case 64: kv_row<BITS, 4>(w, s, b, st, group, rotate, out); return true;
+    case 128: kv_row<BITS, 8>(w, s, b, st, group, rotate, out); return true;
+    case 256: kv_row<BITS, 16>(w, s, b, st, group, rotate, out); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+void kv_row_avx512(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D, int group,
+                   int bits, bool rotate, float* out) {
+  // groups of sixteen or more: each chunk of sixteen values lies in one group
+  const bool done = group % 16 == 0 && (bits == 8   ? kv_row_bits<8>(w, scales, biases, scale_type, D, group, rotate, out)
+                                        : bits == 4 ? kv_row_bits<4>(w, scales, biases, scale_type, D, group, rotate, out)
+                                                    : false);
+  if (!done) kv_row_scalar(w, scales, biases, scale_type, D, group, bits, rotate, out);
 }
 
 }  // namespace tsq

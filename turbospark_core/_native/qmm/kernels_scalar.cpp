@@ -34,8 +34,16 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
+float e8m0_to_float(uint8_t e) {
+  const uint32_t bits = e == 0 ? 0x00400000u : (uint32_t)e << 23;  // 2^-127 is a subnormal
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 float load_scale(const void* p, int type, int64_t i) {
   if (type == kF32) return static_cast<const float*>(p)[i];
+  if (type == kE8M0) return e8m0_to_float(static_cast<const uint8_t*>(p)[i]);
   uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (type == kF16) return half_to_float(h);
   uint32_t bits = (uint32_t)h << 16;
@@ -60,7 +68,11 @@ void dequant_scalar(const QMat& q, float* dst, int64_t n0, int64_t n1) {
     float* out = dst + (n - n0) * q.K;
     for (int64_t g = 0; g < groups; g++) {
       float s = load_scale(q.scales, q.scale_type, n * groups + g);
-      float b = load_scale(q.biases, q.scale_type, n * groups + g);
+      if (q.fp4) {
+        for (int j = 0; j < q.group; j++) out[g * q.group + j] = kFp4[value_at(row, g * q.group + j, 4)] * s;
+        continue;
+      }
+      float b = q.biases ? load_scale(q.biases, q.scale_type, n * groups + g) : symmetric_bias(q, s);
       for (int j = 0; j < q.group; j++) {
         int64_t i = g * q.group + j;
         out[i] = (float)value_at(row, i, q.bits) * s + b;
@@ -137,6 +149,27 @@ void gelu_tanh_mul_scalar(const float* g, int64_t gs, const float* u, int64_t us
       y[r * n + i] = a / (1.0f + std::exp(-2.0f * z)) * u[r * us + i];  // 0.5 (1 + tanh z) = sigmoid(2 z)
     }
   }
+}
+
+void kv_row_scalar(const uint8_t* w, const void* scales, const void* biases, int scale_type, int64_t D, int group,
+                   int bits, bool rotate, float* out) {
+  for (int64_t g = 0; g < D / group; g++) {
+    const float s = load_scale(scales, scale_type, g);
+    const float b = biases ? load_scale(biases, scale_type, g) : -(float)(1 << (bits - 1)) * s;
+    for (int j = 0; j < group; j++) out[g * group + j] = (float)value_at(w, g * group + j, bits) * s + b;
+  }
+  if (!rotate) return;
+  for (int64_t h = 1; h < D; h <<= 1) {
+    for (int64_t i = 0; i < D; i += 2 * h) {
+      for (int64_t j = i; j < i + h; j++) {
+        const float a = out[j], c = out[j + h];
+        out[j] = a + c;
+        out[j + h] = a - c;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt((float)D);
+  for (int64_t i = 0; i < D; i++) out[i] *= norm;
 }
 
 }  // namespace tsq

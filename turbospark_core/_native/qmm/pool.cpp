@@ -1,8 +1,21 @@
 #include "pool.h"
 
+#include <chrono>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace tsq {
 
-Pool::Pool(int threads) {
+namespace {
+inline void relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+}  // namespace
+
+Pool::Pool(int threads, int spin_us) : spin_us_(spin_us) {
   for (int i = 1; i < threads; i++) workers_.emplace_back([this] { loop(); });
 }
 
@@ -23,9 +36,19 @@ void Pool::loop() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (spin_us_ > 0 && generation_.load(std::memory_order_acquire) == seen) {
+      // decode steps run many small jobs back to back: poll briefly before sleeping, so the next
+      // one starts here at once instead of after a wake-up
+      lock.unlock();
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+        for (int i = 0; i < 64; i++) relax();
+      }
+      lock.lock();
+    }
+    wake_.wait(lock, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
     if (stop_) return;
-    seen = generation_;
+    seen = generation_.load(std::memory_order_relaxed);
     Job* job = job_;
     if (job == nullptr) continue;  // woke after the job ended
     busy_++;
@@ -48,7 +71,7 @@ void Pool::run(int64_t chunks, const std::function<void(int64_t)>& body) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     job_ = &job;
-    generation_++;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
   work(job);

@@ -16,7 +16,8 @@ namespace tsq {
 
 class Pool {
  public:
-  explicit Pool(int threads);
+  // spin_us: how long a worker polls for the next job before it sleeps (0: sleep at once)
+  explicit Pool(int threads, int spin_us = 0);
   ~Pool();
   int threads() const { return (int)workers_.size() + 1; }
   // Run body(chunk) for chunk in [0, chunks), spread over the pool.
@@ -36,7 +37,8 @@ class Pool {
   std::mutex mu_;
   std::condition_variable wake_, done_;
   Job* job_ = nullptr;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  int spin_us_ = 0;
   int busy_ = 0;
   bool stop_ = false;
 };

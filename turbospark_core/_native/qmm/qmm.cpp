@@ -38,20 +38,23 @@ using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int
 // One kernel set: what the CPU runs (chosen once, at first use).
 struct Kernels {
   RowsFn rows;
+  RowsFn gemm;  // many rows of x (nullptr: dequantized panels through sgemm)
   DequantFn dequant;
   AttendFn attend;
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
+  KVRowFn kv_row;
   const char* kernel;
 };
 
-constexpr Kernels SCALAR{rows_scalar, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
-                         gelu_tanh_mul_scalar, "scalar"};
+constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
+                         gelu_tanh_mul_scalar, kv_row_scalar, "scalar"};
 #if defined(__x86_64__)
-constexpr Kernels AVX2{rows_avx2, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, "avx2"};
+constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
+                       "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
-constexpr Kernels AVX512{rows_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
-                         gelu_tanh_mul_avx512, "avx512"};
+constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
+                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
 #endif
 
 struct Runtime : Kernels {
@@ -60,6 +63,7 @@ struct Runtime : Kernels {
   // M at or above which panels go through sgemm (single-threaded OpenBLAS per
   // panel measured 3-4x the row kernel's throughput at M = 64..256 here).
   int64_t gemm_min_rows = 17;
+  bool blas_gemm = false;  // TURBOSPARK_QMM_GEMM=blas: panels through sgemm even where the native GEMM runs
   std::unique_ptr<Pool> pool;
 };
 
@@ -87,7 +91,9 @@ Runtime& runtime() {
 #endif
     if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) static_cast<Kernels&>(*r) = SCALAR;
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
-    r->pool = std::make_unique<Pool>(default_threads());
+    if (const char* env = std::getenv("TURBOSPARK_QMM_GEMM")) r->blas_gemm = std::string(env) == "blas";
+    const char* spin = std::getenv("TURBOSPARK_POOL_SPIN_US");
+    r->pool = std::make_unique<Pool>(default_threads(), spin ? std::max(0, std::atoi(spin)) : 0);
     return r;
   }();
   return *rt;
@@ -131,8 +137,21 @@ void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
   });
 }
 
+// Many rows of x with the native GEMM: panels of its width spread over the pool.
+void run_gemm(const QMat& q, const float* x, int64_t M, float* y) {
+  Runtime& rt = runtime();
+  constexpr int64_t width = 64;  // the kernel's panel
+  const int64_t panels = (q.N + width - 1) / width;
+  const int64_t per = std::max<int64_t>(1, panels / (rt.pool->threads() * 4));  // a few chunks per thread
+  rt.pool->run((panels + per - 1) / per, [&](int64_t c) {
+    const int64_t n0 = c * per * width, n1 = std::min(q.N, n0 + per * width);
+    rt.gemm(q, x, M, y, q.N, n0, n1);
+  });
+}
+
 void compute(const QMat& q, const float* x, int64_t M, float* y) {
   Runtime& rt = runtime();
+  if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y);
   if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y);
   run_rows(q, x, M, y);
 }
@@ -141,7 +160,8 @@ int scale_type(mx::Dtype d) {
   if (d == mx::float32) return kF32;
   if (d == mx::float16) return kF16;
   if (d == mx::bfloat16) return kBF16;
-  throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16");
+  if (d == mx::uint8) return kE8M0;
+  throw std::invalid_argument("quantized_matmul: scales/biases must be float32, float16 or bfloat16 (uint8 for mxfp4)");
 }
 
 // The output allocated and the stream's encoder told what a primitive's task reads and writes.
@@ -191,13 +211,13 @@ class Dense {
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream s, int group, int bits) : mx::UnaryPrimitive(s), group_(group), bits_(bits) {}
+  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
+      : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
-    const auto& biases = inputs[3];
     auto& enc = encoder_for(stream(), inputs, out);
     QMat q;
     q.scale_type = scale_type(scales.dtype());
@@ -205,12 +225,16 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     q.K = x.shape(-1);
     q.group = group_;
     q.bits = bits_;
+    q.fp4 = fp4_;
     const int64_t M = x.size() / q.K;
-    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = Dense(biases), yp = out.data<float>(),
+    // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
+    std::optional<Dense> bd;
+    if (inputs.size() > 3) bd.emplace(inputs[3]);
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), yp = out.data<float>(),
                   M]() mutable {
       q.w = wd.get();
       q.scales = sd.get();
-      q.biases = bd.get();
+      q.biases = bd ? bd->get() : nullptr;
       compute(q, reinterpret_cast<const float*>(xd.get()), M, yp);
     });
   }
@@ -223,7 +247,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -234,14 +258,20 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int group_, bits_;
+  bool fp4_;
 };
 
 void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
-mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits) {
+mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode) {
+  check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
+  const bool fp4 = mode == "mxfp4";
+  check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
+        "mxfp4 takes 4-bit codes in groups of 32, uint8 scales and no biases");
+  check(fp4 || scales.dtype() != mx::uint8, "uint8 scales are mxfp4's; affine scales are floats");
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
         "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
@@ -253,8 +283,9 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   check(x_in.shape(-1) == K, shape_msg.str());
   check(K % group_size == 0, "the weight's columns must be a multiple of group_size");
   const mx::Shape sshape = {(int)N, (int)(K / group_size)};
-  check(scales.shape() == sshape && biases.shape() == sshape, "scales/biases must have shape [N, K / group_size]");
-  check(scales.dtype() == biases.dtype(), "scales and biases must share a dtype");
+  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
+        "scales/biases must have shape [N, K / group_size]");
+  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
   scale_type(scales.dtype());
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
@@ -262,11 +293,164 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
   auto out_shape = x.shape();
   out_shape.back() = (int)N;
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits),
-                     {x, w, scales, biases});
+  std::vector<mx::array> inputs = {x, w, scales};
+  if (biases) inputs.push_back(*biases);
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
+
+// Routed experts: y[b] = x[b] @ dequantize(w[indices[b]]).T for every batch element b
+// (x's and indices' batch axes broadcast), MLX's gather_qmm with transpose=True. Each
+// (rows of x, expert) task runs the row kernels on that expert's matrix; consecutive
+// elements routed to one expert whose rows of x follow each other (the sorted path of a
+// prefill) are one task of many rows, whose tiles share each decoded weight.
+class GatherQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  GatherQuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
+      : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& indices = inputs[3];
+    auto& enc = encoder_for(stream(), inputs, out);
+    QMat q;
+    q.scale_type = scale_type(scales.dtype());
+    q.N = w.shape(1);
+    q.K = x.shape(-1);
+    q.group = group_;
+    q.bits = bits_;
+    q.fp4 = fp4_;
+    const int64_t M = x.shape(-2), E = w.shape(0);
+    // batch element b (row-major over out's batch axes) -> its x matrix and its expert
+    const int nb = (int)out.ndim() - 2;
+    std::vector<int64_t> bshape(nb), xstep(nb, 0), istep(nb, 0);
+    int64_t batch = 1;
+    for (int d = nb - 1, xs = 1, is = 1; d >= 0; d--) {
+      bshape[d] = out.shape(d);
+      batch *= bshape[d];
+      const int xd = d - (nb - ((int)x.ndim() - 2)), id = d - (nb - (int)indices.ndim());
+      if (xd >= 0) {
+        if (x.shape(xd) != 1) xstep[d] = xs;
+        xs *= x.shape(xd);
+      }
+      if (id >= 0) {
+        if (indices.shape(id) != 1) istep[d] = is;
+        is *= indices.shape(id);
+      }
+    }
+    std::optional<Dense> bd;
+    if (inputs.size() > 4) bd.emplace(inputs[4]);
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), id = Dense(indices),
+                  itype = indices.dtype(), yp = out.data<float>(), M, E, batch, bshape, xstep, istep]() mutable {
+      const auto* xp = reinterpret_cast<const float*>(xd.get());
+      const uint8_t* wp = wd.get();
+      const uint8_t* sp = sd.get();
+      const uint8_t* bp = bd ? bd->get() : nullptr;
+      const uint8_t* ip = id.get();
+      const int64_t groups = q.K / q.group, row_bytes = q.K * q.bits / 8;
+      const int64_t ssize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
+      auto locate = [&](int64_t b, int64_t& xi, int64_t& ii) {
+        xi = ii = 0;
+        for (int d = (int)bshape.size() - 1; d >= 0; d--) {
+          const int64_t c = b % bshape[d];
+          b /= bshape[d];
+          xi += c * xstep[d];
+          ii += c * istep[d];
+        }
+      };
+      auto expert_at = [&](int64_t i) -> int64_t {
+        return itype == mx::uint32 ? (int64_t)reinterpret_cast<const uint32_t*>(ip)[i]
+                                   : (int64_t)reinterpret_cast<const int32_t*>(ip)[i];
+      };
+      for (int64_t b = 0; b < batch;) {
+        int64_t xi, ii;
+        locate(b, xi, ii);
+        const int64_t e = expert_at(ii);
+        int64_t end = b + 1;  // following elements of the same expert with the following rows of x
+        for (int64_t xn, in; end < batch; end++) {
+          locate(end, xn, in);
+          if (expert_at(in) != e || xn != xi + (end - b)) break;
+        }
+        if (e < 0 || e >= E) {  // no such expert (a router's bug, checked by the banks): zeros, never a stray read
+          std::fill(yp + b * M * q.N, yp + end * M * q.N, 0.0f);
+          b = end;
+          continue;
+        }
+        QMat qe = q;
+        qe.w = wp + e * q.N * row_bytes;
+        qe.scales = sp + e * q.N * groups * ssize;
+        qe.biases = bp ? bp + e * q.N * groups * ssize : nullptr;
+        // the row kernels at any count of rows (never the GEMM): an element's result is the same bits however
+        // the elements are grouped (the streamed bank's slot-fulls equal the resident bank's prefill)
+        run_rows(qe, xp + xi * M * q.K, (end - b) * M, yp + b * M * q.N);
+        b = end;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark gather_quantized_matmul runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkGatherQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {gather_shape(inputs[0], inputs[3], inputs[1].shape(1))};
+  }
+
+  static mx::Shape gather_shape(const mx::array& x, const mx::array& indices, int n) {
+    const mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
+    auto shape = mx::broadcast_shapes(xb, indices.shape());
+    shape.push_back(x.shape(-2));
+    shape.push_back(n);
+    return shape;
+  }
+
+ private:
+  int group_, bits_;
+  bool fp4_;
+};
+
+mx::array gather_quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                                  const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
+                                  int bits, const std::string& mode) {
+  check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
+  const bool fp4 = mode == "mxfp4";
+  check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
+        "mxfp4 takes 4-bit codes in groups of 32, uint8 scales and no biases");
+  check(fp4 || scales.dtype() != mx::uint8, "uint8 scales are mxfp4's; affine scales are floats");
+  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+        "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
+  check(w.dtype() == mx::uint32 && w.ndim() == 3, "w must be a 3-D uint32 array [experts, rows, words]");
+  check(x_in.ndim() >= 2, "x must have at least two dimensions [..., rows, K]");
+  check(indices.dtype() == mx::uint32 || indices.dtype() == mx::int32, "indices must be uint32 or int32");
+  const int64_t N = w.shape(1), K = (int64_t)w.shape(2) * 32 / bits;
+  check(x_in.shape(-1) == K, "x's last dimension does not match the experts' columns");
+  check(K % group_size == 0, "the experts' columns must be a multiple of group_size");
+  const mx::Shape sshape = {w.shape(0), (int)N, (int)(K / group_size)};
+  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
+        "scales/biases must have shape [experts, rows, K / group_size]");
+  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
+  scale_type(scales.dtype());
+  auto s = mx::default_stream(mx::Device::cpu);
+  const mx::Dtype out_dtype = x_in.dtype();
+  check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
+  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  std::vector<mx::array> inputs = {x, w, scales, indices};
+  if (biases) inputs.push_back(*biases);
+  auto shape = GatherQuantizedMatmul::gather_shape(x, indices, (int)N);
+  auto y = mx::array(shape, mx::float32, std::make_shared<GatherQuantizedMatmul>(s, group_size, bits, fp4), inputs);
+  return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
+}
 
 // RoPE (Hugging Face half-split layout) over the first `dims` features of each
 // head of x [B, H, L, D], position of query l in row b = offsets[b or 0] + l;
@@ -547,6 +731,111 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+// Rows of an array (all axes but the last) read through its strides: a cache's rows are a
+// slice of a larger buffer. An array whose last axis is not one run of values is copied
+// dense first (layouts are only known at eval).
+class RowIndex {
+ public:
+  explicit RowIndex(const mx::array& a) : item_(a.itemsize()) {
+    const bool runs = a.ndim() == 0 || a.strides().back() == 1 || a.shape(-1) == 1;
+    if (!runs) dense_.emplace(a);
+    int64_t stride = a.ndim() ? a.shape(-1) : 1;
+    for (int d = (int)a.ndim() - 2; d >= 0; d--) {
+      shape_.insert(shape_.begin(), a.shape(d));
+      strides_.insert(strides_.begin(), runs ? (int64_t)a.strides()[d] : stride);
+      stride *= a.shape(d);
+    }
+    base_ = runs ? a.data<uint8_t>() : nullptr;
+  }
+  // call once, in the task, before row()
+  void ready() {
+    if (dense_) base_ = dense_->get();
+  }
+  const uint8_t* row(int64_t r) const {
+    int64_t off = 0;
+    for (int d = (int)shape_.size() - 1; d >= 0; d--) {
+      off += (r % shape_[d]) * strides_[d];
+      r /= shape_[d];
+    }
+    return base_ + off * (int64_t)item_;
+  }
+
+ private:
+  std::optional<Dense> dense_;
+  const uint8_t* base_ = nullptr;
+  size_t item_;
+  std::vector<int64_t> shape_, strides_;
+};
+
+// Quantized KV rows back to float32 (and rotated back), one native op: MLX composes the
+// dequantization from about ten ops and its CPU hadamard_transform is scalar.
+class KVRows : public mx::UnaryPrimitive {
+ public:
+  KVRows(mx::Stream s, int bits, bool rotate) : mx::UnaryPrimitive(s), bits_(bits), rotate_(rotate) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& w = inputs[0];
+    const auto& scales = inputs[1];
+    auto& enc = encoder_for(stream(), inputs, out);
+    const int64_t D = out.shape(-1), rows = D ? out.size() / D : 0;
+    const int group = (int)(D / scales.shape(-1));
+    std::optional<RowIndex> bi;
+    if (inputs.size() > 2) bi.emplace(inputs[2]);
+    enc.dispatch([wi = RowIndex(w), si = RowIndex(scales), bi = std::move(bi), st = scale_type(scales.dtype()),
+                  yp = out.data<float>(), D, rows, group, bits = bits_, rotate = rotate_,
+                  fn = runtime().kv_row]() mutable {
+      wi.ready();
+      si.ready();
+      if (bi) bi->ready();
+      over_rows(rows, D, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) fn(wi.row(r), si.row(r), bi ? bi->row(r) : nullptr, st, D, group, bits, rotate, yp + r * D);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark kv_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkKVRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const KVRows&>(other);
+    return bits_ == o.bits_ && rotate_ == o.rotate_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = shape.back() * 32 / bits_;
+    return {shape};
+  }
+
+ private:
+  int bits_;
+  bool rotate_;
+};
+
+mx::array kv_rows(const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases, int bits,
+                  bool rotate) {
+  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+        "kv_rows: bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  check(w.dtype() == mx::uint32 && w.ndim() >= 1, "kv_rows: w must be a uint32 array");
+  const int64_t D = (int64_t)w.shape(-1) * 32 / bits;
+  check(scales.ndim() == w.ndim() && scales.shape(-1) > 0 && D % scales.shape(-1) == 0 && (D / scales.shape(-1)) % 8 == 0,
+        "kv_rows: scales must hold one value per group (a multiple of 8 values) of each row");
+  for (int d = 0; d + 1 < (int)w.ndim(); d++) check(scales.shape(d) == w.shape(d), "kv_rows: scales and w disagree");
+  check(!biases || (biases->shape() == scales.shape() && biases->dtype() == scales.dtype()),
+        "kv_rows: biases must match scales");
+  check(!rotate || (D >= 2 && (D & (D - 1)) == 0), "kv_rows: rotated rows need a power-of-two length");
+  scale_type(scales.dtype());
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {w, scales};
+  if (biases) inputs.push_back(*biases);
+  auto out_shape = w.shape();
+  out_shape.back() = (int)D;
+  return mx::array(out_shape, mx::float32, std::make_shared<KVRows>(s, bits, rotate), std::move(inputs));
+}
+
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
   check(x.ndim() >= 1 && x.dtype() == mx::float32, "rms_norm: x must be a float32 array");
   check(!w || (w->dtype() == mx::float32 && w->ndim() == 1 && w->shape(0) == x.shape(-1)),
@@ -613,15 +902,26 @@ bool bind_blas(const std::string& path, const std::string& prefix) {
 
 NB_MODULE(_qmm, m) {
   m.doc() = "turbospark native quantized matmul (MLX custom primitive)";
-  m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
-        "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute.");
+  m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"), nb::arg("mode") = "affine",
+        "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
+        "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale; mode 'mxfp4': e2m1 codes times "
+        "uint8 exponent scales.");
+  m.def("gather_quantized_matmul", &tsq::gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases").none(), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("mode") = "affine",
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for routed experts: each "
+        "element's rows of x times its expert's matrix, float32 compute.");
   m.def("rope", &tsq::rope, nb::arg("x"), nb::arg("dims"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs"),
         "mx.fast.rope(x, dims, traditional=False, base=None, scale, offset, freqs) for float32 [B, H, L, D] as one op.");
   m.def("decode_attention", &tsq::decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask") = nb::none(), nb::arg("causal") = false,
         "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one float32 query per head "
         "(mask: None or boolean), as one op.");
+  m.def("kv_rows", &tsq::kv_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("bits"),
+        nb::arg("rotate"),
+        "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
+        "Walsh-Hadamard transform of each row (mx.hadamard_transform).");
   m.def("rms_norm", &tsq::rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
   m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up"),
@@ -633,8 +933,20 @@ NB_MODULE(_qmm, m) {
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
   m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
-  m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether large-M products go through sgemm.");
-  m.def("gemm_min_rows", [] { return tsq::runtime().gemm_min_rows; }, "Rows of x from which sgemm panels are used.");
+  m.def("has_blas", [] { return tsq::runtime().sgemm != nullptr; }, "Whether sgemm is bound (for dequantized panels).");
+  m.def(
+      "gemm_path",
+      [] {
+        auto& rt = tsq::runtime();
+        if (rt.gemm != nullptr && !rt.blas_gemm) return std::string("native");
+        return std::string(rt.sgemm != nullptr ? "blas" : "rows");
+      },
+      "How products from gemm_min_rows() rows of x run: 'native' GEMM, 'blas' (dequantized panels through "
+      "sgemm) or 'rows' (the row kernels).");
+  m.def(
+      "set_gemm_path", [](const std::string& path) { tsq::runtime().blas_gemm = path != "native"; }, nb::arg("path"),
+      "Use the native GEMM ('native', where the kernel set has one) or sgemm panels ('blas').");
+  m.def("gemm_min_rows", [] { return tsq::runtime().gemm_min_rows; }, "Rows of x from which the GEMM path is used.");
   m.def("set_gemm_min_rows", [](int64_t rows) { tsq::runtime().gemm_min_rows = rows; }, nb::arg("rows"),
         "Rows of x at or above which products dequantize panels and call sgemm.");
 }
