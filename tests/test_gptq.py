@@ -93,6 +93,50 @@ def test_deterministic() -> None:
     np.testing.assert_array_equal(a.dequantized, b.dequantized)
 
 
+def test_a_tiny_case_by_hand() -> None:
+    """One row, 2-bit groups of 4, worked out by hand.
+
+    Group 0 is ``[0.4, 1.2, 0, 3]``: MLX's grid spans 0..3 with the maximum exact (scale -1, bias 3), so the
+    levels are 3, 2, 1, 0 for codes 0..3. ``H`` couples columns 0 and 1 (``h01 = 0.99``; unit diagonal, so
+    10% damping adds 0.1). Column 0 rounds 0.4 to 0 (error ``d0 = 0.4``); the optimal change of column 1 given
+    that error is ``+d0 * h01 / h11 = 0.4 * 0.99 / 1.1 = 0.36``, so column 1 becomes 1.56 and rounds to 2 where
+    round-to-nearest gives 1. The other columns are uncoupled and exact; groups 1-3 are zeros (code 0).
+    """
+    w = np.zeros((1, 16), np.float32)
+    w[0, :4] = [0.4, 1.2, 0.0, 3.0]
+    h = np.eye(16)
+    h[0, 1] = h[1, 0] = 0.99
+    solved = gptq(w, h, bits=2, group_size=4)
+    np.testing.assert_array_equal(solved.dequantized[0, :4], [0.0, 2.0, 0.0, 3.0])
+    np.testing.assert_array_equal(solved.dequantized[0, 4:], 0.0)
+    got = solved.quantized
+    np.testing.assert_array_equal(got.scales[0], np.float32([-1.0, -1e-7, -1e-7, -1e-7]))  # -1e-7: constant groups
+    np.testing.assert_array_equal(got.biases[0], [3.0, 0.0, 0.0, 0.0])
+    assert got.weight.tolist() == [[3 | 1 << 2 | 3 << 4 | 0 << 6]]  # codes 3, 1, 3, 0, then zeros; 2 bits each
+    # ... and it lowers the output error on H: d = (0.4, -0.8) against rounding's (0.4, 0.2)
+    d_gptq, d_rtn = w - solved.dequantized, w - np.array([[0.0, 1.0, 0.0, 3.0] + [0.0] * 12], np.float32)
+    assert np.isclose((d_gptq @ h @ d_gptq.T).item(), 0.1664) and np.isclose((d_rtn @ h @ d_rtn.T).item(), 0.3584)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_codes_are_in_range_and_in_mlx_s_layout(bits: int) -> None:
+    """Every weight is an integer code in [0, 2^bits) of its group's scale and bias, and MLX's own
+    dequantization of the packed words reads back those values (the install's affine layout)."""
+    rng = np.random.default_rng(bits)
+    x = _correlated(rng, 512, 128)
+    w = rng.standard_normal((16, 128)).astype(np.float32) * 0.05
+    solved = gptq(w, x.T.astype(np.float64) @ x, bits=bits, group_size=64)
+    got = solved.quantized
+    assert got.weight.dtype == np.uint32 and got.weight.shape == (16, 128 * bits // 32)
+    assert got.scales.shape == got.biases.shape == (16, 2)
+    scales, biases = (np.repeat(a, 64, axis=1) for a in (got.scales, got.biases))
+    codes = (solved.dequantized - biases) / scales
+    np.testing.assert_allclose(codes, np.round(codes), atol=1e-3)
+    assert codes.round().min() >= 0 and codes.round().max() <= 2**bits - 1
+    back = mx.dequantize(mx.array(got.weight), mx.array(got.scales), mx.array(got.biases), 64, bits)
+    np.testing.assert_array_equal(np.array(back), solved.dequantized)
+
+
 # ------------------------------------------------------------------ the factorization
 
 

@@ -277,9 +277,10 @@ def calibrate(
                 solved[base] = result.quantized
                 if result.damp != DAMP:
                     damping[base] = result.damp
-                if sequential:  # the next passes read this matrix quantized
-                    inner = recorder.linears[base].inner
-                    inner.weight = mx.array(result.dequantized).astype(inner.weight.dtype)
+                if sequential:  # the next passes read this matrix quantized (a new Linear: it caches W^T)
+                    wrapped = recorder.linears[base]
+                    dtype = wrapped.inner.weight.dtype
+                    wrapped.inner = Linear(mx.array(result.dequantized).astype(dtype), wrapped.inner.bias)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record = {
