@@ -18,7 +18,7 @@ import turbospark_core
 from turbospark_core.cli import main
 from turbospark_core.convert import calibration, convert
 from turbospark_core.convert.calibration import BUILTIN, CalibrationStore, Recorder, stage_of
-from turbospark_core.errors import ConversionError
+from turbospark_core.errors import ConversionError, InstallError
 from turbospark_core.loader import open_install
 from turbospark_core.manifest import EXPERTS, WEIGHTS, load_manifest
 from turbospark_core.options import OpenOptions
@@ -295,3 +295,18 @@ def test_family_that_calls_no_linear_is_refused(tmp_path: Path, monkeypatch: pyt
         convert(src, tmp_path / "dst", quantize="q4", group_size=32, calibrate=BUILTIN, calibrate_tokens=256)
     names(e, "family 'dummy'", "'dummy_lm'", "calls none of the", "without --calibrate")
     assert not (tmp_path / "dst").exists()
+
+
+def test_float_model_the_runtime_cannot_open_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names) -> None:
+    """The runtime's own refusal of the temporary float install is passed on, naming the cause and the way out;
+    neither the destination nor the staging directory (with that temporary install) is left behind."""
+    from turbospark_core import loader
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise InstallError("the arch config has no 'num_attention_heads'")
+
+    monkeypatch.setattr(loader, "open_install", refuse)
+    with pytest.raises(ConversionError) as e:
+        convert(_src("llama"), tmp_path / "dst", quantize="q4", group_size=32, calibrate=BUILTIN)
+    names(e, "does not open for calibration", "num_attention_heads", "convert without --calibrate")
+    assert list(tmp_path.iterdir()) == []
