@@ -28,10 +28,10 @@ ROWS = [(None, 64), ("q8", 64), ("q4", 64), ("q4", 128), ("q3", 64)]
 class _Dequantizing(Assembler):
     """An assembler that turns the GGUF's blocks back into float32 (as ``--rotate`` does) when not rotating."""
 
-    def finish(self):  # type: ignore[no-untyped-def]
+    def finish(self, **kwargs):  # type: ignore[no-untyped-def]
         if self.before_cast is None:
             self.before_cast = dequantize_all
-        return super().finish()
+        return super().finish(**kwargs)
 
 
 def build(src: Path, dst: Path, quantize: str | None, group: int, rotate: bool, seed: int) -> Path:

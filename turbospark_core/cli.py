@@ -243,6 +243,7 @@ def _stream_out(pieces: Any, quiet: bool = False) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from turbospark_core.convert import convert
+    from turbospark_core.convert.calibration import BUILTIN
 
     manifest = convert(
         resolve_source(args.src),
@@ -256,6 +257,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         experts_file=args.experts_file,
         rotate=args.rotate,
         rotate_seed=args.rotate_seed,
+        calibrate=BUILTIN if args.calibrate is True else args.calibrate,
+        calibrate_tokens=args.calibrate_tokens,
+        calibrate_sequential=args.calibrate_sequential,
     )
     size = sum(e.size for e in manifest.files.values())
     print(
@@ -504,6 +508,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="fold a randomized Hadamard rotation of the residual stream into the weights (before --quantize)",
     )
     p.add_argument("--rotate-seed", type=int, default=0, help="seed of --rotate's random signs")
+    p.add_argument(
+        "--calibrate",
+        nargs="?",
+        const=True,
+        metavar="TEXTFILE",
+        help="with --quantize: round each matrix by GPTQ from the model's inputs on this UTF-8 text "
+        "(alone: the bundled English prose) instead of to nearest",
+    )
+    p.add_argument(
+        "--calibrate-tokens", type=int, metavar="N", help="tokens of the --calibrate text used (default 16384)"
+    )
+    p.add_argument(
+        "--calibrate-sequential",
+        action="store_true",
+        help="--calibrate layer by layer, each from inputs through the layers already quantized (slower: "
+        "a pass over the text per layer)",
+    )
     p.add_argument(
         "--vision", metavar="SIDECAR", default=None, help="also write the checkpoint's vision tower as a sidecar here"
     )

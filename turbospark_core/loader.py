@@ -246,7 +246,13 @@ def _generation_config(root: Path, manifest: Manifest) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | None = None) -> OpenedModel:
+def open_install(
+    path: str | Path,
+    options: OpenOptions,
+    *,
+    ring_slack: int | None = None,
+    store: Callable[[Path, TensorIndex, ComputePolicy], WeightStore] | None = None,
+) -> OpenedModel:
     """Open an install: the design's open sequence, each step a named refusal.
 
     :func:`turbospark_core.open` does steps 1 and 2 first: it refuses what is
@@ -303,6 +309,9 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
     ``ring_slack``: spare sliding-window ring slots (default: the drafted
     tokens per verify + 1 when a drafter is named, so rejected drafts are
     trimmed without losing the window).
+
+    ``store``: makes step 8's weight store in place of :class:`WeightStore` (``convert --calibrate``
+    opens its float model with one that records each linear's inputs); not with a diagnostic on.
     """
     root = Path(path)
     timer = PhaseTimer()
@@ -342,7 +351,7 @@ def open_install(path: str | Path, options: OpenOptions, *, ring_slack: int | No
         if dist is not None:
             weights = dist.weights(policy)  # 8: only this rank's byte ranges are read
         elif diagnostics is None:
-            weights = WeightStore(manifest.path(WEIGHTS), index, policy)  # 8
+            weights = (store or WeightStore)(manifest.path(WEIGHTS), index, policy)  # 8
         else:
             weights = diagnostics.weights(manifest.path(WEIGHTS), index, policy)
     with timer.phase("expert_setup"):

@@ -14,6 +14,7 @@ from turbospark_core import __version__, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.convert import hf
 from turbospark_core.convert.assemble import Assembler, ConvertOptions, map_all
+from turbospark_core.convert.calibration import CALIBRATION_DIR, calibrate, read_text
 from turbospark_core.convert.experts import split_experts, top_k_from_config
 from turbospark_core.convert.records import SourceTensor, TensorTarget
 from turbospark_core.convert.rotate import RotationStep, refuse_unrotatable
@@ -39,6 +40,9 @@ def convert(
     experts_file: bool = True,
     rotate: bool = False,
     rotate_seed: int = 0,
+    calibrate: str | Path | None = None,
+    calibrate_tokens: int | None = None,
+    calibrate_sequential: bool = False,
 ) -> Manifest:
     """Make an install at ``dst`` from ``src``.
 
@@ -60,6 +64,17 @@ def convert(
             into the weights before any ``quantize`` (families whose
             ``accepts_hadamard`` says yes; others are refused by name).
         rotate_seed: Seed of the rotation's random signs.
+        calibrate: A UTF-8 text file (:data:`~turbospark_core.convert.calibration.BUILTIN`
+            is bundled English prose): with ``quantize``, every matrix the
+            family multiplies is rounded by GPTQ from its inputs when the float
+            model (rotated, with ``rotate``) reads the text, instead of to
+            nearest (see :mod:`turbospark_core.convert.calibration`).
+        calibrate_tokens: How many tokens of that text are used (default
+            :data:`~turbospark_core.convert.calibration.DEFAULT_TOKENS`; at least 128).
+        calibrate_sequential: Solve layer by layer, each from inputs through
+            the layers already quantized (as GPTQ's reference does; one pass
+            over the text per layer) instead of from the float model's inputs
+            (one pass).
 
     Raises:
         ConversionError: The source is unreadable or has something unsupported.
@@ -73,7 +88,11 @@ def convert(
         experts_file=experts_file,
         rotate=rotate,
         rotate_seed=rotate_seed,
+        calibrate=None if calibrate is None else str(calibrate),
+        calibrate_tokens=calibrate_tokens,
+        calibrate_sequential=calibrate_sequential,
     )
+    text = None if options.calibrate is None else read_text(options.calibrate)  # refused before any tensor is read
     src, dst = Path(src), Path(dst)
     if src.is_file() and src.suffix == ".gguf":
         from turbospark_core.convert.gguf import gguf_source
@@ -82,6 +101,10 @@ def convert(
         top_k = None  # GGUF: the first routed call checks the slot count against the router's k
     elif src.is_dir() and is_dflash_config(hf.read_config(src)):  # a drafter: an install of its own kind
         from turbospark_core.convert.dflash import convert_dflash
+
+        if text is not None:
+            msg = f"{src} is a DFlash drafter, which runs only beside its target; convert it without --calibrate"
+            raise ConversionError(msg)
 
         return convert_dflash(src, dst, hf.read_config(src), options, force=force)
     elif src.is_dir():
@@ -101,7 +124,19 @@ def convert(
         staging = prepare_destination(dst, force=force)
         try:
             _write(
-                staging, src, options, items, total, top_k, arch, texts, hooks, dequantized, show_progress, rotation
+                staging,
+                src,
+                options,
+                items,
+                total,
+                top_k,
+                arch,
+                texts,
+                hooks,
+                dequantized,
+                show_progress,
+                rotation,
+                text,
             )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -123,13 +158,33 @@ def _write(
     dequantized: dict[str, list[str]],
     show_progress: bool,
     rotation: RotationStep | None = None,
+    calibration_text: str | None = None,
 ) -> None:
-    """Map, evaluate and write every file of the install into ``staging`` (rotated when ``rotation``)."""
+    """Map, evaluate and write every file of the install into ``staging`` (rotated when ``rotation``,
+    quantized by GPTQ from the model's inputs on ``calibration_text`` when given)."""
     assembler = Assembler(options, before_cast=rotation)
     if rotation is not None:  # the head reads the residual stream, which the rotation does not cover: dropped
         items = (item for item in items if not _is_head(item[0]))
     map_all(assembler, progress(items, total, "mapping", enabled=show_progress))
-    tensors, quantization = assembler.finish()
+    tensors, quantization = assembler.finish(quantize=calibration_text is None)
+    record = None
+    if calibration_text is not None:
+        _evaluate(tensors, show_progress)
+        calibration = calibrate(
+            staging / CALIBRATION_DIR,
+            tensors,
+            quantization,
+            assembler.quantizable(),
+            text=calibration_text,
+            options=options,
+            arch=arch,
+            texts=texts,
+            hooks=hooks,
+            hadamard=None if rotation is None else rotation.result,
+            show_progress=show_progress,
+        )
+        assembler.quantize(calibration.solved)
+        record = calibration.record
     _evaluate(tensors, show_progress)
     tensors, quantization, head = _split_head(tensors, quantization)
     pack = None
@@ -144,7 +199,7 @@ def _write(
         text_files=texts,
         family=hooks.spec.name,
         distribution=hooks.spec.distribution,
-        provenance=_provenance(src, options, dequantized),
+        provenance=_provenance(src, options, dequantized, record),
         hadamard=None if rotation is None else rotation.result,
         mtp=head,
     )
@@ -205,8 +260,12 @@ def _evaluate(tensors: dict[str, mx.array], show: bool) -> None:
         mx.eval(tensors[name])
 
 
-def _provenance(src: Path, options: ConvertOptions, dequantized: dict[str, list[str]]) -> dict[str, Any]:
-    extra = {"dequantized": dequantized} if dequantized else {}
+def _provenance(
+    src: Path, options: ConvertOptions, dequantized: dict[str, list[str]], calibration: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"dequantized": dequantized} if dequantized else {}
+    if calibration is not None:
+        extra["calibration"] = calibration
     return {
         **extra,
         "source": str(src.resolve()),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -14,6 +14,7 @@ from turbospark_core.errors import ConversionError
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 QUANTIZE = {"q3": 3, "q4": 4, "q8": 8}
+MIN_CALIBRATION_TOKENS = 128  # --calibrate-tokens below this is refused (and a text shorter than it)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -28,6 +29,9 @@ class ConvertOptions:
     experts_file: bool = True  # MoE: routed experts go to experts.bin
     rotate: bool = False  # fold a randomized Hadamard rotation of the residual stream (before quantizing)
     rotate_seed: int = 0
+    calibrate: str | None = None  # a text file: quantize with GPTQ from the model's inputs on it
+    calibrate_tokens: int | None = None  # tokens of that text used (None: the default)
+    calibrate_sequential: bool = False  # GPTQ inputs through the layers already quantized (one pass per layer)
 
     def __attrs_post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -38,6 +42,18 @@ class ConvertOptions:
             raise ConversionError(msg)
         if self.group_size not in (32, 64, 128):
             msg = f"--group-size {self.group_size} is not one of 32, 64, 128"
+            raise ConversionError(msg)
+        if self.calibrate is not None and self.quantize is None:
+            msg = "--calibrate chooses how --quantize rounds each matrix; add --quantize q3|q4|q8 or drop --calibrate"
+            raise ConversionError(msg)
+        if self.calibrate_tokens is not None and self.calibrate is None:
+            msg = "--calibrate-tokens sets how much of the --calibrate text is used; add --calibrate or drop it"
+            raise ConversionError(msg)
+        if self.calibrate_sequential and self.calibrate is None:
+            msg = "--calibrate-sequential sets how --calibrate computes its inputs; add --calibrate or drop it"
+            raise ConversionError(msg)
+        if self.calibrate_tokens is not None and self.calibrate_tokens < MIN_CALIBRATION_TOKENS:
+            msg = f"--calibrate-tokens {self.calibrate_tokens} is below {MIN_CALIBRATION_TOKENS}; pass more tokens"
             raise ConversionError(msg)
 
 
@@ -89,8 +105,9 @@ class Assembler:
             self._put(f"{base}.biases", mx.array(q.biases))
         self.quantization[base] = {"bits": q.bits, "group_size": q.group_size, "mode": q.mode}
 
-    def finish(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
-        """Stack experts, cast floats, quantize; returns tensors and the quantization table."""
+    def finish(self, *, quantize: bool = True) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        """Stack experts, cast floats, quantize (unless not ``quantize``: then call :meth:`quantize` later);
+        returns tensors and the quantization table."""
         for name, parts in sorted(self._experts.items()):
             missing = sorted(set(range(max(parts) + 1)) - set(parts))
             if missing:
@@ -101,8 +118,8 @@ class Assembler:
         if self.before_cast is not None:
             self.before_cast(self.tensors, self.quantization)
         self._cast()
-        if self.options.quantize:
-            self._quantize(QUANTIZE[self.options.quantize])
+        if quantize:
+            self.quantize()
         return self.tensors, self.quantization
 
     def _cast(self) -> None:
@@ -114,16 +131,34 @@ class Assembler:
             if name not in packed and name not in self.keep_dtype and arr.dtype in _FLOATS:
                 self.tensors[name] = arr.astype(dtype)
 
-    def _quantize(self, bits: int) -> None:
+    def quantizable(self) -> list[str]:
+        """The bases of the float matrices ``--quantize`` quantizes (input width a multiple of the group)."""
         gs = self.options.group_size
+        out = []
         for name in sorted(self.tensors):
             base, _, leaf = name.rpartition(".")
             arr = self.tensors[name]
             skip = leaf != "weight" or base in self.quantization or name in self.keep_dtype
-            if skip or arr.ndim < 2 or arr.shape[-1] % gs:
-                continue
-            w, scales, biases = mx.quantize(arr, group_size=gs, bits=bits)
-            self.tensors[name] = w
+            if not (skip or arr.ndim < 2 or arr.shape[-1] % gs):
+                out.append(base)
+        return out
+
+    def quantize(self, solved: Mapping[str, AffineQuantized] | None = None) -> None:
+        """Quantize every :meth:`quantizable` matrix (nothing without ``--quantize``): the ``solved``
+        ones as given (GPTQ), the others by round-to-nearest (``mx.quantize``)."""
+        if not self.options.quantize:
+            return
+        bits, gs = QUANTIZE[self.options.quantize], self.options.group_size
+        for base in self.quantizable():
+            arr = self.tensors[f"{base}.weight"]
+            q = (solved or {}).get(base)
+            if q is None:
+                w, scales, biases = mx.quantize(arr, group_size=gs, bits=bits)
+            else:  # values exact in the weight's dtype (GPTQ rounds them so)
+                assert q.biases is not None  # affine results always carry biases
+                w, scales, biases = _as_mx(q.weight), _as_mx(q.scales), _as_mx(q.biases)
+                scales, biases = scales.astype(arr.dtype), biases.astype(arr.dtype)
+            self.tensors[f"{base}.weight"] = w
             self.tensors[f"{base}.scales"] = scales
             self.tensors[f"{base}.biases"] = biases
             self.quantization[base] = {"bits": bits, "group_size": gs, "mode": "affine"}
