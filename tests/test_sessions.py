@@ -107,32 +107,27 @@ def _ring_and_state_caches() -> list:
     return make_caches(specs, 100, mx.float32)
 
 
-def test_untrimmable_state_rewinds_to_latest_checkpoint() -> None:
+def _filled_ring_state(checkpoints: tuple[int, ...] = (2,)) -> SequenceState:
+    """Tokens 1-5 in a ring and a recurrent state, checkpointed after the given counts of tokens."""
     state = SequenceState(_ring_and_state_caches)
     ring, rec = state.caches
     for n, tok in enumerate([1, 2, 3, 4, 5], 1):
         ring.update_and_fetch(mx.full((1, 1, 1, 4), float(tok)), mx.full((1, 1, 1, 4), float(tok)))
         rec.set("h", mx.full((1, 2), float(tok)))
         state.tokens.append(tok)
-        if n in (2, 4):
+        if n in checkpoints:
             state.checkpoint()
+    return state
+
+
+def test_untrimmable_state_rewinds_to_latest_checkpoint() -> None:
+    state = _filled_ring_state(checkpoints=(2, 4))
+    ring, rec = state.caches
     assert not state.trimmable
     assert state.rewind(3) == 2
     assert state.tokens == [1, 2] and ring.offset == 2
     assert rec.get("h", 1).tolist() == [[2.0, 2.0]]
     assert state.rewind(1) == 0 and state.tokens == []
-
-
-def _filled_ring_state() -> SequenceState:
-    state = SequenceState(_ring_and_state_caches)
-    ring, rec = state.caches
-    for n, tok in enumerate([1, 2, 3, 4, 5], 1):
-        ring.update_and_fetch(mx.full((1, 1, 1, 4), float(tok)), mx.full((1, 1, 1, 4), float(tok)))
-        rec.set("h", mx.full((1, 2), float(tok)))
-        state.tokens.append(tok)
-        if n == 2:
-            state.checkpoint()
-    return state
 
 
 def test_a_ring_and_recurrent_donor_is_forked_only_at_its_end_or_a_checkpoint() -> None:
