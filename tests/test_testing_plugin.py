@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PROBE = """
 import sys
 
@@ -34,3 +36,14 @@ def test_on_request_with_p_registers_the_fixtures_option(tmp_path: Path) -> None
     (tmp_path / "test_option.py").write_text(OPTION)
     result = _pytest(tmp_path, "-p", "turbospark_core.testing", "--turbospark-fixtures", str(tmp_path / "elsewhere"))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chi_square_pools_rare_cells_and_refuses_too_few_draws() -> None:
+    from turbospark_core.testing import chi_square
+
+    stat, bound = chi_square({"a": 50, "b": 50}, {"a": 0.5, "b": 0.5}, 100)
+    assert stat == 0.0 and bound > 0
+    stat, _ = chi_square({"a": 60, "b": 40, "c": 0}, {"a": 0.5, "b": 0.49, "c": 0.01}, 100)  # "c" expects 1 draw
+    assert stat == pytest.approx(0.1**2 * 100 / 0.5 + 9**2 / 49)
+    with pytest.raises(ValueError, match=r"4 draws leave fewer than 2 cells expecting 5 or more"):
+        chi_square({"a": 2, "b": 2}, {"a": 0.5, "b": 0.5}, 4)

@@ -198,6 +198,9 @@ def chi_square(counts: Mapping[Any, int], expected: Mapping[Any, float], n: int)
         rest = n - sum(counts.get(c, 0) for c in cells)
         stat += (rest - n * rest_p) ** 2 / (n * rest_p)
         dof += 1
+    if dof < 1:
+        msg = f"{n} draws leave fewer than 2 cells expecting 5 or more: draw more for a chi-square test"
+        raise ValueError(msg)
     c = 2.0 / (9.0 * dof)
     return stat, float(dof * (1.0 - c + 3.09 * np.sqrt(c)) ** 3)
 
