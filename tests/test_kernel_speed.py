@@ -82,8 +82,15 @@ def test_the_first_measurement_is_saved_and_later_ones_read_it(
 @needs_native
 @pytest.mark.parametrize(
     "content",
-    [b"\xff\x00 not json", b"[1, 2]", b'{"%KEY%": [1]}', b'{"%KEY%": {"affine 4-bit g32": {"bits": "x"}}}'],
-    ids=["bytes", "a-list", "machine-not-a-table", "entry-malformed"],
+    [
+        b"\xff\x00 not json",
+        b"[1, 2]",
+        b'{"%KEY%": [1]}',
+        b'{"%KEY%": {"affine 4-bit g32": {"bits": "x"}}}',
+        b'{"%KEY%": {"affine 4-bit g32": {"bits": 4, "group_size": 32, "mode": "affine", '
+        b'"native_ms": NaN, "float_ms": 1.0}}}',
+    ],
+    ids=["bytes", "a-list", "machine-not-a-table", "entry-malformed", "entry-not-a-time"],
 )
 def test_a_corrupt_cache_file_is_measured_over(
     measuring: Path, monkeypatch: pytest.MonkeyPatch, content: bytes

@@ -24,6 +24,7 @@ under the stored-form policy the native kernels multiply every layout they take.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import tempfile
@@ -179,7 +180,9 @@ def _read_cache() -> dict[str, LayoutSpeed]:
         out = {}
         for name, entry in entries.items():
             quant = QuantSpec(bits=int(entry["bits"]), group_size=int(entry["group_size"]), mode=str(entry["mode"]))
-            out[name] = LayoutSpeed(quant, float(entry["native_ms"]), float(entry["float_ms"]))
+            times = float(entry["native_ms"]), float(entry["float_ms"])
+            if all(math.isfinite(t) and t > 0 for t in times):  # else measured over
+                out[name] = LayoutSpeed(quant, *times)
         return out
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}
