@@ -217,23 +217,46 @@ class Dense {
   std::vector<uint8_t> buf_;
 };
 
-class QuantizedMatmul : public mx::UnaryPrimitive {
+// What the dense and the gathered product share: the layout (group, bits, mxfp4 or affine).
+class QuantizedPrimitive : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
+  QuantizedPrimitive(mx::Stream s, int group, int bits, bool fp4)
       : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
+
+  // MLX compares primitives of one type only
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedPrimitive&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
+  }
+
+ protected:
+  // A matrix of N rows and K columns in this layout, its scales stored as `scales` (pointers unset)
+  QMat layout(const mx::array& scales, int64_t N, int64_t K) const {
+    QMat q;
+    q.scale_type = scale_type(scales.dtype());
+    q.N = N;
+    q.K = K;
+    q.group = group_;
+    q.bits = bits_;
+    q.fp4 = fp4_;
+    return q;
+  }
+
+ private:
+  int group_, bits_;
+  bool fp4_;
+};
+
+class QuantizedMatmul : public QuantizedPrimitive {
+ public:
+  using QuantizedPrimitive::QuantizedPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
     auto& enc = encoder_for(stream(), inputs, out);
-    QMat q;
-    q.scale_type = scale_type(scales.dtype());
-    q.N = w.shape(0);
-    q.K = x.shape(-1);
-    q.group = group_;
-    q.bits = bits_;
-    q.fp4 = fp4_;
+    QMat q = layout(scales, w.shape(0), x.shape(-1));
     const int64_t M = x.size() / q.K;
     // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
     std::optional<Dense> bd;
@@ -253,28 +276,20 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   const char* name() const override { return "TurbosparkQuantizedMatmul"; }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
     return {shape};
   }
-
- private:
-  int group_, bits_;
-  bool fp4_;
 };
 
 void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
-mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode) {
+// The arguments' layout, as the dense and the gathered product both take it; whether it is mxfp4.
+bool check_layout(const mx::array& scales, const std::optional<mx::array>& biases, int group_size, int bits,
+                  const std::string& mode) {
   check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
   const bool fp4 = mode == "mxfp4";
   check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
@@ -283,6 +298,26 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
         "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
+  return fp4;
+}
+
+// Scales (and biases) of shape `sshape` (named `what` in the refusal), one dtype the kernels read.
+void check_scales(const mx::array& scales, const std::optional<mx::array>& biases, const mx::Shape& sshape,
+                  const std::string& what) {
+  check(scales.shape() == sshape && (!biases || biases->shape() == sshape), "scales/biases must have shape " + what);
+  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
+  scale_type(scales.dtype());
+}
+
+// x as the kernels take it: float32 (the result goes back to x's dtype)
+mx::array float32_input(const mx::array& x, mx::Stream s) {
+  check(mx::issubdtype(x.dtype(), mx::floating), "x must be a floating-point array");
+  return x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, s);
+}
+
+mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
+                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode) {
+  const bool fp4 = check_layout(scales, biases, group_size, bits, mode);
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   check(x_in.ndim() >= 1, "x must have at least one dimension");
   const int64_t N = w.shape(0), K = (int64_t)w.shape(1) * 32 / bits;
@@ -290,15 +325,10 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   shape_msg << "x's last dimension " << x_in.shape(-1) << " does not match the weight's " << K << " columns";
   check(x_in.shape(-1) == K, shape_msg.str());
   check(K % group_size == 0, "the weight's columns must be a multiple of group_size");
-  const mx::Shape sshape = {(int)N, (int)(K / group_size)};
-  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
-        "scales/biases must have shape [N, K / group_size]");
-  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
-  scale_type(scales.dtype());
+  check_scales(scales, biases, {(int)N, (int)(K / group_size)}, "[N, K / group_size]");
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
-  check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
-  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  auto x = float32_input(x_in, s);
   auto out_shape = x.shape();
   out_shape.back() = (int)N;
   std::vector<mx::array> inputs = {x, w, scales};
@@ -313,10 +343,9 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
 // (rows of x, expert) task runs the row kernels on that expert's matrix; consecutive
 // elements routed to one expert whose rows of x follow each other (the sorted path of a
 // prefill) are one task of many rows, whose tiles share each decoded weight.
-class GatherQuantizedMatmul : public mx::UnaryPrimitive {
+class GatherQuantizedMatmul : public QuantizedPrimitive {
  public:
-  GatherQuantizedMatmul(mx::Stream s, int group, int bits, bool fp4)
-      : mx::UnaryPrimitive(s), group_(group), bits_(bits), fp4_(fp4) {}
+  using QuantizedPrimitive::QuantizedPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -324,13 +353,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
     const auto& scales = inputs[2];
     const auto& indices = inputs[3];
     auto& enc = encoder_for(stream(), inputs, out);
-    QMat q;
-    q.scale_type = scale_type(scales.dtype());
-    q.N = w.shape(1);
-    q.K = x.shape(-1);
-    q.group = group_;
-    q.bits = bits_;
-    q.fp4 = fp4_;
+    const QMat q = layout(scales, w.shape(1), x.shape(-1));
     const int64_t M = x.shape(-2), E = w.shape(0);
     // batch element b (row-major over out's batch axes) -> its x matrix and its expert
     const int nb = (int)out.ndim() - 2;
@@ -405,11 +428,6 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
   const char* name() const override { return "TurbosparkGatherQuantizedMatmul"; }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && fp4_ == o.fp4_;
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {gather_shape(inputs[0], inputs[3], inputs[1].shape(1))};
   }
@@ -421,38 +439,22 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
     shape.push_back(n);
     return shape;
   }
-
- private:
-  int group_, bits_;
-  bool fp4_;
 };
 
 mx::array gather_quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
                                   const std::optional<mx::array>& biases, const mx::array& indices, int group_size,
                                   int bits, const std::string& mode) {
-  check(mode == "affine" || mode == "mxfp4", "mode must be 'affine' or 'mxfp4', got '" + mode + "'");
-  const bool fp4 = mode == "mxfp4";
-  check(!fp4 || (bits == 4 && group_size == 32 && scales.dtype() == mx::uint8 && !biases),
-        "mxfp4 takes 4-bit codes in groups of 32, uint8 scales and no biases");
-  check(fp4 || scales.dtype() != mx::uint8, "uint8 scales are mxfp4's; affine scales are floats");
-  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
-        "bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
-  check(group_size >= 8 && group_size % 8 == 0, "group_size must be a multiple of 8, got " + std::to_string(group_size));
+  const bool fp4 = check_layout(scales, biases, group_size, bits, mode);
   check(w.dtype() == mx::uint32 && w.ndim() == 3, "w must be a 3-D uint32 array [experts, rows, words]");
   check(x_in.ndim() >= 2, "x must have at least two dimensions [..., rows, K]");
   check(indices.dtype() == mx::uint32 || indices.dtype() == mx::int32, "indices must be uint32 or int32");
   const int64_t N = w.shape(1), K = (int64_t)w.shape(2) * 32 / bits;
   check(x_in.shape(-1) == K, "x's last dimension does not match the experts' columns");
   check(K % group_size == 0, "the experts' columns must be a multiple of group_size");
-  const mx::Shape sshape = {w.shape(0), (int)N, (int)(K / group_size)};
-  check(scales.shape() == sshape && (!biases || biases->shape() == sshape),
-        "scales/biases must have shape [experts, rows, K / group_size]");
-  check(!biases || scales.dtype() == biases->dtype(), "scales and biases must share a dtype");
-  scale_type(scales.dtype());
+  check_scales(scales, biases, {w.shape(0), (int)N, (int)(K / group_size)}, "[experts, rows, K / group_size]");
   auto s = mx::default_stream(mx::Device::cpu);
   const mx::Dtype out_dtype = x_in.dtype();
-  check(mx::issubdtype(out_dtype, mx::floating), "x must be a floating-point array");
-  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  auto x = float32_input(x_in, s);
   std::vector<mx::array> inputs = {x, w, scales, indices};
   if (biases) inputs.push_back(*biases);
   auto shape = GatherQuantizedMatmul::gather_shape(x, indices, (int)N);
