@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -57,6 +58,28 @@ def test_weight_store_hides_unpacking_from_families(q4_dir: Path) -> None:
     # a float tensor asked of a quantized matrix comes back dequantized either way
     _close(packed.tensor(base), unpacked.tensor(base), atol=1e-6)
     unpacked.materialize()
+
+
+def _reads_the_file(*outputs: mx.array) -> bool:
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return 'label ="Load"' in dot.getvalue()
+
+
+@pytest.mark.parametrize("unpack", [False, True], ids=["stored", "unpacked"])
+def test_materialize_reads_every_handed_out_tensor_once(q4_dir: Path, unpack: bool) -> None:
+    # a tensor left lazy is read from the file again by every graph that uses it (and by
+    # every call of a compiled step that captured it before its first evaluation)
+    store = _store(q4_dir, unpack=unpack, native_kernels=not unpack)
+    base = "model.layers.0.self_attn.q_proj"
+    linear, embedding = store.linear(base), store.embedding("model.embed_tokens")
+    norm, dense = store.tensor("model.norm.weight"), store.tensor(base)
+    x = _normal((1, 1, 64), 3)
+    graph = (linear(x), embedding(mx.array([[1, 2]])), norm * 2, dense + 1)
+    assert _reads_the_file(*graph)
+    store.materialize()
+    graph = (linear(x), embedding(mx.array([[1, 2]])), norm * 2, dense + 1)
+    assert not _reads_the_file(*graph)
 
 
 @pytest.mark.parametrize(

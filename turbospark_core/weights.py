@@ -70,16 +70,24 @@ class WeightStore:
         self._used.add(name)
         return arr
 
+    def _held(self, arr: mx.array) -> mx.array:
+        """``arr``, read (or computed) once at :meth:`materialize`.
+
+        A tensor left lazy would be read from the file again by every compiled
+        step that captured it before its first evaluation.
+        """
+        self._pending.append(arr)
+        return arr
+
     def _float(self, arr: mx.array) -> mx.array:
         if self.policy.unpack and arr.dtype != self.policy.compute_dtype:
             arr = arr.astype(self.policy.compute_dtype)
-            self._pending.append(arr)
-        return arr
+        return self._held(arr)
 
     def tensor(self, name: str) -> mx.array:
         """A float tensor (norm weights, biases, router matrices)."""
         if name in self.index.quantization:
-            return self._unpacked(name) if self.policy.unpack else self._dequantized(name)
+            return self._held(self._dequantized(name))
         return self._float(self._take(name))
 
     def optional(self, name: str) -> mx.array | None:
@@ -98,11 +106,6 @@ class WeightStore:
             self.policy.compute_dtype,
         )
 
-    def _unpacked(self, base: str) -> mx.array:
-        w = self._dequantized(base)
-        self._pending.append(w)
-        return w
-
     def linear(self, base: str, *, native_ok: bool = True) -> Linear:
         """The matrix ``<base>.weight`` (and ``<base>.bias`` when present).
 
@@ -119,13 +122,14 @@ class WeightStore:
         takes = kernel_speed.stays_quantized(quant) if self.policy.unpack else native.supports(quant)
         native_here = native_ok and self.policy.native and takes
         if not native_here and (self.policy.unpack or not quant.mlx_kernels):
-            return Linear(self._unpacked(base), bias)
+            return Linear(self._held(self._dequantized(base)), bias)
         scales = self._take(f"{base}.scales")
         biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
         affine = native_here and biases is not None and quant.mode == "affine"
         if affine and dequant.is_symmetric(scales, biases, quant.bits):  # type: ignore[arg-type]  # not None
             biases = None  # the kernels derive them: a symmetric matrix's biases are never read per token
-        return Linear(self._take(f"{base}.weight"), bias, quant=quant, scales=scales, biases=biases)
+        weight, scales = self._held(self._take(f"{base}.weight")), self._held(scales)
+        return Linear(weight, bias, quant=quant, scales=scales, biases=None if biases is None else self._held(biases))
 
     def embedding(self, base: str) -> Embedding:
         """The embedding table ``<base>.weight``."""
