@@ -539,9 +539,51 @@ void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
 // Lanes [16 c, 16 c + 16) of a row of n values (none past n).
 inline __mmask16 chunk_mask(int64_t c, int64_t n) { return c * 16 >= n ? (__mmask16)0 : tail16(c * 16, n); }
 
+// The sixteen horizontal sums of acc: lane j of the result is the sum of the
+// lanes of acc[j / 4 + 4 (j % 4)], added in _mm512_reduce_add_ps's order
+// (halves, quarters, then (0 + 2) + (1 + 3)), so a score's bits do not depend
+// on whether it was reduced alone or with fifteen others.
+inline __m512 reduce16(const __m512 (&acc)[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+}
+
+// Scores of keys [t0, t0 + 16) (none past the visible ones), -inf where hidden.
+template <int C>
+inline __m512 scores16(const AttnRow& a, const __m512 (&qv)[C], const __mmask16 (&qm)[C], int64_t t0, int64_t end) {
+  const int n = (int)std::min<int64_t>(16, end - t0);
+  __mmask16 live = tail16(0, n);
+  if (a.mask != nullptr)
+    for (int j = 0; j < n; j++)
+      if (!a.mask[(t0 + j) * a.ms]) live &= (__mmask16) ~(1u << j);
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  if (live == 0) return none;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; j++) {
+    __m512 s = _mm512_setzero_ps();
+    if (j < n) {
+      const float* kr = a.k + (t0 + j) * a.ks;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; c++) s = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), s);
+    }
+    acc[j / 4 + 4 * (j % 4)] = s;
+  }
+  return _mm512_mask_mov_ps(none, live, reduce16(acc));
+}
+
 // C chunks of sixteen (a compile-time count keeps the query and the output in
 // registers); chunks past the head size are masked off and add exact zeros
-// (EXACT: both head sizes are 16 C, no masks).
+// (EXACT: both head sizes are 16 C, no masks). Heads up to 128 wide score
+// sixteen keys at a time (one transposing reduction for all of them).
 template <int C, bool EXACT>
 void attend_chunks(const AttnRow& a, float* p, float* y) {
   __m512 qv[C], yv[C];
@@ -553,31 +595,50 @@ void attend_chunks(const AttnRow& a, float* p, float* y) {
     qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(qm[c], a.q + c * 16), _mm512_set1_ps(a.scale));
     yv[c] = _mm512_setzero_ps();
   }
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  const int64_t end = std::min(a.T, std::max<int64_t>(a.visible, 0));  // keys from here on are hidden
   float m = -INFINITY;
-  for (int64_t t = 0; t < a.T; t++) {
-    if (a.hidden(t)) {
-      p[t] = -INFINITY;
-      continue;
+  if constexpr (C <= 8) {
+    __m512 mv = none;
+    for (int64_t t = 0; t < end; t += 16) {
+      const __m512 s = scores16<C>(a, qv, qm, t, end);
+      store16(p, t, end, s);
+      mv = _mm512_max_ps(mv, s);
     }
-    const float* kr = a.k + t * a.ks;
-    __m512 acc = _mm512_setzero_ps();
+    m = _mm512_reduce_max_ps(mv);
+  } else {
+    for (int64_t t = 0; t < end; t++) {
+      if (a.hidden(t)) {
+        p[t] = -INFINITY;
+        continue;
+      }
+      const float* kr = a.k + t * a.ks;
+      __m512 acc = _mm512_setzero_ps();
 #pragma GCC unroll 32
-    for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), acc);
-    const float s = _mm512_reduce_add_ps(acc);
-    p[t] = s;
-    m = std::max(m, s);
+      for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), acc);
+      const float s = _mm512_reduce_add_ps(acc);
+      p[t] = s;
+      m = std::max(m, s);
+    }
   }
-  // the exponentials sixteen at a time (masked keys: exact zeros); the sum key by key, in order, so a
-  // query's result does not depend on where padding puts its keys
-  const __m512 mv = _mm512_set1_ps(m), none = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < a.T; t += 16) {
-    const __m512 s = load16(p, t, a.T);
-    const __mmask16 live = _mm512_cmp_ps_mask(s, none, _CMP_NEQ_OQ);
-    store16(p, t, a.T, _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, mv))));
+  for (int64_t t = end; t < a.T; t++) p[t] = -INFINITY;
+  // the exponentials sixteen at a time (hidden keys: exact zeros). Their sum is taken in 2^-40
+  // fixed point, which is associative: a query's result does not depend on where padding puts
+  // its keys, and the sum is vectorized (every term <= 1, the largest exactly 1: truncating
+  // each term moves the sum by less than T 2^-40 of it)
+  const __m512 mv = _mm512_set1_ps(m), fix = _mm512_set1_ps(0x1p40f);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int64_t t = 0; t < end; t += 16) {
+    const __m512 s = load16(p, t, end);
+    const __mmask16 live = _mm512_cmp_ps_mask(s, none, _CMP_NEQ_OQ) & tail16(t, end);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, mv)));
+    store16(p, t, end, e);
+    const __m512 f = _mm512_mul_ps(e, fix);
+    s0 = _mm512_add_epi64(s0, _mm512_cvttps_epi64(_mm512_castps512_ps256(f)));
+    s1 = _mm512_add_epi64(s1, _mm512_cvttps_epi64(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
   }
-  float sum = 0.0f;
-  for (int64_t t = 0; t < a.T; t++) sum += p[t];
-  for (int64_t t = 0; t < a.T; t++) {
+  const float sum = (float)_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1)) * 0x1p-40f;
+  for (int64_t t = 0; t < end; t++) {
     if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
     const float* vr = a.v + t * a.vs;
     const __m512 w = _mm512_set1_ps(p[t]);
