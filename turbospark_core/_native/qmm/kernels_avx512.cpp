@@ -350,10 +350,13 @@ template <int BITS, int R>
 void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n1, int64_t& n) {
   const int64_t groups = q.K / q.group;
   Scratch& s = scratch();
-  s.scales.resize(R * groups);
-  s.biases.resize(R * groups);
+  // scales and biases are converted for SPAN rows at a time (a call per block of R rows cost
+  // several percent of a decode step)
+  constexpr int64_t SPAN = 64 / R * R;
+  s.scales.resize(SPAN * groups);
+  s.biases.resize(SPAN * groups);
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
-  for (; n + R <= n1; n += R) {
+  for (int64_t base = n, converted = n; n + R <= n1; n += R) {
     // weights stream from memory: ask for the rows a few blocks ahead while these compute
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
@@ -364,15 +367,20 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
         if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
-    to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    if (q.fp4) {
-      // no biases: the tables are e2m1 values times the scale
-    } else if (q.biases != nullptr) {
-      to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
-    } else {
-      for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+    if (n == converted) {
+      const int64_t count = std::min(SPAN, (n1 - n) / R * R) * groups;
+      to_f32(q.scales, q.scale_type, n * groups, count, s.scales.data());
+      if (q.fp4) {
+        // no biases: the tables are e2m1 values times the scale
+      } else if (q.biases != nullptr) {
+        to_f32(q.biases, q.scale_type, n * groups, count, s.biases.data());
+      } else {
+        for (int64_t i = 0; i < count; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+      }
+      base = n;
+      converted = n + count / groups;
     }
-    const float *sf = s.scales.data(), *bf = s.biases.data();
+    const float *sf = s.scales.data() + (n - base) * groups, *bf = s.biases.data() + (n - base) * groups;
     int64_t m = 0;
     auto tile = [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
