@@ -624,6 +624,35 @@ def test_a_short_prompt_passes_a_long_one_mid_prefill(llama: Any) -> None:
         assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=4).tokens
 
 
+def test_a_prefill_forward_hands_out_the_decode_step_in_flight_first(
+    llama: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows' tokens go out before a long prompt's chunk, not a chunk later (the chunk waits for them anyway)."""
+    batch = llama.batch(max_rows=3, prefill_chunk=4)
+    first = batch.add([5, 6, 7, 8, 9], 12)
+    batch.step()  # prefilled; its first decode step launched
+    assert batch._inflight is not None
+    long_prompt = [5 + (i * 7) % 50 for i in range(13)]  # 12 tokens prefilled: 3 chunks of 4
+    long_row = batch.add(long_prompt, 3)
+    in_flight: list[bool] = []
+    forward = llama._forward
+
+    def spy(inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if inputs.shape[1] > 1:  # a prefill chunk
+            in_flight.append(batch._inflight is not None)
+        return forward(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "_forward", spy)
+    pieces = len(first.pieces)
+    batch.step()
+    assert in_flight == [False] and len(first.pieces) > pieces  # the step launched before came out first
+    batch.run()
+    monkeypatch.undo()
+    assert in_flight == [False] * 3
+    for row, prompt, n in ((first, [5, 6, 7, 8, 9], 12), (long_row, long_prompt, 3)):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=n).tokens
+
+
 def test_a_long_prompt_lets_at_most_max_rows_pass(llama: Any) -> None:
     long_prompt = [5 + (i * 7) % 50 for i in range(41)]  # 10 chunks of 4
     batch = llama.batch(max_rows=2, prefill_chunk=4)

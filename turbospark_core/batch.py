@@ -304,7 +304,8 @@ class Batch:
 
         Returns the pieces emitted. Without a drafter the decode forward is
         pipelined: this step launches its forward, then handles the previous
-        step's tokens while it runs, so a row's pieces come out one call later.
+        step's tokens while it runs, so a row's pieces come out one call later
+        (at the start of the call when it runs a prefill forward).
         """
         out: list[tuple[BatchRow, str]] = []
         together: list[_Seq] = []  # rows whose chunks this step runs in one [B, L] forward
@@ -413,12 +414,12 @@ class Batch:
             self._prefill_chunk(rows[0], out)
             return
         if rows:
-            self._prefill_together(rows)
+            self._prefill_together(rows, out)
         for seq in rows:
             if seq.fed == len(seq.ids) - 1:
                 self._prefill_chunk(seq, out)
 
-    def _prefill_together(self, rows: list[_Seq]) -> None:
+    def _prefill_together(self, rows: list[_Seq], out: list[tuple[BatchRow, str]]) -> None:
         """The next chunk (at most ``prefill_chunk`` tokens) of every row's prompt in ``[B, L]`` forwards.
 
         The rows' caches join a batch of their own (each at its own offset: a
@@ -452,7 +453,7 @@ class Batch:
                 layers = frozenset(i for s in members if s.drafter is not None for i in s.drafter.capture_layers)
                 capture: dict[int, mx.array] | None = {} if layers else None
                 edit = Edit.of_rows([s.steering for s in members])
-                started = self._quiet_clock()
+                started = self._settle_before_prefill(out)
                 self.runner._forward(mx.array(tokens), caches.caches, edit, None, capture, layers or None)
                 for b, (seq, h, n) in enumerate(zip(members, held, feed, strict=True)):
                     if seq.drafter is not None:
@@ -492,7 +493,7 @@ class Batch:
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : seq.fed + seq.chunk]  # sized by the step (at most what is left)
             images = self._images(seq, seq.fed, seq.fed + len(chunk))
-            started = self._quiet_clock()
+            started = self._settle_before_prefill(out)
             self.runner._forward(mx.array([chunk]), seq.caches, edit, images, got, layers or None)
             if seq.drafter is not None:
                 observe(seq.drafter, seq.fed, got)
@@ -535,10 +536,15 @@ class Batch:
         seq.pending = token
         self._decoding.append(seq)
 
-    def _quiet_clock(self) -> float:
-        """The time, once the decode step in flight (if any) has finished: a prefill forward's time is its own."""
-        if self._inflight is not None:
-            mx.eval(self._inflight.tokens)
+    def _settle_before_prefill(self, out: list[tuple[BatchRow, str]]) -> float:
+        """Hand out the decode step in flight (if any) before a prefill forward; the time then.
+
+        The forward would wait for that step anyway (one stream), so its
+        tokens go out now rather than a whole chunk later (a request that has
+        just joined gets its first token before the long prompt's next chunk),
+        and the forward's time is its own.
+        """
+        self._settle(out)
         return time.perf_counter()
 
     def _foldable(self, seq: _Seq) -> bool:
