@@ -465,14 +465,13 @@ def test_a_batch_times_its_prefill_forwards(llama: Any) -> None:
     batch = llama.batch(max_rows=2, prefill_chunk=40)
     batch.add(prompt, 2)
     batch.run()
-    recorded = [(int(n), int(p)) for n, p, _ in batch.prefill_cost.samples]
-    sizes = [n for n, _ in recorded]  # as the measured ratio cut them: 40 first, then 32 to 40
+    samples = list(batch.prefill_cost.samples)
+    sizes = [s.tokens for s in samples]  # as the measured ratio cut them: 40 first, then 32 to 40
     assert sum(sizes) == 99 and sizes[0] == 40 and all(32 <= n <= 40 for n in sizes[:-1])
     fed = 0
-    for n, pairs in recorded:
-        assert pairs == n * fed + n * (n + 1) // 2  # each chunk's queries against the prefix and themselves
-        fed += n
-    assert all(seconds > 0 for _, _, seconds in batch.prefill_cost.samples)
+    for s in samples:  # each chunk's queries against the prefix and themselves
+        assert (s.prefix, s.within) == (s.tokens * fed, s.tokens * (s.tokens + 1) // 2) and s.seconds > 0
+        fed += s.tokens
 
 
 def test_a_batch_in_a_group_of_processes_cuts_fixed_chunks() -> None:

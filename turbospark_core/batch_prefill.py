@@ -17,7 +17,10 @@ evenly (other processes) sizes chunks the same.
 (they are evaluated synchronously) and fits ``c``, ``a`` and ``b`` by least
 squares over the recent ones, in relative error; a constant term is dropped
 when the samples cannot tell it apart (e.g. every chunk the same length).
-Until two different chunks are measured it uses :data:`PRIOR_RATIO`. Layers
+``b`` is taken as measured only once some forward had a prefix (a chunk after
+the first: attention within one chunk alone is confounded with how a forward's
+cost bends with its length), and the estimate moves at most 2x per forward, so
+one noisy time cannot swing it. Before that it is :data:`PRIOR_RATIO`. Layers
 whose attention is bounded (sliding windows) or absent (recurrent state)
 simply measure a smaller ``b``. However wrong the estimate, a chunk has at
 least :data:`MIN_CHUNK` tokens (or ``prefill_chunk``, when smaller), so a long
@@ -80,6 +83,26 @@ class ChunkSizer:
         return min(left, max(self.floor, int(most * (1 + 1e-9))))
 
 
+@attrs.frozen
+class Sample:
+    """One timed prefill forward: its tokens (padding included), query-context pairs and seconds.
+
+    ``within``: pairs inside the forward's own chunks (``n*(n+1)/2`` per row);
+    ``prefix``: pairs against what the caches held before (``n*offset`` per row).
+    """
+
+    tokens: int
+    within: int
+    prefix: int
+    seconds: float
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[int, int]], seconds: float) -> Sample:
+        """The sample of a forward over ``rows`` (``(tokens, offset)`` each) that took ``seconds``."""
+        within = sum(n * (n + 1) // 2 for n, _ in rows)
+        return cls(sum(n for n, _ in rows), within, sum(n * o for n, o in rows), seconds)
+
+
 @attrs.define
 class PrefillCost:
     """The measured cost model of a batch's prefill forwards (see the module docstring).
@@ -94,7 +117,7 @@ class PrefillCost:
     chunk: int
     learn: bool = True
     ratio: float = PRIOR_RATIO
-    samples: deque[tuple[float, float, float]] = attrs.field(factory=lambda: deque(maxlen=SAMPLES))
+    samples: deque[Sample] = attrs.field(factory=lambda: deque(maxlen=SAMPLES))
 
     def sizer(self) -> ChunkSizer:
         """The sizes and costs under the current estimate (fixed for one step's plan)."""
@@ -104,23 +127,24 @@ class PrefillCost:
         """One prefill forward of ``rows`` (``(tokens, offset)`` per row, padding included) took ``seconds``."""
         if not rows or not seconds > 0 or not math.isfinite(seconds):
             return
-        tokens = float(sum(n for n, _ in rows))
-        pairs = float(sum(n * o + n * (n + 1) / 2 for n, o in rows))
-        self.samples.append((tokens, pairs, seconds))
+        self.samples.append(Sample.of(rows, seconds))
         if self.learn:
             fitted = fit_ratio(list(self.samples))
             if fitted is not None:  # at most halved or doubled per forward: one noisy fit cannot swing it
                 self.ratio = fitted if self.ratio <= 0 else min(max(fitted, self.ratio / 2), self.ratio * 2)
 
 
-def fit_ratio(samples: Sequence[tuple[float, float, float]]) -> float | None:
-    """``b/a`` from ``(tokens, query-context pairs, seconds)`` samples; ``None`` when they do not determine it.
+def fit_ratio(samples: Sequence[Sample]) -> float | None:
+    """``b/a`` from timed forwards; ``None`` when they do not determine it (see the module docstring).
 
     Least squares in relative error of ``seconds ~ c + a*tokens + b*pairs``
     (from 4 samples); without ``c`` (from 3) when the samples cannot separate
-    it or it comes out negative. ``b`` below zero (attention not measurable) counts as zero.
+    it or it comes out negative. Only once some sample had a prefix; ``b``
+    below zero (attention not measurable) counts as zero.
     """
-    data = np.asarray(samples, dtype=np.float64).reshape(-1, 3)
+    if not any(s.prefix for s in samples):
+        return None
+    data = np.asarray([(s.tokens, s.within + s.prefix, s.seconds) for s in samples], dtype=np.float64)
     tokens, pairs, seconds = data[:, 0], data[:, 1], data[:, 2]
     for columns in ((np.ones_like(tokens), tokens, pairs), (tokens, pairs)):
         if len(samples) <= len(columns):
