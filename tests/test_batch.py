@@ -493,6 +493,8 @@ def test_a_step_prefills_at_most_prefill_chunk_prompt_tokens(llama: Any) -> None
     rows = [batch.add(p, 3) for p in prompts]
     batch.step()
     assert [r.status for r in rows] == ["decoding", "queued", "queued"]  # the budget went to the first row
+    batch.step()  # the first row's decode step in flight handed out before the next prefill
+    assert [r.status for r in rows] == ["decoding", "queued", "queued"] and batch._inflight is None
     batch.step()
     assert [r.status for r in rows] == ["decoding", "decoding", "queued"]
     batch.run()
@@ -626,7 +628,8 @@ def test_a_short_prompt_passes_a_long_one_mid_prefill(llama: Any) -> None:
 def test_a_prefill_forward_hands_out_the_decode_step_in_flight_first(
     llama: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rows' tokens go out before a long prompt's chunk, not a chunk later (the chunk waits for them anyway)."""
+    """The rows' tokens go out before a long prompt's chunk (in a call of their own: a server routes them and
+    admits new requests then), not a chunk later; the chunk would wait for them anyway."""
     batch = llama.batch(max_rows=3, prefill_chunk=4)
     first = batch.add([5, 6, 7, 8, 9], 12)
     batch.step()  # prefilled; its first decode step launched
@@ -643,8 +646,11 @@ def test_a_prefill_forward_hands_out_the_decode_step_in_flight_first(
 
     monkeypatch.setattr(llama, "_forward", spy)
     pieces = len(first.pieces)
+    got = batch.step()
+    assert in_flight == [] and batch._inflight is None  # no forward: the step in flight handed out
+    assert len(first.pieces) > pieces and {row.id for row, _ in got} == {first.id}
     batch.step()
-    assert in_flight == [False] and len(first.pieces) > pieces  # the step launched before came out first
+    assert in_flight == [False]  # the chunk, then the next decode step launched
     batch.run()
     monkeypatch.undo()
     assert in_flight == [False] * 3
