@@ -187,8 +187,8 @@ class Batch:
 
     In a group of processes every rank must cut the same chunks, and each
     rank's clock differs: there the cost model does not learn (ratio 0: chunks
-    of ``prefill_chunk`` tokens) unless rank 0 hands its estimate to the others
-    (:attr:`PrefillCost.ratio` before each step).
+    of ``prefill_chunk`` tokens). A step plans with the ratio it starts with,
+    so rank 0 could hand its measured ratio to the others with each step.
     """
 
     def __init__(self, runner: Runner, *, max_rows: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
