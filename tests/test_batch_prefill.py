@@ -66,6 +66,11 @@ def test_chunks_never_fall_below_the_floor() -> None:
     assert sizer.tokens(0, 900, 0.0) == MIN_CHUNK
 
 
+def test_a_budget_of_at_most_the_floor_is_counted_in_tokens() -> None:
+    assert PrefillCost(MIN_CHUNK, ratio=1e-3).sizer() == ChunkSizer(MIN_CHUNK, 0.0)  # plans independent of timings
+    assert PrefillCost(MIN_CHUNK + 1, ratio=1e-3).sizer() == ChunkSizer(MIN_CHUNK + 1, 1e-3)
+
+
 def test_fits_compares_costs_up_to_rounding() -> None:
     sizer = ChunkSizer(512, 8e-4)
     assert sizer.fits(512, 0, sizer.budget) and not sizer.fits(513, 0, sizer.budget)

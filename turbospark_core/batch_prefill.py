@@ -120,8 +120,13 @@ class PrefillCost:
     samples: deque[Sample] = attrs.field(factory=lambda: deque(maxlen=SAMPLES))
 
     def sizer(self) -> ChunkSizer:
-        """The sizes and costs under the current estimate (fixed for one step's plan)."""
-        return ChunkSizer(self.chunk, self.ratio)
+        """The sizes and costs under the current estimate (fixed for one step's plan).
+
+        A ``chunk`` of at most :data:`MIN_CHUNK` tokens is counted in tokens
+        (ratio 0): its chunks cannot shrink below it anyway, and so a step's
+        plan does not depend on timings.
+        """
+        return ChunkSizer(self.chunk, self.ratio if self.chunk > MIN_CHUNK else 0.0)
 
     def record(self, rows: Sequence[tuple[int, int]], seconds: float) -> None:
         """One prefill forward of ``rows`` (``(tokens, offset)`` per row, padding included) took ``seconds``."""
