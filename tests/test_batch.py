@@ -19,6 +19,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core.batch_cache import BatchCaches, BatchKVCache
+from turbospark_core.batch_prefill import PrefillCost
 from turbospark_core.errors import OptionError
 
 STEP_REL_TOL = 1e-5
@@ -132,6 +133,28 @@ def test_chunked_prompts_joining_together_equal_their_single_answers(runner: Any
     batch.run()
     for row, prompt in zip(rows, prompts, strict=True):
         assert row.result is not None and row.result.tokens == runner.generate(prompt, max_tokens=5).tokens
+
+
+def test_a_long_prompts_chunks_shrink_as_its_offset_grows(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut by the cost model (a ratio set here, not measured): no chunk costs more than ``prefill_chunk`` tokens
+    from an empty cache, and the answer equals the single-sequence path's (one forward for the prompt)."""
+    prompt = (_prompts(runner, 1)[0] * 5)[:215]
+    shapes = _spy_forward_shapes(runner, monkeypatch)
+    batch = runner.batch(max_rows=2, prefill_chunk=64)
+    batch.prefill_cost = PrefillCost(64, learn=False, ratio=0.01)
+    row = batch.add(prompt, 4)
+    batch.run()
+    monkeypatch.undo()
+    sizer = batch.prefill_cost.sizer()
+    want, fed = [], 0
+    while fed < len(prompt) - 1:  # every prompt token but the last (it runs with the first decode step)
+        want.append(sizer.tokens(fed, len(prompt) - 1 - fed, sizer.budget))
+        fed += want[-1]
+    assert [s[1] for s in shapes if s[1] > 1] == want
+    assert want[:5] == [64, 45, 37, 32, 32]  # shrinking as the offset grows
+    assert not sizer.fits(32, 178, sizer.budget)  # the last two held up by the floor
+    assert row.result is not None and row.result.tokens == runner.generate(prompt, max_tokens=4).tokens
+
 
 
 def _single_step_logits(runner: Any, prompt: list[int], feed: list[int]) -> list[np.ndarray]:
@@ -283,6 +306,7 @@ import sys
 import turbospark_core, mlx.core as mx, numpy as np
 from turbospark_core import blas
 from turbospark_core.batch_cache import BatchCaches, BatchKVCache
+from turbospark_core.batch_prefill import PrefillCost
 assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
 r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)
 ids = list(range(3, 40))
@@ -418,12 +442,59 @@ def test_rows_joining_together_get_their_first_tokens_in_one_step(llama: Any) ->
         assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=6).tokens
 
 
+def test_rows_prefilled_together_share_one_steps_budget_by_cost(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three 27-token prompts cost less than one 64-token chunk (attention within each row is shorter): one forward."""
+    prompts = [[5 + (i * 7 + k) % 50 for i in range(28)] for k in range(4)]
+    shapes = _spy_forward_shapes(llama, monkeypatch)
+    batch = llama.batch(max_rows=4, prefill_chunk=64)
+    batch.prefill_cost = PrefillCost(64, learn=False, ratio=0.05)
+    sizer = batch.prefill_cost.sizer()
+    assert 3 * sizer.cost(27, 0) <= sizer.budget < 4 * sizer.cost(27, 0)
+    rows = [batch.add(p, 3) for p in prompts]
+    batch.step()
+    assert shapes[0] == (3, 27) and [r.status for r in rows] == ["decoding"] * 3 + ["queued"]
+    monkeypatch.undo()
+    batch.run()
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=3).tokens
+
+
+def test_a_batch_times_its_prefill_forwards(llama: Any) -> None:
+    """One sample per prefill forward: its tokens and query-context pairs, and a positive time."""
+    prompt = [5 + (i * 7) % 50 for i in range(100)]
+    batch = llama.batch(max_rows=2, prefill_chunk=40)
+    batch.add(prompt, 2)
+    batch.run()
+    samples = list(batch.prefill_cost.samples)
+    sizes = [s.tokens for s in samples]  # as the measured ratio cut them: 40 first, then 32 to 40
+    assert sum(sizes) == 99 and sizes[0] == 40 and all(32 <= n <= 40 for n in sizes[:-1])
+    fed = 0
+    for s in samples:  # each chunk's queries against the prefix and themselves
+        assert (s.prefix, s.within) == (s.tokens * fed, s.tokens * (s.tokens + 1) // 2) and s.seconds > 0
+        fed += s.tokens
+
+
+def test_a_batch_in_a_group_of_processes_cuts_fixed_chunks() -> None:
+    """Each rank's clock differs, and every rank must cut the same chunks: no learning, ratio 0."""
+    from types import SimpleNamespace
+
+    from turbospark_core.batch import Batch
+
+    group = SimpleNamespace(opened=SimpleNamespace(distributed=SimpleNamespace(size=2)))
+    batch = Batch(group, prefill_chunk=512)  # type: ignore[arg-type]
+    assert not batch.prefill_cost.learn and batch.prefill_cost.ratio == 0.0
+    alone = Batch(SimpleNamespace(opened=SimpleNamespace(distributed=None)))  # type: ignore[arg-type]
+    assert alone.prefill_cost.learn and alone.prefill_cost.ratio > 0
+
+
 def test_a_step_prefills_at_most_prefill_chunk_prompt_tokens(llama: Any) -> None:
     prompts = [[5, 6, 7, 8, 9 + i] for i in range(3)]  # 4 tokens each prefilled alone (the last runs batched)
     batch = llama.batch(max_rows=3, prefill_chunk=4)
     rows = [batch.add(p, 3) for p in prompts]
     batch.step()
     assert [r.status for r in rows] == ["decoding", "queued", "queued"]  # the budget went to the first row
+    batch.step()  # the first row's decode step in flight handed out before the next prefill
+    assert [r.status for r in rows] == ["decoding", "queued", "queued"] and batch._inflight is None
     batch.step()
     assert [r.status for r in rows] == ["decoding", "decoding", "queued"]
     batch.run()
@@ -552,6 +623,39 @@ def test_a_short_prompt_passes_a_long_one_mid_prefill(llama: Any) -> None:
     batch.run()
     for row, prompt in ((long_row, long_prompt), (short_row, short_prompt)):
         assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=4).tokens
+
+
+def test_a_prefill_forward_hands_out_the_decode_step_in_flight_first(
+    llama: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows' tokens go out before a long prompt's chunk (in a call of their own: a server routes them and
+    admits new requests then), not a chunk later; the chunk would wait for them anyway."""
+    batch = llama.batch(max_rows=3, prefill_chunk=4)
+    first = batch.add([5, 6, 7, 8, 9], 12)
+    batch.step()  # prefilled; its first decode step launched
+    assert batch._inflight is not None
+    long_prompt = [5 + (i * 7) % 50 for i in range(13)]  # 12 tokens prefilled: 3 chunks of 4
+    long_row = batch.add(long_prompt, 3)
+    in_flight: list[bool] = []
+    forward = llama._forward
+
+    def spy(inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if inputs.shape[1] > 1:  # a prefill chunk
+            in_flight.append(batch._inflight is not None)
+        return forward(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "_forward", spy)
+    pieces = len(first.pieces)
+    got = batch.step()
+    assert in_flight == [] and batch._inflight is None  # no forward: the step in flight handed out
+    assert len(first.pieces) > pieces and {row.id for row, _ in got} == {first.id}
+    batch.step()
+    assert in_flight == [False]  # the chunk, then the next decode step launched
+    batch.run()
+    monkeypatch.undo()
+    assert in_flight == [False] * 3
+    for row, prompt, n in ((first, [5, 6, 7, 8, 9], 12), (long_row, long_prompt, 3)):
+        assert row.result is not None and row.result.tokens == llama.generate(prompt, max_tokens=n).tokens
 
 
 def test_a_long_prompt_lets_at_most_max_rows_pass(llama: Any) -> None:

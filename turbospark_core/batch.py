@@ -1,13 +1,21 @@
 """Continuous batching: many sequences decoded in one forward, joining and leaving between steps.
 
 A :class:`Batch` owns rows. Each :meth:`Batch.step` prefills joining
-rows (each alone, exactly as the single-sequence path runs it; at most
-``prefill_chunk`` prompt tokens per step, so a long prompt stalls the others by
-at most one chunk while several short prompts join in one step), then one
-decode forward over every decoding row (``[B, 1]`` tokens, per-row
-positions and masks from :class:`~turbospark_core.batch_cache.BatchCaches`).
-Sampling parameters, seeds, repetition history, stop strings, EOS and
-``max_tokens`` are per row; a finished row leaves the batch at once.
+rows (one row alone, exactly as the single-sequence path runs it; several in
+one ``[B, L]`` forward), then one decode forward over every decoding row
+(``[B, 1]`` tokens, per-row positions and masks from
+:class:`~turbospark_core.batch_cache.BatchCaches`). Sampling parameters,
+seeds, repetition history, stop strings, EOS and ``max_tokens`` are per row; a
+finished row leaves the batch at once.
+
+A step's prefill costs at most what ``prefill_chunk`` prompt tokens cost from
+an empty cache, so a long prompt stalls the others by at most one chunk while
+several short prompts join in one step. A late chunk of a long prompt attends
+over everything before it, so it carries fewer tokens: the batch times its
+prefill forwards and sizes each chunk by the measured cost of attention
+against weight products (:mod:`turbospark_core.batch_prefill`; never fewer
+than 32 tokens, or ``prefill_chunk`` when smaller). Rows prefilled together
+share one step's budget.
 
 A joining row's last prompt token runs
 in that decode forward (its first token is sampled there), so N rows arriving
@@ -15,9 +23,13 @@ together get their first tokens after one step, not N. Greedy rows without a
 repetition penalty or log probabilities are sampled by one argmax over the
 batch; every row's token comes back in one host sync.
 
-Exactness: a row's prompt but its last token is prefilled alone; its last
-prompt token and its decode steps run in the batch (see
-:mod:`turbospark_core.batch_cache` for where float32 can differ, ~1e-6).
+Exactness: a row's prompt but its last token is prefilled alone (or with
+rows joining in the same step); its last prompt token and its decode steps run
+in the batch (see :mod:`turbospark_core.batch_cache` for where float32 can
+differ, ~1e-6). A prompt longer than one chunk is cut where the cost model
+says, not every ``PREFILL_CHUNK`` tokens as the single-sequence path cuts it;
+chunked prefill agrees with a full forward within float32 rounding wherever it
+is cut (tested on every cache kind against the single-sequence answer).
 
 Speculative decoding (a drafter opened with the runner): every row has its
 own drafter. Rows decoding together are verified together
@@ -42,6 +54,7 @@ import mlx.core as mx
 import numpy as np
 
 from turbospark_core.batch_cache import BatchCaches
+from turbospark_core.batch_prefill import ChunkSizer, PrefillCost
 from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import Cache
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
@@ -130,7 +143,13 @@ class _Seq:
     policy: DraftPolicy | None = None  # and its draft length
     spec: SpeculativeLoop | None = None  # decoding alone, speculatively, on ``caches``
     joining: bool = False  # in the batch with its last prompt token pending: the next decode samples its first token
+    chunk: int = 0  # prompt tokens this step's prefill feeds the row (sized by the step's cost budget)
     passed: int = 0  # short prompts prefilled ahead of this long one (at most ``max_rows``)
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill before the last one (which runs with the row's first sample)."""
+        return len(self.ids) - 1 - self.fed
 
     @property
     def context(self) -> list[int]:
@@ -160,7 +179,16 @@ class Batch:
     Args:
         runner: The opened model.
         max_rows: The most rows decoding at once; more wait in a queue.
-        prefill_chunk: Prompt tokens per prefill forward of a joining row.
+        prefill_chunk: A step's prefill budget: what this many prompt tokens
+            cost from an empty cache. A chunk later in a long prompt carries
+            fewer tokens (its attention reads the prefix), by the cost model
+            :attr:`prefill_cost` measures on this batch's own prefill
+            forwards; at least 32 tokens (or ``prefill_chunk``, when smaller).
+
+    In a group of processes every rank must cut the same chunks, and each
+    rank's clock differs: there the cost model does not learn (ratio 0: chunks
+    of ``prefill_chunk`` tokens). A step plans with the ratio it starts with,
+    so rank 0 could hand its measured ratio to the others with each step.
     """
 
     def __init__(self, runner: Runner, *, max_rows: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
@@ -171,6 +199,9 @@ class Batch:
         self.runner = runner
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
+        group = runner.opened.distributed
+        alone = group is None or group.size == 1
+        self.prefill_cost = PrefillCost(prefill_chunk) if alone else PrefillCost(prefill_chunk, learn=False, ratio=0.0)
         self._next_id = 0
         self._waiting: deque[_Seq] = deque()
         self._prefilling: _Seq | None = None
@@ -270,34 +301,44 @@ class Batch:
 
     # ------------------------------------------------------------- stepping
     def step(self) -> list[tuple[BatchRow, str]]:
-        """Prefill joining rows (at most ``prefill_chunk`` prompt tokens, in one forward) and one decode forward.
+        """Prefill joining rows (at most one ``prefill_chunk``'s cost, in one forward) and one decode forward.
 
         Returns the pieces emitted. Without a drafter the decode forward is
         pipelined: this step launches its forward, then handles the previous
         step's tokens while it runs, so a row's pieces come out one call later.
+        When a prompt's prefill is due while a step is in flight, this call
+        only hands out that step's tokens and runs no forward: the prefill
+        would wait for it anyway, and its tokens (a just-joined row's first
+        one among them) would otherwise reach the caller a whole chunk later.
         """
         out: list[tuple[BatchRow, str]] = []
+        if self._inflight is not None and self._prefill_due():
+            self._settle(out)
+            return out
         together: list[_Seq] = []  # rows whose chunks this step runs in one [B, L] forward
-        budget = self.prefill_chunk  # prompt tokens prefilled this step, across joining rows
+        sizer = self.prefill_cost.sizer()
+        budget = sizer.budget  # what the prompt tokens prefilled this step may cost, across joining rows
         while budget > 0:
-            if budget < self.prefill_chunk and self._waiting and len(self._waiting[0].ids) - 1 > budget:
+            head = self._waiting[0] if self._waiting else None
+            if budget < sizer.budget and head is not None and not sizer.fits(head.left, head.fed, budget):
                 break  # the next prompt does not fit what is left of this step's budget: it starts next step
-            self._let_short_prompt_pass(budget, len(together))
+            self._let_short_prompt_pass(sizer, budget, len(together))
             self._admit(len(together))
             seq = self._prefilling
             if seq is None:
                 break
-            left = len(seq.ids) - 1 - seq.fed
+            left = seq.left
+            seq.chunk = sizer.tokens(seq.fed, left, budget)
             if left > 0 and seq.vision is None:
                 together.append(seq)
-                budget -= min(left, self.prefill_chunk)
-                if left > self.prefill_chunk:
+                budget -= sizer.cost(seq.chunk, seq.fed)
+                if seq.chunk < left:
                     break  # a long prompt: its next chunk next step (it stays the prefilling row)
                 self._prefilling = None  # the next row may be admitted
                 continue
             before = seq.fed
             self._prefill_chunk(seq, out)
-            budget -= max(seq.fed - before, 1)
+            budget -= sizer.cost(max(seq.fed - before, 1), before)
             if self._prefilling is seq:
                 break  # a long prompt: its next chunk next step
         self._prefill_rows(together, out)
@@ -318,7 +359,11 @@ class Batch:
         for _ in self:
             pass
 
-    def _let_short_prompt_pass(self, budget: int, planned: int = 0) -> None:
+    def _prefill_due(self) -> bool:
+        """Whether this step prefills: a row is mid-prefill, or a waiting one can be admitted."""
+        return self._prefilling is not None or (bool(self._waiting) and len(self._decoding) < self.max_rows)
+
+    def _let_short_prompt_pass(self, sizer: ChunkSizer, budget: float, planned: int = 0) -> None:
         """A waiting prompt that fits ``budget`` goes ahead of a long one mid-prefill (which keeps its progress).
 
         So a short request behind a long prompt gets its first token after one
@@ -326,9 +371,9 @@ class Batch:
         at most ``max_rows`` pass, so it is never starved.
         """
         long = self._prefilling
-        if long is None or len(long.ids) - 1 - long.fed <= budget or long.passed >= self.max_rows:
+        if long is None or long.passed >= self.max_rows or sizer.fits(long.left, long.fed, budget):
             return
-        short = next((q for q in self._waiting if q.caches is None and len(q.ids) - 1 <= budget), None)
+        short = next((q for q in self._waiting if q.caches is None and sizer.fits(len(q.ids) - 1, 0, budget)), None)
         if short is None or len(self._decoding) + planned >= self.max_rows:
             return
         long.passed += 1
@@ -380,13 +425,13 @@ class Batch:
             self._prefill_chunk(rows[0], out)
             return
         if rows:
-            self._prefill_together(rows)
+            self._prefill_together(rows, out)
         for seq in rows:
             if seq.fed == len(seq.ids) - 1:
                 self._prefill_chunk(seq, out)
 
-    def _prefill_together(self, rows: list[_Seq]) -> None:
-        """The next chunk (at most ``prefill_chunk`` tokens) of every row's prompt in ``[B, L]`` forwards.
+    def _prefill_together(self, rows: list[_Seq], out: list[tuple[BatchRow, str]]) -> None:
+        """The next chunk (``chunk`` tokens, sized by the step) of every row's prompt in ``[B, L]`` forwards.
 
         The rows' caches join a batch of their own (each at its own offset: a
         session's reused prefix stays). Where every layer cuts anywhere, rows
@@ -398,7 +443,7 @@ class Batch:
         then exported back into single-sequence caches (its session's, if it has one).
         """
         t0 = time.perf_counter()
-        ends = [s.fed + min(self.prefill_chunk, len(s.ids) - 1 - s.fed) for s in rows]
+        ends = [s.fed + s.chunk for s in rows]
         template = rows[0].caches
         assert template is not None
         caches = BatchCaches(template)
@@ -419,6 +464,7 @@ class Batch:
                 layers = frozenset(i for s in members if s.drafter is not None for i in s.drafter.capture_layers)
                 capture: dict[int, mx.array] | None = {} if layers else None
                 edit = Edit.of_rows([s.steering for s in members])
+                started = self._settle_before_prefill(out)
                 self.runner._forward(mx.array(tokens), caches.caches, edit, None, capture, layers or None)
                 for b, (seq, h, n) in enumerate(zip(members, held, feed, strict=True)):
                     if seq.drafter is not None:
@@ -426,6 +472,7 @@ class Batch:
                 caches.step_done(width)
                 caches.rewind([h + n for h, n in zip(held, feed, strict=True)])  # the padding's columns
                 mx.eval(caches.state)
+                self.prefill_cost.record([(width, h) for h in held], time.perf_counter() - started)
                 for b, (seq, n, todo) in enumerate(zip(members, feed, left, strict=True)):
                     if n == todo:
                         seq.caches = self.runner.opened.new_cache()
@@ -455,12 +502,15 @@ class Batch:
         layers = frozenset(seq.drafter.capture_layers) if seq.drafter is not None else frozenset()
         got: dict[int, mx.array] | None = {} if layers else None
         if seq.fed < len(ids) - 1:
-            chunk = ids[seq.fed : min(seq.fed + self.prefill_chunk, len(ids) - 1)]
+            chunk = ids[seq.fed : seq.fed + seq.chunk]  # sized by the step (at most what is left)
             images = self._images(seq, seq.fed, seq.fed + len(chunk))
+            started = self._settle_before_prefill(out)
             self.runner._forward(mx.array([chunk]), seq.caches, edit, images, got, layers or None)
             if seq.drafter is not None:
                 observe(seq.drafter, seq.fed, got)
             mx.eval([c.state for c in seq.caches])
+            if images is None:  # an image chunk's time is mostly the vision tower's
+                self.prefill_cost.record([(len(chunk), seq.fed)], time.perf_counter() - started)
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             if seq.fed == len(ids) - 1 and self._foldable(seq):
@@ -496,6 +546,11 @@ class Batch:
         seq.caches = None
         seq.pending = token
         self._decoding.append(seq)
+
+    def _settle_before_prefill(self, out: list[tuple[BatchRow, str]]) -> float:
+        """Handle the decode step still in flight (if any), so a prefill forward's time is its own; the time then."""
+        self._settle(out)
+        return time.perf_counter()
 
     def _foldable(self, seq: _Seq) -> bool:
         """Whether a row's last prompt token can run in the batched decode forward (its first token sampled there).
