@@ -22,7 +22,11 @@ Attention
     ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
     two KV caches follow, for an attention layer's argument), ``KVCache``,
     ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
-    ``attention`` (scaled dot-product attention, native for a CPU decode step).
+    ``attention`` (scaled dot-product attention, native for a CPU decode step;
+    ``merge_heads=True`` for the ``[B, L, H * D]`` the output projection reads);
+    ``rope_heads`` (q, k, v heads from the fused q/k/v product, per-head norms,
+    RoPE: one native op on the CPU). ``Linear.plus(x, residual)`` adds a
+    projection to the residual stream (folded into a quantized product).
 Fast ops
     ``rms_norm`` (``mx.fast.rms_norm``), ``silu_mul`` (the SwiGLU
     activation ``silu(gate) * up``) and ``gelu_tanh_mul`` (GeGLU,
@@ -126,6 +130,7 @@ from turbospark_core.layers import (
     fused_parts,
     gelu_tanh_mul,
     rms_norm,
+    rope_heads,
     silu_mul,
 )
 from turbospark_core.registry import FamilySpec
@@ -214,6 +219,7 @@ __all__ = [
     "names_under",
     "resize_rgb",
     "rms_norm",
+    "rope_heads",
     "rope_scaling",
     "rope_scaling_problems",
     "rope_theta",

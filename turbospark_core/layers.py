@@ -6,13 +6,14 @@ The weight store hands them out; families never see how a matrix is held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark_core import dequant, native
+from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
 
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -61,6 +62,17 @@ class Linear:
         assert self.quant is not None and self.scales is not None  # __init__ gives every quantized Linear its scales
         y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
+
+    def plus(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self(x)``: a projection that feeds the residual stream (attention's output, the MLP's down).
+
+        A quantized matrix on the CPU adds the residual as its product is
+        written (one op instead of two; the same result).
+        """
+        if type(self) is Linear and self.quant is not None and self.bias is None:
+            assert self.scales is not None
+            return native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant, residual)
+        return residual + self(x)
 
 
 FUSE_MAX_BYTES = 64 << 20  # fused copies above this would add too much memory beside the stored weights
@@ -134,18 +146,65 @@ def fused_parts(fused: Linear, sizes: list[int]) -> list[Linear]:
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | str | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+    merge_heads: bool = False,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``; one native op on the CPU.
 
     Families call it for attention over their caches and for prefill: it is
     then one op instead of MLX's CPU composition of about ten (whose softmax
     runs scalar exponentials), and each query's result is the same however
-    many run together.
+    many run together. ``merge_heads``: the result ``[B, L, H * Dv]``, the
+    heads side by side as the output projection reads them (written so
+    natively; a transpose and a reshape elsewhere).
     """
     if native.decode_attention_supported(q, k, v, mask):
-        return native.decode_attention(q, k, v, scale, mask)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return native.decode_attention(q, k, v, scale, mask, merge_heads)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1) if merge_heads else out
+
+
+def rope_heads(
+    projections: mx.array | Sequence[mx.array],
+    rope: Rope,
+    *,
+    heads: int,
+    kv_heads: int,
+    offset: int | mx.array,
+    norms: tuple[mx.array, mx.array] | None = None,
+    eps: float = 0.0,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Attention's q, k and v heads ``[B, H, L, D]`` from its projections, q and k rotated by ``rope``.
+
+    ``projections``: the fused q/k/v product ``[B, L, (heads + 2 kv_heads) * D]``,
+    or ``(q, k, v)`` each ``[B, L, H * D]``. ``norms``: q's and k's RMSNorm
+    weights ``[D]``, applied to each head before the rotation (a per-head
+    "qk norm", with ``eps``). One native op on the CPU; elsewhere the split,
+    reshapes, transposes, norms and RoPEs it stands for.
+    """
+    parts = [projections] if isinstance(projections, mx.array) else list(projections)
+    if native.rope_heads_supported(parts, heads, kv_heads, offset):
+        return native.rope_heads(
+            parts, heads, kv_heads, dims=rope.dims, scale=rope.scale, mscale=rope.mscale, offset=offset,
+            freqs=rope.freqs, norms=norms, eps=eps,
+        )  # fmt: skip
+    if len(parts) == 1:
+        d = parts[0].shape[-1] // (heads + 2 * kv_heads)
+        q, k, v = mx.split(parts[0], [heads * d, (heads + kv_heads) * d], axis=-1)
+    else:
+        q, k, v = parts
+    B, L = q.shape[:2]
+    q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+    k = k.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+    if norms is not None:
+        q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)
+    return rope(q, offset), rope(k, offset), v
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -159,17 +218,28 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
 
 
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU."""
+def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU.
+
+    ``up=None``: ``gate`` is a fused gate/up product ``[..., 2n]`` (gate's half
+    first), read in place without a split.
+    """
     if native.gated_supported(gate, up):
         return native.silu_mul(gate, up)
+    if up is None:
+        gate, up = mx.split(gate, 2, axis=-1)
     return gate * mx.sigmoid(gate) * up
 
 
-def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``gelu_tanh(gate) * up`` (GeGLU with the tanh GELU, ``mlx.nn.gelu_approx``); one native op on the CPU."""
+def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """``gelu_tanh(gate) * up`` (GeGLU with the tanh GELU, ``mlx.nn.gelu_approx``); one native op on the CPU.
+
+    ``up=None``: ``gate`` is a fused gate/up product, as :func:`silu_mul` takes it.
+    """
     if native.gated_supported(gate, up):
         return native.gelu_tanh_mul(gate, up)
+    if up is None:
+        gate, up = mx.split(gate, 2, axis=-1)
     out: mx.array = nn.gelu_approx(gate) * up  # mlx.nn's activations are unannotated
     return out
 
