@@ -9,6 +9,7 @@ import pytest
 
 from turbospark_core import layers
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
 
 # (bits, group_size, mode): MLX's affine kernels and mxfp4
@@ -209,3 +210,51 @@ def test_rms_norm_and_silu_mul_equal_mlx_whatever_the_path(dtype: mx.Dtype) -> N
     want = (nn.gelu_approx(g) * u).astype(mx.float32)
     got = layers.gelu_tanh_mul(g, u).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, None], ids=[*QUANT_IDS, "dense"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plus_adds_the_product_to_the_residual(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
+    w, bias = _normal((48, 64), 1), (_normal((48,), 2) if with_bias else None)
+    linear = Linear(w, bias) if quant is None else _quantized(w, *quant, bias=bias)[0]
+    x, r = _normal((2, 3, 64), 3), _normal((2, 3, 48), 4)
+    # folded into a quantized product or added after, the same bits as the sum written out
+    np.testing.assert_array_equal(np.array(linear.plus(x, r)), np.array(r + linear(x)))
+
+    class Doubled(Linear):  # a subclass with its own product (a distributed rank's) keeps it
+        def __call__(self, x: mx.array) -> mx.array:
+            return super().__call__(x) * 2
+
+    doubled = Doubled(linear.weight, bias, quant=linear.quant, scales=linear.scales, biases=linear.biases)
+    np.testing.assert_array_equal(np.array(doubled.plus(x, r)), np.array(r + 2 * linear(x)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_heads_merged_attention_and_fused_gates_whatever_the_path(dtype: mx.Dtype, norm: bool) -> None:
+    # float32 on the CPU runs the native ops, bfloat16 the MLX composition they replace: the same values
+    rope = Rope.from_config(dims=32, theta=10000.0, scaling=None, max_positions=4096)
+    heads, kv_heads, d = 4, 2, 32
+    x = (_normal((2, 3, (heads + 2 * kv_heads) * d), 5) * 2).astype(dtype)
+    norms = (_normal((d,), 6).astype(dtype), _normal((d,), 7).astype(dtype)) if norm else None
+    offset = mx.array([4, 9])
+    got = layers.rope_heads(x, rope, heads=heads, kv_heads=kv_heads, offset=offset, norms=norms, eps=1e-6)
+    q, k, v = (p.reshape(2, 3, n, d).transpose(0, 2, 1, 3) for p, n in zip(
+        mx.split(x, [heads * d, (heads + kv_heads) * d], axis=-1), (heads, kv_heads, kv_heads), strict=True
+    ))  # fmt: skip
+    if norms is not None:
+        q, k = mx.fast.rms_norm(q, norms[0], 1e-6), mx.fast.rms_norm(k, norms[1], 1e-6)
+    want = [rope(q, offset), rope(k, offset), v]
+    tol = 1e-5 if dtype == mx.float32 else 6e-2
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(_np(g), _np(w), rtol=tol, atol=tol * 4)
+    cache_k = mx.concatenate([k, k[:, :, ::-1]], axis=2)
+    merged = layers.attention(q, cache_k, cache_k, scale=d**-0.5, mask="causal", merge_heads=True)
+    apart = mx.fast.scaled_dot_product_attention(q, cache_k, cache_k, scale=d**-0.5, mask="causal")
+    assert merged.shape == (2, 3, heads * d)
+    np.testing.assert_allclose(_np(merged), _np(apart.transpose(0, 2, 1, 3).reshape(2, 3, -1)), rtol=tol, atol=tol)
+    gate, up = mx.split(x, 2, axis=-1)
+    np.testing.assert_allclose(_np(layers.silu_mul(x)), _np(gate * mx.sigmoid(gate) * up), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        _np(layers.gelu_tanh_mul(x)), _np(nn.gelu_approx(gate) * up), rtol=tol, atol=tol * 4
+    )

@@ -285,6 +285,7 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
         "tests/test_native_qmm.py::test_a_row_of_x_gets_the_same_result_in_any_tile",
         "tests/test_native_qmm.py::test_group_16_equals_the_unpacked_fallback",
         "tests/test_native_qmm.py::test_group_16_rows_of_odd_group_counts_and_half_scales",
+        "tests/test_native_qmm.py::test_a_residual_is_added_as_the_product_is_written",
         "tests/test_native_ops.py",
     ]
     run = subprocess.run(
@@ -293,3 +294,31 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_a_residual_is_added_as_the_product_is_written(bits: int, m: int) -> None:
+    # row kernels (few rows) and the many-row paths alike: the same bits as the product plus the residual
+    x, w, s, b = _case(200, 256, m, bits, 32, mx.float16, seed=5)
+    r = mx.random.normal((m, 200), key=mx.random.key(6))
+    spec = QuantSpec(bits=bits, group_size=32)
+    want = np.array(r + native.quantized_matmul(x, w, s, b, spec))
+    assert np.array_equal(np.array(native.quantized_matmul(x, w, s, b, spec, residual=r)), want)
+    step = mx.compile(lambda a, res: native.quantized_matmul(a, w, s, b, spec, residual=res))
+    assert np.array_equal(np.array(step(x, r)), want)
+    # a residual the product cannot take in place (half precision, broadcast) is added after: the same sum
+    half = native.quantized_matmul(x.astype(mx.float16), w, s, b, spec, residual=r.astype(mx.float16))
+    np.testing.assert_allclose(np.array(half), want, rtol=2e-3, atol=2e-2 * np.abs(want).max())
+    row = native.quantized_matmul(x, w, s, b, spec, residual=r[:1])
+    assert np.array_equal(np.array(row), np.array(r[:1] + native.quantized_matmul(x, w, s, b, spec)))
+
+
+@needs_native
+def test_a_residual_of_another_shape_is_refused() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 2, 4, 32, mx.float32)
+    with pytest.raises(ValueError, match="a residual needs float32 x and a float32 residual of the product's shape"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, residual=mx.zeros((1, 16)))

@@ -253,9 +253,10 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
 
 
 def rope_heads_supported(projections: list[mx.array], heads: int, kv_heads: int, offset: int | mx.array) -> bool:
-    """Whether :func:`rope_heads` takes these: float32 ``[B, L, heads * D]`` projections on the CPU, one offset or one a row.
+    """Whether :func:`rope_heads` takes these: float32 ``[B, L, heads * D]`` projections on the CPU.
 
-    ``projections``: the fused q/k/v product alone, or q, k and v.
+    ``projections``: the fused q/k/v product alone, or q, k and v; ``offset``
+    one position, or one for each row.
     """
     if len(projections) not in (1, 3) or not _cpu_float32(*projections) or any(p.ndim != 3 for p in projections):
         return False
