@@ -363,3 +363,11 @@ def test_gated_activations_read_a_fused_product_in_place() -> None:
     assert not native.gated_supported(h[..., 1:])
     with pytest.raises(ValueError, match=r"silu_mul: a fused gate/up product must be float32 \[\.\.\., 2n\]"):
         native.silu_mul(h[..., 1:])
+
+
+@needs_native
+def test_rope_heads_take_only_float32_head_norms() -> None:
+    x = mx.zeros((1, 1, 8 * 16))
+    assert native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,)), mx.ones((16,))))
+    assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,), mx.float16), mx.ones((16,))))
+    assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((8,)), mx.ones((8,))))

@@ -188,7 +188,7 @@ def rope_heads(
     reshapes, transposes, norms and RoPEs it stands for.
     """
     parts = [projections] if isinstance(projections, mx.array) else list(projections)
-    if native.rope_heads_supported(parts, heads, kv_heads, offset):
+    if native.rope_heads_supported(parts, heads, kv_heads, offset, norms):
         return native.rope_heads(
             parts, heads, kv_heads, dims=rope.dims, scale=rope.scale, mscale=rope.mscale, offset=offset,
             freqs=rope.freqs, norms=norms, eps=eps,

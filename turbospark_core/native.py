@@ -252,16 +252,26 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
     return out
 
 
-def rope_heads_supported(projections: list[mx.array], heads: int, kv_heads: int, offset: int | mx.array) -> bool:
+def rope_heads_supported(
+    projections: list[mx.array],
+    heads: int,
+    kv_heads: int,
+    offset: int | mx.array,
+    norms: tuple[mx.array, mx.array] | None = None,
+) -> bool:
     """Whether :func:`rope_heads` takes these: float32 ``[B, L, heads * D]`` projections on the CPU.
 
     ``projections``: the fused q/k/v product alone, or q, k and v; ``offset``
-    one position, or one for each row.
+    one position, or one for each row; ``norms`` none or float32 ``[D]`` each.
     """
-    if len(projections) not in (1, 3) or not _cpu_float32(*projections) or any(p.ndim != 3 for p in projections):
+    held = [*projections, *(norms or ())]
+    if len(projections) not in (1, 3) or not _cpu_float32(*held) or any(p.ndim != 3 for p in projections):
         return False
     counts = [heads + 2 * kv_heads] if len(projections) == 1 else [heads, kv_heads, kv_heads]
     if any(p.shape[-1] % n for p, n in zip(projections, counts, strict=True)):
+        return False
+    d = projections[0].shape[-1] // counts[0]
+    if norms is not None and any(w.shape != (d,) for w in norms):
         return False
     return isinstance(offset, int) or offset.size in (1, projections[0].shape[0])
 

@@ -32,6 +32,7 @@ from turbospark_core.family import (
     gelu_tanh_mul,
     int_problems,
     rms_norm,
+    rope_heads,
     rope_scaling_problems,
     steer,
 )
@@ -168,23 +169,33 @@ class Attention:
         )
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        if self.qkv is not None:
-            q, k, v = mx.split(self.qkv(x), [self.sizes[0], self.sizes[0] + self.sizes[1]], axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        L = x.shape[1]
         offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k, v = self.heads(x, offset)
         if cache is None:
             mask = causal_mask(L, self.window)
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True))
+
+    def heads(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v ``[B, H, L, D]``: q and k normalized per head, then rotated."""
+        proj = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if x.dtype == mx.float32:  # the norms' own dtype: one op (native on the CPU) does it all
+            norms = (self.q_norm.weight, self.k_norm.weight)
+            return rope_heads(
+                proj, self.rope, heads=self.n_heads, kv_heads=self.n_kv_heads, offset=offset, norms=norms,
+                eps=self.q_norm.eps,
+            )  # fmt: skip
+        # narrower activations: Gemma normalizes in float32 and narrows after
+        B, L, _ = x.shape
+        splits = [self.sizes[0], self.sizes[0] + self.sizes[1]]
+        q, k, v = mx.split(proj, splits, axis=-1) if isinstance(proj, mx.array) else proj
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(q, offset), self.rope(k, offset), v
 
 
 
@@ -201,8 +212,7 @@ class MLP:
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None:
-            gate, up = mx.split(self.gate_up(x), 2, axis=-1)
-            return self.down_proj(gelu_tanh_mul(gate, up))
+            return self.down_proj(gelu_tanh_mul(self.gate_up(x)))  # the fused product read in place
         return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
 
 
