@@ -258,3 +258,24 @@ def test_rope_heads_merged_attention_and_fused_gates_whatever_the_path(dtype: mx
     np.testing.assert_allclose(
         _np(layers.gelu_tanh_mul(x)), _np(nn.gelu_approx(gate) * up), rtol=tol, atol=tol * 4
     )
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, None], ids=[*QUANT_IDS, "dense"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_normed_and_gated_products_equal_the_ops_written_out(
+    quant: tuple[int, int, str] | None, with_bias: bool
+) -> None:
+    w, bias = _normal((48, 64), 8), (_normal((48,), 9) if with_bias else None)
+    linear = Linear(w, bias) if quant is None else _quantized(w, *quant, bias=bias)[0]
+    x, norm, r = _normal((2, 3, 64), 10) * 3, _normal((64,), 11), _normal((2, 3, 48), 12)
+    # folded into a quantized product or run apart, the same bits as the ops one after another
+    for weight in (norm, None):
+        want = linear(layers.rms_norm(x, weight, 1e-5))
+        np.testing.assert_array_equal(np.array(linear.normed(x, weight, 1e-5)), np.array(want))
+    gate_up = _normal((2, 3, 128), 13) * 4
+    for name, act in (("silu_mul", layers.silu_mul), ("gelu_tanh_mul", layers.gelu_tanh_mul)):
+        h = act(gate_up)
+        np.testing.assert_array_equal(np.array(linear.gated(gate_up, name)), np.array(linear(h)))
+        np.testing.assert_array_equal(np.array(linear.gated(gate_up, name, r)), np.array(r + linear(h)))
+    with pytest.raises(ValueError, match="gated activation 'relu' is not one of"):
+        linear.gated(gate_up, "relu")

@@ -25,14 +25,16 @@ Attention
     ``attention`` (scaled dot-product attention, native for a CPU decode step;
     ``merge_heads=True`` for the ``[B, L, H * D]`` the output projection reads);
     ``rope_heads`` (q, k, v heads from the fused q/k/v product, per-head norms,
-    RoPE: one native op on the CPU). ``Linear.plus(x, residual)`` adds a
-    projection to the residual stream (folded into a quantized product).
+    RoPE: one native op on the CPU).
 Fast ops
     ``rms_norm`` (``mx.fast.rms_norm``), ``silu_mul`` (the SwiGLU
     activation ``silu(gate) * up``) and ``gelu_tanh_mul`` (GeGLU,
-    ``nn.gelu_approx(gate) * up``): one native op each on the CPU, MLX's own
+    ``nn.gelu_approx(gate) * up``; either also of a fused gate/up product,
+    ``silu_mul(gate_up)``): one native op each on the CPU, MLX's own
     elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
-    activations.
+    activations. ``Linear.normed(x, weight, eps)``, ``Linear.gated(gate_up,
+    activation, residual)`` and ``Linear.plus(x, residual)`` fold the input's
+    norm or gated activation and the residual add into a quantized product.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and

@@ -69,10 +69,49 @@ class Linear:
         A quantized matrix on the CPU adds the residual as its product is
         written (one op instead of two; the same result).
         """
-        if type(self) is Linear and self.quant is not None and self.bias is None:
-            assert self.scales is not None
+        if self._native():
+            assert self.quant is not None and self.scales is not None
             return native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant, residual)
         return residual + self(x)
+
+    def normed(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+        """``self(rms_norm(x, weight, eps))``: a projection of a normalized input (q/k/v, the MLP's gate/up).
+
+        A quantized matrix on the CPU normalizes the rows of ``x`` inside its
+        product (the same kernel as :func:`rms_norm`; one op instead of two).
+        """
+        if self._native() and (weight is None or weight.shape == (x.shape[-1],)):
+            assert self.quant is not None and self.scales is not None
+            if native.prologue_supported(x, self.quant, weight):
+                return native.quantized_matmul(
+                    x, self.weight, self.scales, self.biases, self.quant, prologue="rms_norm",
+                    prologue_weight=weight, eps=eps,
+                )  # fmt: skip
+        return self(rms_norm(x, weight, eps))
+
+    def gated(self, gate_up: mx.array, activation: str, residual: mx.array | None = None) -> mx.array:
+        """``residual + self(act(gate) * up)`` from the fused gate/up product ``[..., 2F]`` (a gated MLP's down).
+
+        ``activation``: ``"silu_mul"`` (SwiGLU) or ``"gelu_tanh_mul"`` (GeGLU);
+        ``residual`` optional. A quantized matrix on the CPU applies the
+        activation inside its product (the same kernel as :func:`silu_mul` /
+        :func:`gelu_tanh_mul`; one op instead of two).
+        """
+        if activation not in GATED:
+            msg = f"gated activation {activation!r} is not one of {sorted(GATED)}; pass 'silu_mul' or 'gelu_tanh_mul'"
+            raise ValueError(msg)
+        if self._native():
+            assert self.quant is not None and self.scales is not None
+            if native.prologue_supported(gate_up, self.quant):
+                return native.quantized_matmul(
+                    gate_up, self.weight, self.scales, self.biases, self.quant, residual, prologue=activation
+                )
+        h = GATED[activation](gate_up, None)
+        return self(h) if residual is None else self.plus(h, residual)
+
+    def _native(self) -> bool:
+        # a plain quantized Linear without a bias (a subclass, e.g. a distributed rank's, keeps its own product)
+        return type(self) is Linear and self.quant is not None and self.bias is None
 
 
 FUSE_MAX_BYTES = 64 << 20  # fused copies above this would add too much memory beside the stored weights
@@ -242,6 +281,13 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
         gate, up = mx.split(gate, 2, axis=-1)
     out: mx.array = nn.gelu_approx(gate) * up  # mlx.nn's activations are unannotated
     return out
+
+
+GATED: dict[str, Callable[[mx.array, mx.array | None], mx.array]] = {
+    "silu_mul": silu_mul,
+    "gelu_tanh_mul": gelu_tanh_mul,
+}
+"""The gated activations :meth:`Linear.gated` takes, by name."""
 
 
 class Embedding:

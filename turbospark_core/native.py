@@ -79,6 +79,15 @@ def keeps(quant: QuantSpec) -> bool:
     return supports(quant) and mx.default_device() == mx.cpu
 
 
+PROLOGUES = ("rms_norm", "silu_mul", "gelu_tanh_mul")
+"""What :func:`quantized_matmul` can apply to its input first (``prologue=``)."""
+
+
+def prologue_supported(x: mx.array, quant: QuantSpec, weight: mx.array | None = None) -> bool:
+    """Whether :func:`quantized_matmul` folds a prologue into this product: float32 ``x`` and weight, native."""
+    return keeps(quant) and x.dtype == mx.float32 and (weight is None or weight.dtype == mx.float32)
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
@@ -86,6 +95,10 @@ def quantized_matmul(
     biases: mx.array | None,
     quant: QuantSpec,
     residual: mx.array | None = None,
+    *,
+    prologue: str = "",
+    prologue_weight: mx.array | None = None,
+    eps: float = 0.0,
 ) -> mx.array:
     """``x @ dequantize(w).T`` (``+ residual`` when given): native on the CPU when supported, else MLX's own kernel.
 
@@ -94,13 +107,19 @@ def quantized_matmul(
     A ``residual`` (the residual stream a projection adds to) is added as the
     product is written, one op instead of two, when ``x`` and it are float32
     of the product's shape; otherwise it is added after (the same result).
+    ``prologue`` (one of :data:`PROLOGUES`; check :func:`prologue_supported`
+    first): ``x`` goes through :func:`rms_norm` (``prologue_weight``, ``eps``)
+    or, a fused gate/up product ``[..., 2K]``, through :func:`silu_mul` /
+    :func:`gelu_tanh_mul` inside the product (the same kernels, one op fewer).
     """
+    if prologue:
+        assert prologue in PROLOGUES and prologue_supported(x, quant, prologue_weight), prologue
     if _MODULE is not None and keeps(quant):
         fold = residual is not None and x.dtype == residual.dtype == mx.float32
         fold = fold and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
         out: mx.array = _MODULE.quantized_matmul(
             x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode,
-            residual=residual if fold else None,
+            residual=residual if fold else None, prologue=prologue, prologue_weight=prologue_weight, eps=eps,
         )  # fmt: skip
         return out if fold or residual is None else residual + out
     if biases is None and quant.mode == "affine":

@@ -20,6 +20,7 @@ from turbospark_core.family import (
     ArchConfigError,
     CacheSpec,
     KVCache,
+    Linear,
     RingKVCache,
     Rope,
     WeightStore,
@@ -141,6 +142,10 @@ class RMSNorm:
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
 
+    def into(self, linear: Linear, x: mx.array) -> mx.array:
+        """``linear(self(x))``: float32 activations are normalized inside a quantized product (one op)."""
+        return linear.normed(x, self.weight, self.eps) if x.dtype == mx.float32 else linear(self(x))
+
 
 class Attention:
     def __init__(self, args: Args, w: WeightStore, prefix: str, sliding: bool) -> None:
@@ -168,10 +173,11 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None, norm: RMSNorm) -> mx.array:
+        """The attention of ``norm(x)``."""
         L = x.shape[1]
         offset = 0 if cache is None else cache.offset
-        q, k, v = self.heads(x, offset)
+        q, k, v = self.heads(x, offset, norm)
         if cache is None:
             mask = causal_mask(L, self.window)
         else:
@@ -179,9 +185,13 @@ class Attention:
             mask = cache.mask(L)
         return self.o_proj(attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True))
 
-    def heads(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
-        """q, k, v ``[B, H, L, D]``: q and k normalized per head, then rotated."""
-        proj = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+    def heads(self, x: mx.array, offset: int, norm: RMSNorm) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v ``[B, H, L, D]`` of ``norm(x)``: q and k normalized per head, then rotated."""
+        if self.qkv is not None:
+            proj: mx.array | tuple[mx.array, mx.array, mx.array] = norm.into(self.qkv, x)
+        else:
+            normed = norm(x)
+            proj = (self.q_proj(normed), self.k_proj(normed), self.v_proj(normed))
         if x.dtype == mx.float32:  # the norms' own dtype: one op (native on the CPU) does it all
             norms = (self.q_norm.weight, self.k_norm.weight)
             return rope_heads(
@@ -210,10 +220,12 @@ class MLP:
             sizes = [self.gate_proj.out_features, self.up_proj.out_features]
             self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, norm: RMSNorm) -> mx.array:
+        """The MLP of ``norm(x)`` (on float32 activations the norm and GeGLU run inside the products)."""
         if self.gate_up is not None:
-            return self.down_proj(gelu_tanh_mul(self.gate_up(x)))  # the fused product read in place
-        return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj.gated(norm.into(self.gate_up, x), "gelu_tanh_mul")
+        normed = norm(x)
+        return self.down_proj(gelu_tanh_mul(self.gate_proj(normed), self.up_proj(normed)))
 
 
 def _residual(x: mx.array, y: mx.array) -> mx.array:
@@ -241,10 +253,10 @@ class Block:
         self._decode_ffn = mx.compile(self._ffn)  # one-token steps have fixed shapes
 
     def _ffn(self, h: mx.array) -> mx.array:
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        return _residual(h, self.post_feedforward_layernorm(self.mlp(h, self.pre_feedforward_layernorm)))
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        h = _residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache)))
+        h = _residual(x, self.post_attention_layernorm(self.self_attn(x, cache, self.input_layernorm)))
         return self._decode_ffn(h) if x.shape[1] == 1 else self._ffn(h)
 
 

@@ -242,21 +242,27 @@ class Attention:
         return out if tail.shape[-1] == 0 else mx.concatenate([out, tail], axis=-1)
 
     def project(
-        self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
+        self,
+        x: mx.array,
+        offset: int | mx.array,
+        positions: mx.array | None = None,
+        norm: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """q, k, v heads ``[B, H, L, D]``, q and k rotated (one native op on the CPU with the rope)."""
+        """q, k, v heads ``[B, H, L, D]``, q and k rotated (one native op on the CPU with the rope).
+
+        ``norm``: the layer's input RMSNorm weight, applied to ``x`` first
+        (inside the fused q/k/v product where it can be).
+        """
+        if norm is not None and self.qkv is None:
+            x, norm = rms_norm(x, norm, self.eps), None
         proj: mx.array | tuple[mx.array, mx.array, mx.array]
-        if self.qkv is not None and self.qk_norm != "full":
-            proj = self.qkv(x)  # split into heads by rope_heads
+        if self.qkv is None:
+            proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         else:
-            if self.qkv is not None:
-                q, k, v = mx.split(self.qkv(x), self.splits, axis=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            if self.qk_norm == "full":
-                q = rms_norm(q, self.q_norm, self.eps)
-                k = rms_norm(k, self.k_norm, self.eps)
-            proj = (q, k, v)
+            proj = self.qkv(x) if norm is None else self.qkv.normed(x, norm, self.eps)
+        if self.qk_norm == "full":
+            q, k, v = mx.split(proj, self.splits, axis=-1) if isinstance(proj, mx.array) else proj
+            proj = (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps), v)
         norms = None
         if self.qk_norm == "head":
             assert self.q_norm is not None and self.k_norm is not None
@@ -292,11 +298,11 @@ class Attention:
         shift: int | mx.array = 0,
         positions: mx.array | None = None,
         *,
-        residual: mx.array,
+        norm: mx.array,
     ) -> mx.array:
-        """``residual`` plus the attention's output."""
-        q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions)
-        return self.o_proj.plus(self.attend(q, k, v, cache), residual)
+        """``x`` plus the attention of ``rms_norm(x, norm)``."""
+        q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions, norm)
+        return self.o_proj.plus(self.attend(q, k, v, cache), x)
 
 
 class MLP:
@@ -309,11 +315,12 @@ class MLP:
             sizes = [self.gate_proj.out_features, self.up_proj.out_features]
             self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
-    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual`` plus the MLP's output."""
+    def __call__(self, h: mx.array, norm: mx.array, eps: float) -> mx.array:
+        """``h`` plus the MLP of ``rms_norm(h, norm, eps)`` (the norm and the activation inside the products)."""
         if self.gate_up is not None:
-            return self.down_proj.plus(silu_mul(self.gate_up(x)), residual)  # the fused product read in place
-        return self.down_proj.plus(swiglu(self.gate_proj(x), self.up_proj(x)), residual)
+            return self.down_proj.gated(self.gate_up.normed(h, norm, eps), "silu_mul", h)
+        x = rms_norm(h, norm, eps)
+        return self.down_proj.plus(swiglu(self.gate_proj(x), self.up_proj(x)), h)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -344,10 +351,11 @@ class MoE:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights
 
-    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual`` plus the experts' weighted output."""
+    def __call__(self, h: mx.array, norm: mx.array, eps: float) -> mx.array:
+        """``h`` plus the experts' weighted output for ``rms_norm(h, norm, eps)``."""
+        x = rms_norm(h, norm, eps)
         inds, weights = self.route(x)
-        return residual + combine(self.experts.glu(x, inds, swiglu, weights=weights), weights)
+        return h + combine(self.experts.glu(x, inds, swiglu, weights=weights), weights)
 
 
 def combine(y: mx.array, weights: mx.array) -> mx.array:
@@ -373,11 +381,11 @@ class Block:
         self._decode_combine = mx.compile(self._combine)
 
     def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
+        return self.self_attn.project(x, offset, norm=self.input_layernorm)
 
     def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
         h = self.self_attn.o_proj.plus(attended, x)
-        return self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), h)
+        return self.mlp(h, self.post_attention_layernorm, self.eps)
 
     def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         assert isinstance(self.mlp, MoE)
@@ -399,8 +407,8 @@ class Block:
                 return self._decode_rest(x, attended)
             h, normed, inds, weights = self._decode_route(x, attended)
             return self._decode_combine(h, self.mlp.experts.glu(normed, inds, swiglu, weights=weights), weights)
-        h = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions, residual=x)
-        return self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), h)
+        h = self.self_attn(x, cache, shift, positions, norm=self.input_layernorm)
+        return self.mlp(h, self.post_attention_layernorm, self.eps)
 
 
 class Model:

@@ -245,6 +245,8 @@ class QuantizedPrimitive : public mx::UnaryPrimitive {
   }
 
  protected:
+  int bits() const { return bits_; }
+
   // A matrix of N rows and K columns in this layout, its scales stored as `scales` (pointers unset)
   QMat layout(const mx::array& scales, int64_t N, int64_t K) const {
     QMat q;
@@ -262,37 +264,67 @@ class QuantizedPrimitive : public mx::UnaryPrimitive {
   bool fp4_;
 };
 
-// y = x @ W.T, and with `residual` y = x @ W.T + r (r the last input, y's shape): the residual
-// stream's add folded into the product that feeds it.
+void over_rows(int64_t rows, int64_t n, const std::function<void(int64_t, int64_t)>& body);
+
+// What a product does to its rows of x first (the op that would feed it, folded in):
+// RMS-normalize them (weight optional), or the gated activation of a fused gate/up row [2K].
+enum Prologue : int { kNoPrologue = 0, kRmsNormed = 1, kSiluMul = 2, kGeluTanhMul = 3 };
+
+// The optional inputs of a product after x, w, scales, in this order: biases (none: a symmetric
+// matrix, every bias -2^(bits-1) * its scale), a residual r of y's shape (y = x @ W.T + r: the
+// residual stream's add folded into the product that feeds it), the prologue's weight.
+struct Extras {
+  bool biases = false, residual = false;
+  int prologue = kNoPrologue;
+  bool weight = false;  // the RMS norm's weight
+  float eps = 0.0f;
+  bool operator==(const Extras&) const = default;
+};
+
 class QuantizedMatmul : public QuantizedPrimitive {
  public:
-  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4, bool residual)
-      : QuantizedPrimitive(s, group, bits, fp4), residual_(residual) {}
+  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4, Extras e)
+      : QuantizedPrimitive(s, group, bits, fp4), e_(e) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
     auto& enc = encoder_for(stream(), inputs, out);
-    QMat q = layout(scales, w.shape(0), x.shape(-1));
-    const int64_t M = x.size() / q.K;
-    // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
-    const size_t n_mat = inputs.size() - (residual_ ? 1 : 0);
-    std::optional<Dense> bd, rd;
-    if (n_mat > 3) bd.emplace(inputs[3]);
-    if (residual_) rd.emplace(inputs.back());
+    QMat q = layout(scales, w.shape(0), (int64_t)w.shape(1) * 32 / bits());
+    const int64_t M = x.size() / x.shape(-1);
+    size_t next = 3;
+    std::optional<Dense> bd, rd, pw;
+    if (e_.biases) bd.emplace(inputs[next++]);
+    if (e_.residual) rd.emplace(inputs[next++]);
+    if (e_.weight) pw.emplace(inputs[next++]);
     enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), rd = std::move(rd),
-                  yp = out.data<float>(), M]() mutable {
+                  pw = std::move(pw), yp = out.data<float>(), M, e = e_]() mutable {
       q.w = wd.get();
       q.scales = sd.get();
       q.biases = bd ? bd->get() : nullptr;
-      compute(q, reinterpret_cast<const float*>(xd.get()), M, yp,
-              rd ? reinterpret_cast<const float*>(rd->get()) : nullptr);
+      const auto* xp = reinterpret_cast<const float*>(xd.get());
+      std::vector<float> pre;  // x after the prologue: the same kernels as the ops it stands for
+      if (e.prologue != kNoPrologue) {
+        const int64_t K = q.K;
+        pre.resize((size_t)(M * K));
+        const float* wp = pw ? reinterpret_cast<const float*>(pw->get()) : nullptr;
+        GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
+        over_rows(M, K, [&](int64_t r0, int64_t r1) {
+          if (e.prologue == kRmsNormed) {
+            runtime().rms_norm(xp + r0 * K, K, wp, pre.data() + r0 * K, r1 - r0, K, e.eps);
+          } else {
+            gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre.data() + r0 * K, r1 - r0, K);
+          }
+        });
+        xp = pre.data();
+      }
+      compute(q, xp, M, yp, rd ? reinterpret_cast<const float*>(rd->get()) : nullptr);
     });
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return QuantizedPrimitive::is_equivalent(other) && residual_ == static_cast<const QuantizedMatmul&>(other).residual_;
+    return QuantizedPrimitive::is_equivalent(other) && e_ == static_cast<const QuantizedMatmul&>(other).e_;
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -308,7 +340,7 @@ class QuantizedMatmul : public QuantizedPrimitive {
   }
 
  private:
-  bool residual_;
+  Extras e_;
 };
 
 void check(bool ok, const std::string& msg) {
@@ -345,14 +377,29 @@ mx::array float32_input(const mx::array& x, mx::Stream s) {
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode,
-                           const std::optional<mx::array>& residual) {
+                           const std::optional<mx::array>& residual, const std::string& prologue,
+                           const std::optional<mx::array>& prologue_weight, float eps) {
   const bool fp4 = check_layout(scales, biases, group_size, bits, mode);
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   check(x_in.ndim() >= 1, "x must have at least one dimension");
   const int64_t N = w.shape(0), K = (int64_t)w.shape(1) * 32 / bits;
+  Extras e;
+  e.biases = biases.has_value();
+  e.residual = residual.has_value();
+  e.eps = eps;
+  if (prologue == "rms_norm") e.prologue = kRmsNormed;
+  else if (prologue == "silu_mul") e.prologue = kSiluMul;
+  else if (prologue == "gelu_tanh_mul") e.prologue = kGeluTanhMul;
+  else check(prologue.empty(), "prologue must be '', 'rms_norm', 'silu_mul' or 'gelu_tanh_mul', got '" + prologue + "'");
+  const bool gated = e.prologue == kSiluMul || e.prologue == kGeluTanhMul;
+  check(!prologue_weight || e.prologue == kRmsNormed, "only the rms_norm prologue takes a weight");
+  check(e.prologue == kNoPrologue || x_in.dtype() == mx::float32, "a prologue needs float32 x");
+  check(!prologue_weight || (prologue_weight->dtype() == mx::float32 && prologue_weight->shape() == mx::Shape{(int)K}),
+        "the rms_norm prologue's weight must be float32 [K]");
   std::ostringstream shape_msg;
-  shape_msg << "x's last dimension " << x_in.shape(-1) << " does not match the weight's " << K << " columns";
-  check(x_in.shape(-1) == K, shape_msg.str());
+  shape_msg << "x's last dimension " << x_in.shape(-1) << " does not match the weight's " << K << " columns"
+            << (gated ? " (twice them: a fused gate/up input)" : "");
+  check(x_in.shape(-1) == (gated ? 2 * K : K), shape_msg.str());
   check(K % group_size == 0, "the weight's columns must be a multiple of group_size");
   check_scales(scales, biases, {(int)N, (int)(K / group_size)}, "[N, K / group_size]");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -367,8 +414,11 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
           "a residual needs float32 x and a float32 residual of the product's shape");
     inputs.push_back(*residual);
   }
-  auto y = mx::array(out_shape, mx::float32,
-                     std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4, residual.has_value()), inputs);
+  if (prologue_weight) {
+    e.weight = true;
+    inputs.push_back(*prologue_weight);
+  }
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4, e), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
@@ -1138,10 +1188,13 @@ NB_MODULE(_qmm, m) {
   m.doc() = "turbospark native quantized matmul (MLX custom primitive)";
   m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"), nb::arg("mode") = "affine",
-        nb::arg("residual") = nb::none(),
+        nb::arg("residual") = nb::none(), nb::arg("prologue") = "", nb::arg("prologue_weight") = nb::none(),
+        nb::arg("eps") = 0.0f,
         "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
         "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale; mode 'mxfp4': e2m1 codes times "
-        "uint8 exponent scales; residual (float32, the product's shape): added to the product, as one op.");
+        "uint8 exponent scales; residual (float32, the product's shape): added to the product, as one op; "
+        "prologue 'rms_norm' (prologue_weight, eps), 'silu_mul' or 'gelu_tanh_mul' (x the fused gate/up "
+        "[..., 2K]): applied to x first, as rms_norm()/silu_mul()/gelu_tanh_mul() would.");
   m.def("gather_quantized_matmul", &tsq::gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
         nb::arg("mode") = "affine",
