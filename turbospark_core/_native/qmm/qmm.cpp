@@ -196,6 +196,20 @@ mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>&
   return enc;
 }
 
+// Floats of scratch from MLX's allocator (its cache of freed buffers: no fresh pages to fault in
+// and zero on every call, as a large std::vector would cost), handed back when done.
+class Scratch {
+ public:
+  explicit Scratch(size_t floats) : buf_(mx::allocator::allocator().malloc(floats * sizeof(float))) {}
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { mx::allocator::allocator().free(buf_); }
+  float* data() { return static_cast<float*>(buf_.raw_ptr()); }
+
+ private:
+  mx::allocator::Buffer buf_;
+};
+
 // An input as its task reads it: its own buffer when row-contiguous, else a
 // dense copy made inside the task (inputs are traced without their layout
 // under mx.compile, so the layout is only known at eval).
@@ -304,20 +318,20 @@ class QuantizedMatmul : public QuantizedPrimitive {
       q.scales = sd.get();
       q.biases = bd ? bd->get() : nullptr;
       const auto* xp = reinterpret_cast<const float*>(xd.get());
-      std::vector<float> pre;  // x after the prologue: the same kernels as the ops it stands for
+      std::optional<Scratch> pre;  // x after the prologue: the same kernels as the ops it stands for
       if (e.prologue != kNoPrologue) {
         const int64_t K = q.K;
-        pre.resize((size_t)(M * K));
+        pre.emplace((size_t)(M * K));
         const float* wp = pw ? reinterpret_cast<const float*>(pw->get()) : nullptr;
         GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
         over_rows(M, K, [&](int64_t r0, int64_t r1) {
           if (e.prologue == kRmsNormed) {
-            runtime().rms_norm(xp + r0 * K, K, wp, pre.data() + r0 * K, r1 - r0, K, e.eps);
+            runtime().rms_norm(xp + r0 * K, K, wp, pre->data() + r0 * K, r1 - r0, K, e.eps);
           } else {
-            gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre.data() + r0 * K, r1 - r0, K);
+            gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre->data() + r0 * K, r1 - r0, K);
           }
         });
-        xp = pre.data();
+        xp = pre->data();
       }
       compute(q, xp, M, yp, rd ? reinterpret_cast<const float*>(rd->get()) : nullptr);
     });
