@@ -39,6 +39,7 @@ struct Set {
   RowsFn gemm;  // nullptr: the set has none (its products from many rows go through sgemm)
   DequantFn dequant;
   AttendFn attend;
+  AttendManyFn attend_many;
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
   KVRowFn kv_row;
@@ -48,16 +49,16 @@ struct Set {
 std::vector<Set> kernel_sets() {
   std::vector<Set> sets;
 #if defined(__aarch64__)
-  sets.push_back({"neon", rows_neon, gemm_neon, dequant_neon, attend_neon, rms_norm_neon, silu_mul_neon,
+  sets.push_back({"neon", rows_neon, gemm_neon, dequant_neon, attend_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
                   gelu_tanh_mul_neon, kv_row_neon});
 #elif defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    sets.push_back({"avx2", rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2,
+    sets.push_back({"avx2", rows_avx2, nullptr, dequant_avx2, attend_avx2, attend_each<attend_avx2>, rms_norm_avx2, silu_mul_avx2,
                     gelu_tanh_mul_avx2, kv_row_scalar});
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      sets.push_back({"avx512", rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512,
+      sets.push_back({"avx512", rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, attend_many_avx512, rms_norm_avx512,
                       silu_mul_avx512, gelu_tanh_mul_avx512, kv_row_avx512});
   }
 #endif
@@ -459,6 +460,34 @@ void check_attention(const std::vector<Set>& sets, int64_t D, int64_t Dv, int64_
   }
 }
 
+// Queries sharing one head's keys (each its own query, causal limit, and for mode 1 the mask):
+// answered together they get the bits each gets alone (70 queries: more than one pass of 64).
+void check_attention_many(const std::vector<Set>& sets, int64_t D, int64_t Dv, int64_t T, int mode) {
+  Keys kv(T, D, Dv);
+  const int64_t n = T <= 9 ? 70 : 5, ms = 3;
+  Guarded<float> q((size_t)(n * D));
+  random_fill(q.data(), q.size(), -2.0f, 2.0f);
+  Guarded<bool> mask((size_t)((T - 1) * ms + 1));
+  for (int64_t t = 0; t < T; t++) mask[t * ms] = pick(0, 3) != 0 || t == 0;
+  std::vector<AttnRow> rows;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t visible = mode == 2 ? std::max<int64_t>(1, T - i % T) : T;
+    rows.push_back({q.data() + i * D, kv.k.data(), kv.v.data(), mode == 1 ? mask.data() : nullptr, kv.ks, kv.vs, ms,
+                    T, D, Dv, visible, 1.0f / std::sqrt((float)D)});
+  }
+  std::vector<float> p((size_t)(n * T + 64)), alone((size_t)(n * Dv)), together((size_t)(n * Dv));
+  std::vector<float*> ys;
+  for (int64_t i = 0; i < n; i++) ys.push_back(together.data() + i * Dv);
+  for (const Set& set : sets) {
+    const std::string ctx = fmt("%s attention of %lld queries D %lld Dv %lld T %lld mode %d", set.name, (long long)n,
+                                (long long)D, (long long)Dv, (long long)T, mode);
+    for (int64_t i = 0; i < n; i++) set.attend(rows[i], p.data(), alone.data() + i * Dv);
+    set.attend_many(rows.data(), ys.data(), n, p.data());
+    same_bits(report.at(fmt("%s attention: many queries as each alone", set.name)), ctx, together.data(), alone.data(),
+              n * Dv);
+  }
+}
+
 void attention(const std::vector<Set>& sets, bool quick) {
   const int64_t heads[] = {64, 128, 256, 80, 96, 3, 20, 37, 39, 65, 100, 257, 512, 600};
   const int64_t lengths[] = {1, 2, 5, 9, 31, 100};
@@ -469,6 +498,7 @@ void attention(const std::vector<Set>& sets, bool quick) {
         if (quick && ++combo % 4 != 0) continue;
         const int64_t Dv = (T + mode) % 3 == 0 && D > 8 ? D / 2 + 3 : D;  // some value heads of another size
         check_attention(sets, D, Dv, T, mode);
+        check_attention_many(sets, D, Dv, T, mode);
       }
 }
 

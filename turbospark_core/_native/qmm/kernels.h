@@ -45,6 +45,14 @@ struct AttnRow {
   bool hidden(int64_t t) const { return t >= visible || (mask && !mask[t * ms]); }
 };
 using AttendFn = void (*)(const AttnRow&, float* p, float* y);
+// n queries over one head's keys and values (rows[i] share k, v, their strides, T, D, Dv and the
+// scale; each has its own q, mask and visible): ys[i] gets exactly what attend(rows[i]) gives.
+// p is scratch for n * T scores. A set without its own kernel answers them one by one.
+using AttendManyFn = void (*)(const AttnRow* rows, float* const* ys, int64_t n, float* p);
+template <AttendFn F>
+void attend_each(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
+  for (int64_t i = 0; i < n; i++) F(rows[i], p, ys[i]);
+}
 
 void attend_scalar(const AttnRow&, float*, float*);
 
@@ -63,6 +71,9 @@ void rows_avx2(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int
 void dequant_avx2(const QMat&, float*, int64_t, int64_t);
 void attend_avx2(const AttnRow&, float*, float*);
 void attend_avx512(const AttnRow&, float*, float*);
+// AVX-512: heads up to 128 wide score each block of sixteen keys for all n queries while the block
+// is in the core's cache, and add each block of values to every query's output likewise.
+void attend_many_avx512(const AttnRow*, float* const*, int64_t, float*);
 void rms_norm_avx2(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 void silu_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 void gelu_tanh_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);

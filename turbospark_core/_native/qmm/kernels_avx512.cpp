@@ -350,10 +350,13 @@ template <int BITS, int R>
 void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n1, int64_t& n) {
   const int64_t groups = q.K / q.group;
   Scratch& s = scratch();
-  s.scales.resize(R * groups);
-  s.biases.resize(R * groups);
+  // scales and biases are converted for SPAN rows at a time (a call per block of R rows cost
+  // several percent of a decode step)
+  constexpr int64_t SPAN = 64 / R * R;
+  s.scales.resize(SPAN * groups);
+  s.biases.resize(SPAN * groups);
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
-  for (; n + R <= n1; n += R) {
+  for (int64_t base = n, converted = n; n + R <= n1; n += R) {
     // weights stream from memory: ask for the rows a few blocks ahead while these compute
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
@@ -364,15 +367,20 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
         if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
-    to_f32(q.scales, q.scale_type, n * groups, R * groups, s.scales.data());
-    if (q.fp4) {
-      // no biases: the tables are e2m1 values times the scale
-    } else if (q.biases != nullptr) {
-      to_f32(q.biases, q.scale_type, n * groups, R * groups, s.biases.data());
-    } else {
-      for (int64_t i = 0; i < R * groups; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+    if (n == converted) {
+      const int64_t count = std::min(SPAN, (n1 - n) / R * R) * groups;
+      to_f32(q.scales, q.scale_type, n * groups, count, s.scales.data());
+      if (q.fp4) {
+        // no biases: the tables are e2m1 values times the scale
+      } else if (q.biases != nullptr) {
+        to_f32(q.biases, q.scale_type, n * groups, count, s.biases.data());
+      } else {
+        for (int64_t i = 0; i < count; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+      }
+      base = n;
+      converted = n + count / groups;
     }
-    const float *sf = s.scales.data(), *bf = s.biases.data();
+    const float *sf = s.scales.data() + (n - base) * groups, *bf = s.biases.data() + (n - base) * groups;
     int64_t m = 0;
     auto tile = [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
@@ -539,54 +547,225 @@ void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
 // Lanes [16 c, 16 c + 16) of a row of n values (none past n).
 inline __mmask16 chunk_mask(int64_t c, int64_t n) { return c * 16 >= n ? (__mmask16)0 : tail16(c * 16, n); }
 
-// C chunks of sixteen (a compile-time count keeps the query and the output in
-// registers); chunks past the head size are masked off and add exact zeros
-// (EXACT: both head sizes are 16 C, no masks).
+// The sixteen horizontal sums of acc: lane j of the result is the sum of the
+// lanes of acc[j / 4 + 4 (j % 4)], added in _mm512_reduce_add_ps's order
+// (halves, quarters, then (0 + 2) + (1 + 3)), so a score's bits do not depend
+// on whether it was reduced alone or with fifteen others.
+inline __m512 reduce16(const __m512 (&acc)[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+}
+
+// Scores of keys [t0, t0 + 16) (none past the visible ones), -inf where hidden.
+template <int C>
+inline __m512 scores16(const AttnRow& a, const __m512 (&qv)[C], const __mmask16 (&qm)[C], int64_t t0, int64_t end) {
+  const int n = (int)std::min<int64_t>(16, end - t0);
+  __mmask16 live = tail16(0, n);
+  if (a.mask != nullptr)
+    for (int j = 0; j < n; j++)
+      if (!a.mask[(t0 + j) * a.ms]) live &= (__mmask16) ~(1u << j);
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  if (live == 0) return none;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; j++) {
+    __m512 s = _mm512_setzero_ps();
+    if (j < n) {
+      const float* kr = a.k + (t0 + j) * a.ks;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; c++) s = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), s);
+    }
+    acc[j / 4 + 4 * (j % 4)] = s;
+  }
+  return _mm512_mask_mov_ps(none, live, reduce16(acc));
+}
+
+// A query's registers: C chunks of sixteen (a compile-time count keeps the query and the output
+// in registers); chunks past the head size are masked off and add exact zeros (EXACT: both head
+// sizes are 16 C, no masks).
+template <int C, bool EXACT>
+struct Query {
+  __m512 qv[C];
+  __mmask16 qm[C], vm[C];
+  explicit Query(const AttnRow& a) {
+#pragma GCC unroll 32
+    for (int c = 0; c < C; c++) {
+      qm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.D);
+      vm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.Dv);
+      qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(qm[c], a.q + c * 16), _mm512_set1_ps(a.scale));
+    }
+  }
+};
+
+// Keys from here on are hidden (past the causal limit).
+inline int64_t key_end(const AttnRow& a) { return std::min(a.T, std::max<int64_t>(a.visible, 0)); }
+
+// The scores p[0, end) (-inf where hidden) become their exponentials against the largest, m
+// (hidden keys: exact zeros); returns their sum, taken in 2^-40 fixed point. That sum is
+// associative: a query's result does not depend on where padding puts its keys, and it is
+// vectorized (every term <= 1, the largest exactly 1: truncating each term moves the sum by
+// less than end 2^-40 of it).
+inline float exponentials(float* p, int64_t end, float m) {
+  const __m512 mv = _mm512_set1_ps(m), none = _mm512_set1_ps(-INFINITY), fix = _mm512_set1_ps(0x1p40f);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int64_t t = 0; t < end; t += 16) {
+    const __m512 s = load16(p, t, end);
+    const __mmask16 live = _mm512_cmp_ps_mask(s, none, _CMP_NEQ_OQ) & tail16(t, end);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, mv)));
+    store16(p, t, end, e);
+    const __m512 f = _mm512_mul_ps(e, fix);
+    s0 = _mm512_add_epi64(s0, _mm512_cvttps_epi64(_mm512_castps512_ps256(f)));
+    s1 = _mm512_add_epi64(s1, _mm512_cvttps_epi64(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+  }
+  return (float)_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1)) * 0x1p-40f;
+}
+
+// A query's output sums: weighted value rows added in key order, the live keys taken in turn by
+// two sets of accumulators (by their count, not their position, so padding moves no key to the
+// other set; two chains hide the add's latency). Heads wider than 128 use one set (registers).
+template <int C>
+struct Sums {
+  static constexpr bool TWO = C <= 8;
+  __m512 y[TWO ? 2 : 1][C];
+  bool odd = false;
+  Sums() {
+    for (auto& set : y)
+      for (auto& c : set) c = _mm512_setzero_ps();
+  }
+  // += p[t] v[t] for keys [t0, t1) (a zero weight, masked or underflowed, adds nothing)
+  void add(const AttnRow& a, const float* p, int64_t t0, int64_t t1, const __mmask16 (&vm)[C]) {
+    __m512 e[C], o[C];  // locals: the sums stay in registers (__m512 may alias the weights)
+    for (int c = 0; c < C; c++) {
+      e[c] = y[0][c];
+      o[c] = y[TWO ? 1 : 0][c];
+    }
+    auto fma = [&](__m512(&acc)[C], int64_t t) {
+      const float* vr = a.v + t * a.vs;
+      const __m512 w = _mm512_set1_ps(p[t]);
+#pragma GCC unroll 32
+      for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(vm[c], vr + c * 16), acc[c]);
+    };
+    const __m512i step = _mm512_set1_epi32(16);
+    for (int64_t b = t0; b < t1; b += 64) {
+      // this block's live keys in order, then two at a time (one to each set)
+      alignas(64) int32_t live[64];
+      int n = 0;
+      __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)b),
+                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const int64_t end = std::min(t1, b + 64);
+      for (int64_t t = b; t < end; t += 16, at = _mm512_add_epi32(at, step)) {
+        const __mmask16 m = _mm512_cmp_ps_mask(load16(p, t, end), _mm512_setzero_ps(), _CMP_NEQ_UQ) & tail16(t, end);
+        _mm512_mask_compressstoreu_epi32(live + n, m, at);
+        n += __builtin_popcount(m);
+      }
+      int j = 0;
+      if (TWO && odd && n > 0) fma(o, live[j++]);
+      if (TWO) {
+        for (; j + 1 < n; j += 2) {
+          fma(e, live[j]);
+          fma(o, live[j + 1]);
+        }
+        if (j < n) fma(e, live[j++]);
+        odd = TWO && ((odd + n) & 1);
+      } else {
+        for (; j < n; j++) fma(e, live[j]);
+      }
+    }
+    for (int c = 0; c < C; c++) {
+      y[0][c] = e[c];
+      if (TWO) y[TWO ? 1 : 0][c] = o[c];
+    }
+  }
+  void store(float* out, const __mmask16 (&vm)[C], float sum) const {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+#pragma GCC unroll 32
+    for (int c = 0; c < C; c++) {
+      const __m512 total = TWO ? _mm512_add_ps(y[0][c], y[TWO ? 1 : 0][c]) : y[0][c];
+      _mm512_mask_storeu_ps(out + c * 16, vm[c], _mm512_mul_ps(total, inv));
+    }
+  }
+};
+
+// One query. Heads up to 128 wide score sixteen keys at a time (one transposing reduction for
+// all of them).
 template <int C, bool EXACT>
 void attend_chunks(const AttnRow& a, float* p, float* y) {
-  __m512 qv[C], yv[C];
-  __mmask16 qm[C], vm[C];
-#pragma GCC unroll 32
-  for (int c = 0; c < C; c++) {
-    qm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.D);
-    vm[c] = EXACT ? (__mmask16)0xffff : chunk_mask(c, a.Dv);
-    qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(qm[c], a.q + c * 16), _mm512_set1_ps(a.scale));
-    yv[c] = _mm512_setzero_ps();
-  }
+  const Query<C, EXACT> q(a);
+  const int64_t end = key_end(a);
   float m = -INFINITY;
-  for (int64_t t = 0; t < a.T; t++) {
-    if (a.hidden(t)) {
-      p[t] = -INFINITY;
-      continue;
+  if constexpr (C <= 8) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < end; t += 16) {
+      const __m512 s = scores16<C>(a, q.qv, q.qm, t, end);
+      store16(p, t, end, s);
+      mv = _mm512_max_ps(mv, s);
     }
-    const float* kr = a.k + t * a.ks;
-    __m512 acc = _mm512_setzero_ps();
+    m = _mm512_reduce_max_ps(mv);
+  } else {
+    for (int64_t t = 0; t < end; t++) {
+      if (a.hidden(t)) {
+        p[t] = -INFINITY;
+        continue;
+      }
+      const float* kr = a.k + t * a.ks;
+      __m512 acc = _mm512_setzero_ps();
 #pragma GCC unroll 32
-    for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(qm[c], kr + c * 16), acc);
-    const float s = _mm512_reduce_add_ps(acc);
-    p[t] = s;
-    m = std::max(m, s);
+      for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(q.qv[c], _mm512_maskz_loadu_ps(q.qm[c], kr + c * 16), acc);
+      const float s = _mm512_reduce_add_ps(acc);
+      p[t] = s;
+      m = std::max(m, s);
+    }
   }
-  // the exponentials sixteen at a time (masked keys: exact zeros); the sum key by key, in order, so a
-  // query's result does not depend on where padding puts its keys
-  const __m512 mv = _mm512_set1_ps(m), none = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < a.T; t += 16) {
-    const __m512 s = load16(p, t, a.T);
-    const __mmask16 live = _mm512_cmp_ps_mask(s, none, _CMP_NEQ_OQ);
-    store16(p, t, a.T, _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, mv))));
+  const float sum = exponentials(p, end, m);
+  Sums<C> out;
+  out.add(a, p, 0, end, q.vm);
+  out.store(y, q.vm, sum);
+}
+
+template <int C>
+std::vector<Sums<C>, Aligned64<Sums<C>>>& sums_scratch() {
+  thread_local std::vector<Sums<C>, Aligned64<Sums<C>>> v;
+  return v;
+}
+
+// Up to 64 queries of one head (C <= 8): the same arithmetic as attend_chunks for each, in an
+// order that reads each block of keys and values from memory once for all of them.
+template <int C, bool EXACT>
+void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
+  constexpr int64_t MAXQ = 64, VALUES = 64;  // queries a pass, keys a block of values
+  const int64_t T = rows[0].T;
+  __m512 mv[MAXQ];
+  int64_t ends[MAXQ], last = 0;
+  for (int64_t i = 0; i < n; i++) {
+    ends[i] = key_end(rows[i]);
+    last = std::max(last, ends[i]);
+    mv[i] = _mm512_set1_ps(-INFINITY);
   }
-  float sum = 0.0f;
-  for (int64_t t = 0; t < a.T; t++) sum += p[t];
-  for (int64_t t = 0; t < a.T; t++) {
-    if (p[t] == 0.0f) continue;  // masked (or underflowed): adds exact zeros
-    const float* vr = a.v + t * a.vs;
-    const __m512 w = _mm512_set1_ps(p[t]);
-#pragma GCC unroll 32
-    for (int c = 0; c < C; c++) yv[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(vm[c], vr + c * 16), yv[c]);
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
-#pragma GCC unroll 32
-  for (int c = 0; c < C; c++) _mm512_mask_storeu_ps(y + c * 16, vm[c], _mm512_mul_ps(yv[c], inv));
+  for (int64_t t = 0; t < last; t += 16)
+    for (int64_t i = 0; i < n; i++) {
+      if (t >= ends[i]) continue;
+      const Query<C, EXACT> q(rows[i]);
+      const __m512 s = scores16<C>(rows[i], q.qv, q.qm, t, ends[i]);
+      store16(p + i * T, t, ends[i], s);
+      mv[i] = _mm512_max_ps(mv[i], s);
+    }
+  float sums[MAXQ];
+  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * T, ends[i], _mm512_reduce_max_ps(mv[i]));
+  auto& out = sums_scratch<C>();
+  out.assign(n, Sums<C>());
+  const Query<C, EXACT> shape(rows[0]);  // the value masks (every query has the same head sizes)
+  for (int64_t t = 0; t < last; t += VALUES)
+    for (int64_t i = 0; i < n; i++)
+      if (t < ends[i]) out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), shape.vm);
+  for (int64_t i = 0; i < n; i++) out[i].store(ys[i], shape.vm, sums[i]);
 }
 
 void attend_avx512(const AttnRow& a, float* p, float* y) {
@@ -604,6 +783,27 @@ void attend_avx512(const AttnRow& a, float* p, float* y) {
   if (chunks <= 16) return attend_chunks<16, false>(a, p, y);
   if (chunks <= 32) return attend_chunks<32, false>(a, p, y);  // to 512 (some of it spills)
   attend_scalar(a, p, y);
+}
+
+void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
+  const AttnRow& a = rows[0];
+  const int64_t chunks = (std::max(a.D, a.Dv) + 15) / 16;
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    const int64_t m = std::min<int64_t>(64, n - i0);
+    const AttnRow* r = rows + i0;
+    float* const* y = ys + i0;
+    if (a.D == a.Dv && a.D == 64) {
+      attend_many_chunks<4, true>(r, y, m, p);
+    } else if (a.D == a.Dv && a.D == 128) {
+      attend_many_chunks<8, true>(r, y, m, p);
+    } else if (chunks <= 4) {
+      attend_many_chunks<4, false>(r, y, m, p);
+    } else if (chunks <= 8) {
+      attend_many_chunks<8, false>(r, y, m, p);
+    } else {
+      attend_each<attend_avx512>(r, y, m, p);
+    }
+  }
 }
 
 // ------------------------------------------------------------ rms norm, silu * up

@@ -43,23 +43,24 @@ struct Kernels {
   RowsFn gemm;  // many rows of x (nullptr: dequantized panels through sgemm)
   DequantFn dequant;
   AttendFn attend;
+  AttendManyFn attend_many;
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
   KVRowFn kv_row;
   const char* kernel;
 };
 
-constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, rms_norm_scalar, silu_mul_scalar,
+constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, attend_each<attend_scalar>, rms_norm_scalar, silu_mul_scalar,
                          gelu_tanh_mul_scalar, kv_row_scalar, "scalar"};
 #if defined(__x86_64__)
-constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
+constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, attend_each<attend_avx2>, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
                        "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
-constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, rms_norm_avx512, silu_mul_avx512,
+constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
                          gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
 #endif
 #if defined(__aarch64__)
-constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_neon, rms_norm_neon, silu_mul_neon,
+constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
                        gelu_tanh_mul_neon, kv_row_neon, "neon"};
 #endif
 
@@ -653,6 +654,37 @@ mx::array rope(const mx::array& x_in, int dims, float scale, const mx::array& of
   return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, scale), {x, off, freqs});
 }
 
+// One query whose key or value rows are not dense (elements ksd / vsd floats apart; a.ks / a.vs
+// between rows): the scalar composition.
+void strided(const AttnRow& a, int64_t ksd, int64_t vsd, float* p, float* y) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < a.T; t++) {
+    if (a.hidden(t)) {
+      p[t] = -INFINITY;
+      continue;
+    }
+    const float* kr = a.k + t * a.ks;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < a.D; d++) acc += a.q[d] * a.scale * kr[d * ksd];
+    p[t] = acc;
+    top = std::max(top, acc);
+  }
+  float sum = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - top);
+    sum += p[t];
+  }
+  for (int64_t d = 0; d < a.Dv; d++) y[d] = 0.0f;
+  for (int64_t t = 0; t < a.T; t++) {
+    const float* vr = a.v + t * a.vs;
+    const float w = p[t];
+    if (w == 0.0f) continue;  // masked (or underflowed): adds exact zeros
+    for (int64_t d = 0; d < a.Dv; d++) y[d] += w * vr[d * vsd];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < a.Dv; d++) y[d] *= inv;
+}
+
 // One query per row and head (decode): softmax(scale * q . k) v over all T
 // keys, grouped-query heads sharing keys; k/v are read through their strides
 // (the cache's slices are not copied).
@@ -682,61 +714,56 @@ class DecodeAttention : public mx::UnaryPrimitive {
                   ml = mp ? inputs[3].strides()[2] : 0, mt = mp ? inputs[3].strides()[3] : 0;
     enc.dispatch([qv = view(q), kv = view(k), vv = view(v), yp = out.data<float>(), B, Hq, L, D, Hkv, T, Dv, mp, mb, mh,
                   ml, mt, causal = causal_, scale = scale_, merge = merge_]() {
-      auto one = [&](int64_t c) {
-        const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq), g = h / (Hq / Hkv);
-        const int64_t visible = causal ? T - L + l + 1 : T;
-        thread_local std::vector<float> qs, p;
-        qs.resize(D);
-        p.resize(T);
+      const bool dense = kv.sd == 1 && vv.sd == 1;  // rows of keys and values are dense: the SIMD kernels
+      // query l of head h in row b: its key row and visible range; q copied dense when strided
+      auto row = [&](int64_t b, int64_t h, int64_t l, float* qs) {
+        const int64_t g = h / (Hq / Hkv);
         for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd];
-        const float* kb = kv.p + b * kv.sb + g * kv.sh;
-        const float* vb = vv.p + b * vv.sb + g * vv.sh;
-        const bool* mrow = mp ? mp + b * mb + h * mh + l * ml : nullptr;
-        // merged heads: [B, L, Hq * Dv] (what the output projection reads), else [B, Hq, L, Dv]
-        float* y = yp + (merge ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * Dv;
-        if (kv.sd == 1 && vv.sd == 1) {  // rows of keys and values are dense: the SIMD kernel
-          runtime().attend(AttnRow{qs.data(), kb, vb, mrow, kv.st, vv.st, mt, T, D, Dv, visible, scale}, p.data(), y);
-          return;
-        }
-        for (int64_t d = 0; d < D; d++) qs[d] *= scale;
-        float mx_ = -INFINITY;
-        for (int64_t t = 0; t < T; t++) {
-          if ((mrow && !mrow[t * mt]) || t >= visible) {
-            p[t] = -INFINITY;
-            continue;
-          }
-          const float* kr = kb + t * kv.st;
-          float acc = 0.0f;
-          for (int64_t d = 0; d < D; d++) acc += qs[d] * kr[d * kv.sd];
-          p[t] = acc;
-          mx_ = std::max(mx_, acc);
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-          p[t] = p[t] == -INFINITY ? 0.0f : std::exp(p[t] - mx_);
-          sum += p[t];
-        }
-        for (int64_t d = 0; d < Dv; d++) y[d] = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-          const float* vr = vb + t * vv.st;
-          const float w = p[t];
-          if (w == 0.0f) continue;  // masked (or underflowed): adds exact zeros
-          for (int64_t d = 0; d < Dv; d++) y[d] += w * vr[d * vv.sd];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < Dv; d++) y[d] *= inv;
+        return AttnRow{qs, kv.p + b * kv.sb + g * kv.sh, vv.p + b * vv.sb + g * vv.sh,
+                       mp ? mp + b * mb + h * mh + l * ml : nullptr, kv.st, vv.st, mt, T, D, Dv,
+                       causal ? T - L + l + 1 : T, scale};
       };
-      // a task is one query of every head that shares a kv head (GQA), one head after another: the
-      // group's keys and values come from memory once and from the core's cache for the other heads
-      const int64_t group = Hq / Hkv, tasks = B * Hkv * L;
-      auto heads = [&](int64_t c) {
-        const int64_t l = c % L, g = (c / L) % Hkv, b = c / (L * Hkv);
-        for (int64_t h = g * group; h < (g + 1) * group; h++) one((b * Hq + h) * L + l);
+      // merged heads: [B, L, Hq * Dv] (what the output projection reads), else [B, Hq, L, Dv]
+      auto output = [&](int64_t b, int64_t h, int64_t l) {
+        return yp + (merge ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * Dv;
       };
-      if (tasks > 1 && T * (D + Dv) * tasks * group >= (1 << 16)) {
-        runtime().pool->run(tasks, heads);
+      const int64_t group = Hq / Hkv;
+      // a task is the queries of `span` positions of every head that shares a kv head (GQA): they read
+      // each block of keys and values from memory once (the scores of span * group queries fit the
+      // core's cache); with fewer such tasks than threads, a task is one query of one head
+      const int64_t span = std::clamp<int64_t>((int64_t(1) << 18) / std::max<int64_t>(T * group, 1), 1, 16);
+      const int64_t blocks = (L + span - 1) / span, threads = runtime().pool->threads();
+      const bool grouped = B * Hkv * blocks >= threads;
+      const int64_t tasks = grouped ? B * Hkv * blocks : B * Hq * L;
+      auto task = [&](int64_t c) {
+        thread_local std::vector<float> qs, p;
+        thread_local std::vector<AttnRow> rows;
+        thread_local std::vector<float*> ys;
+        rows.clear();
+        ys.clear();
+        if (grouped) {
+          const int64_t l0 = (c % blocks) * span, g = (c / blocks) % Hkv, b = c / (blocks * Hkv);
+          const int64_t n = std::min(span, L - l0) * group;
+          qs.resize(n * D);
+          for (int64_t l = l0; l < std::min(L, l0 + span); l++)
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+              rows.push_back(row(b, h, l, qs.data() + rows.size() * D));
+              ys.push_back(output(b, h, l));
+            }
+        } else {
+          const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq);
+          qs.resize(D);
+          rows.push_back(row(b, h, l, qs.data()));
+          ys.push_back(output(b, h, l));
+        }
+        p.resize(rows.size() * T);
+        if (dense) return runtime().attend_many(rows.data(), ys.data(), (int64_t)rows.size(), p.data());
+        for (size_t i = 0; i < rows.size(); i++) strided(rows[i], kv.sd, vv.sd, p.data(), ys[i]);
+      };
+      if (tasks > 1 && T * (D + Dv) * B * Hq * L >= (1 << 16)) {
+        runtime().pool->run(tasks, task);
       } else {
-        for (int64_t c = 0; c < tasks; c++) heads(c);
+        for (int64_t c = 0; c < tasks; c++) task(c);
       }
     });
   }
