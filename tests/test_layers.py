@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -214,19 +216,19 @@ def test_rms_norm_and_silu_mul_equal_mlx_whatever_the_path(dtype: mx.Dtype) -> N
 
 @pytest.mark.parametrize("quant", [*QUANTS, None], ids=[*QUANT_IDS, "dense"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_plus_adds_the_product_to_the_residual(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
+def test_linear_plus_adds_the_product_to_the_residual(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
     w, bias = _normal((48, 64), 1), (_normal((48,), 2) if with_bias else None)
     linear = Linear(w, bias) if quant is None else _quantized(w, *quant, bias=bias)[0]
     x, r = _normal((2, 3, 64), 3), _normal((2, 3, 48), 4)
     # folded into a quantized product or added after, the same bits as the sum written out
-    np.testing.assert_array_equal(np.array(linear.plus(x, r)), np.array(r + linear(x)))
+    np.testing.assert_array_equal(np.array(layers.linear_plus(linear, x, r)), np.array(r + linear(x)))
 
     class Doubled(Linear):  # a subclass with its own product (a distributed rank's) keeps it
         def __call__(self, x: mx.array) -> mx.array:
             return super().__call__(x) * 2
 
     doubled = Doubled(linear.weight, bias, quant=linear.quant, scales=linear.scales, biases=linear.biases)
-    np.testing.assert_array_equal(np.array(doubled.plus(x, r)), np.array(r + 2 * linear(x)))
+    np.testing.assert_array_equal(np.array(layers.linear_plus(doubled, x, r)), np.array(r + 2 * linear(x)))
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -271,11 +273,35 @@ def test_normed_and_gated_products_equal_the_ops_written_out(
     # folded into a quantized product or run apart, the same bits as the ops one after another
     for weight in (norm, None):
         want = linear(layers.rms_norm(x, weight, 1e-5))
-        np.testing.assert_array_equal(np.array(linear.normed(x, weight, 1e-5)), np.array(want))
+        np.testing.assert_array_equal(np.array(layers.linear_normed(linear, x, weight, 1e-5)), np.array(want))
     gate_up = _normal((2, 3, 128), 13) * 4
     for name, act in (("silu_mul", layers.silu_mul), ("gelu_tanh_mul", layers.gelu_tanh_mul)):
         h = act(gate_up)
-        np.testing.assert_array_equal(np.array(linear.gated(gate_up, name)), np.array(linear(h)))
-        np.testing.assert_array_equal(np.array(linear.gated(gate_up, name, r)), np.array(r + linear(h)))
+        np.testing.assert_array_equal(np.array(layers.linear_gated(linear, gate_up, name)), np.array(linear(h)))
+        got = layers.linear_gated(linear, gate_up, name, r)
+        np.testing.assert_array_equal(np.array(got), np.array(r + linear(h)))
     with pytest.raises(ValueError, match="gated activation 'relu' is not one of"):
-        linear.gated(gate_up, "relu")
+        layers.linear_gated(linear, gate_up, "relu")
+
+
+def test_a_wrapper_that_observes_its_inputs_sees_them_all() -> None:
+    # calibration and diagnostics wrap a Linear to record what it multiplies: the fused forms call it as itself
+    linear = _quantized(_normal((48, 64), 14), 4, 64, "affine")[0]
+    seen: list[mx.array] = []
+
+    class Observed:
+        def __call__(self, x: mx.array) -> mx.array:
+            seen.append(x)
+            return linear(x)
+
+    x, norm, r = _normal((1, 2, 64), 15), _normal((64,), 16), _normal((1, 2, 48), 17)
+    observed: Any = Observed()
+    np.testing.assert_array_equal(np.array(layers.linear_plus(observed, x, r)), np.array(r + linear(x)))
+    np.testing.assert_array_equal(
+        np.array(layers.linear_normed(observed, x, norm, 1e-5)), np.array(linear(layers.rms_norm(x, norm, 1e-5)))
+    )
+    gate_up = mx.concatenate([x, x], axis=-1)
+    np.testing.assert_array_equal(
+        np.array(layers.linear_gated(observed, gate_up, "silu_mul")), np.array(linear(layers.silu_mul(x, x)))
+    )
+    assert len(seen) == 3

@@ -32,9 +32,10 @@ Fast ops
     ``nn.gelu_approx(gate) * up``; either also of a fused gate/up product,
     ``silu_mul(gate_up)``): one native op each on the CPU, MLX's own
     elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
-    activations. ``Linear.normed(x, weight, eps)``, ``Linear.gated(gate_up,
-    activation, residual)`` and ``Linear.plus(x, residual)`` fold the input's
-    norm or gated activation and the residual add into a quantized product.
+    activations. ``linear_normed(proj, x, weight, eps)``, ``linear_gated(proj,
+    gate_up, activation, residual)`` and ``linear_plus(proj, x, residual)``
+    fold the input's norm or gated activation and the residual add into a
+    quantized product.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -131,6 +132,9 @@ from turbospark_core.layers import (
     fuse_linears,
     fused_parts,
     gelu_tanh_mul,
+    linear_gated,
+    linear_normed,
+    linear_plus,
     rms_norm,
     rope_heads,
     silu_mul,
@@ -218,6 +222,9 @@ __all__ = [
     "is_number",
     "is_tied_head",
     "keys_problem",
+    "linear_gated",
+    "linear_normed",
+    "linear_plus",
     "names_under",
     "resize_rgb",
     "rms_norm",

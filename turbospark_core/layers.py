@@ -63,56 +63,6 @@ class Linear:
         y = native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant)
         return y if self.bias is None else y + self.bias
 
-    def plus(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual + self(x)``: a projection that feeds the residual stream (attention's output, the MLP's down).
-
-        A quantized matrix on the CPU adds the residual as its product is
-        written (one op instead of two; the same result).
-        """
-        if self._native():
-            assert self.quant is not None and self.scales is not None
-            return native.quantized_matmul(x, self.weight, self.scales, self.biases, self.quant, residual)
-        return residual + self(x)
-
-    def normed(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-        """``self(rms_norm(x, weight, eps))``: a projection of a normalized input (q/k/v, the MLP's gate/up).
-
-        A quantized matrix on the CPU normalizes the rows of ``x`` inside its
-        product (the same kernel as :func:`rms_norm`; one op instead of two).
-        """
-        if self._native() and (weight is None or weight.shape == (x.shape[-1],)):
-            assert self.quant is not None and self.scales is not None
-            if native.prologue_supported(x, self.quant, weight):
-                return native.quantized_matmul(
-                    x, self.weight, self.scales, self.biases, self.quant, prologue="rms_norm",
-                    prologue_weight=weight, eps=eps,
-                )  # fmt: skip
-        return self(rms_norm(x, weight, eps))
-
-    def gated(self, gate_up: mx.array, activation: str, residual: mx.array | None = None) -> mx.array:
-        """``residual + self(act(gate) * up)`` from the fused gate/up product ``[..., 2F]`` (a gated MLP's down).
-
-        ``activation``: ``"silu_mul"`` (SwiGLU) or ``"gelu_tanh_mul"`` (GeGLU);
-        ``residual`` optional. A quantized matrix on the CPU applies the
-        activation inside its product (the same kernel as :func:`silu_mul` /
-        :func:`gelu_tanh_mul`; one op instead of two).
-        """
-        if activation not in GATED:
-            msg = f"gated activation {activation!r} is not one of {sorted(GATED)}; pass 'silu_mul' or 'gelu_tanh_mul'"
-            raise ValueError(msg)
-        if self._native():
-            assert self.quant is not None and self.scales is not None
-            if native.prologue_supported(gate_up, self.quant):
-                return native.quantized_matmul(
-                    gate_up, self.weight, self.scales, self.biases, self.quant, residual, prologue=activation
-                )
-        h = GATED[activation](gate_up, None)
-        return self(h) if residual is None else self.plus(h, residual)
-
-    def _native(self) -> bool:
-        # a plain quantized Linear without a bias (a subclass, e.g. a distributed rank's, keeps its own product)
-        return type(self) is Linear and self.quant is not None and self.bias is None
-
 
 FUSE_MAX_BYTES = 64 << 20  # fused copies above this would add too much memory beside the stored weights
 
@@ -287,7 +237,62 @@ GATED: dict[str, Callable[[mx.array, mx.array | None], mx.array]] = {
     "silu_mul": silu_mul,
     "gelu_tanh_mul": gelu_tanh_mul,
 }
-"""The gated activations :meth:`Linear.gated` takes, by name."""
+"""The gated activations :func:`linear_gated` takes, by name."""
+
+
+def _held_natively(proj: Linear) -> bool:
+    # a plain quantized Linear without a bias: anything else (a distributed rank's subclass, a wrapper that
+    # observes its inputs) is called as itself
+    return type(proj) is Linear and proj.quant is not None and proj.scales is not None and proj.bias is None
+
+
+def linear_plus(proj: Linear, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + proj(x)``: a projection that feeds the residual stream (attention's output, the MLP's down).
+
+    A quantized matrix on the CPU adds the residual as its product is
+    written (one op instead of two; the same result).
+    """
+    if _held_natively(proj):
+        assert proj.quant is not None and proj.scales is not None
+        return native.quantized_matmul(x, proj.weight, proj.scales, proj.biases, proj.quant, residual)
+    return residual + proj(x)
+
+
+def linear_normed(proj: Linear, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``proj(rms_norm(x, weight, eps))``: a projection of a normalized input (q/k/v, the MLP's gate/up).
+
+    A quantized matrix on the CPU normalizes the rows of ``x`` inside its
+    product (the same kernel as :func:`rms_norm`; one op instead of two).
+    """
+    if _held_natively(proj) and (weight is None or weight.shape == (x.shape[-1],)):
+        assert proj.quant is not None and proj.scales is not None
+        if native.prologue_supported(x, proj.quant, weight):
+            return native.quantized_matmul(
+                x, proj.weight, proj.scales, proj.biases, proj.quant, prologue="rms_norm", prologue_weight=weight,
+                eps=eps,
+            )  # fmt: skip
+    return proj(rms_norm(x, weight, eps))
+
+
+def linear_gated(proj: Linear, gate_up: mx.array, activation: str, residual: mx.array | None = None) -> mx.array:
+    """``residual + proj(act(gate) * up)`` from the fused gate/up product ``[..., 2F]`` (a gated MLP's down).
+
+    ``activation``: ``"silu_mul"`` (SwiGLU) or ``"gelu_tanh_mul"`` (GeGLU);
+    ``residual`` optional. A quantized matrix on the CPU applies the
+    activation inside its product (the same kernel as :func:`silu_mul` /
+    :func:`gelu_tanh_mul`; one op instead of two).
+    """
+    if activation not in GATED:
+        msg = f"gated activation {activation!r} is not one of {sorted(GATED)}; pass 'silu_mul' or 'gelu_tanh_mul'"
+        raise ValueError(msg)
+    if _held_natively(proj):
+        assert proj.quant is not None and proj.scales is not None
+        if native.prologue_supported(gate_up, proj.quant):
+            return native.quantized_matmul(
+                gate_up, proj.weight, proj.scales, proj.biases, proj.quant, residual, prologue=activation
+            )
+    h = GATED[activation](gate_up, None)
+    return proj(h) if residual is None else linear_plus(proj, h, residual)
 
 
 class Embedding:

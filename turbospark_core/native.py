@@ -115,8 +115,11 @@ def quantized_matmul(
     if prologue:
         assert prologue in PROLOGUES and prologue_supported(x, quant, prologue_weight), prologue
     if _MODULE is not None and keeps(quant):
-        fold = residual is not None and x.dtype == residual.dtype == mx.float32
-        fold = fold and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
+        fold = (
+            residual is not None
+            and x.dtype == residual.dtype == mx.float32
+            and residual.shape == (*x.shape[:-1], w.shape[0])
+        )
         out: mx.array = _MODULE.quantized_matmul(
             x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode,
             residual=residual if fold else None, prologue=prologue, prologue_weight=prologue_weight, eps=eps,

@@ -32,6 +32,8 @@ from turbospark_core.family import (
     fused_parts,
     gelu_tanh_mul,
     int_problems,
+    linear_gated,
+    linear_normed,
     rms_norm,
     rope_heads,
     rope_scaling_problems,
@@ -144,7 +146,7 @@ class RMSNorm:
 
     def into(self, linear: Linear, x: mx.array) -> mx.array:
         """``linear(self(x))``: float32 activations are normalized inside a quantized product (one op)."""
-        return linear.normed(x, self.weight, self.eps) if x.dtype == mx.float32 else linear(self(x))
+        return linear_normed(linear, x, self.weight, self.eps) if x.dtype == mx.float32 else linear(self(x))
 
 
 class Attention:
@@ -223,7 +225,7 @@ class MLP:
     def __call__(self, x: mx.array, norm: RMSNorm) -> mx.array:
         """The MLP of ``norm(x)`` (on float32 activations the norm and GeGLU run inside the products)."""
         if self.gate_up is not None:
-            return self.down_proj.gated(norm.into(self.gate_up, x), "gelu_tanh_mul")
+            return linear_gated(self.down_proj, norm.into(self.gate_up, x), "gelu_tanh_mul")
         normed = norm(x)
         return self.down_proj(gelu_tanh_mul(self.gate_proj(normed), self.up_proj(normed)))
 

@@ -33,6 +33,9 @@ from turbospark_core.family import (
     int_problems,
     is_int,
     keys_problem,
+    linear_gated,
+    linear_normed,
+    linear_plus,
     rms_norm,
     rope_heads,
     rope_scaling_problems,
@@ -259,7 +262,7 @@ class Attention:
         if self.qkv is None:
             proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         else:
-            proj = self.qkv(x) if norm is None else self.qkv.normed(x, norm, self.eps)
+            proj = self.qkv(x) if norm is None else linear_normed(self.qkv, x, norm, self.eps)
         if self.qk_norm == "full":
             q, k, v = mx.split(proj, self.splits, axis=-1) if isinstance(proj, mx.array) else proj
             proj = (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps), v)
@@ -302,7 +305,7 @@ class Attention:
     ) -> mx.array:
         """``x`` plus the attention of ``rms_norm(x, norm)``."""
         q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions, norm)
-        return self.o_proj.plus(self.attend(q, k, v, cache), x)
+        return linear_plus(self.o_proj, self.attend(q, k, v, cache), x)
 
 
 class MLP:
@@ -318,9 +321,9 @@ class MLP:
     def __call__(self, h: mx.array, norm: mx.array, eps: float) -> mx.array:
         """``h`` plus the MLP of ``rms_norm(h, norm, eps)`` (the norm and the activation inside the products)."""
         if self.gate_up is not None:
-            return self.down_proj.gated(self.gate_up.normed(h, norm, eps), "silu_mul", h)
+            return linear_gated(self.down_proj, linear_normed(self.gate_up, h, norm, eps), "silu_mul", h)
         x = rms_norm(h, norm, eps)
-        return self.down_proj.plus(swiglu(self.gate_proj(x), self.up_proj(x)), h)
+        return linear_plus(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), h)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -384,12 +387,12 @@ class Block:
         return self.self_attn.project(x, offset, norm=self.input_layernorm)
 
     def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
-        h = self.self_attn.o_proj.plus(attended, x)
+        h = linear_plus(self.self_attn.o_proj, attended, x)
         return self.mlp(h, self.post_attention_layernorm, self.eps)
 
     def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         assert isinstance(self.mlp, MoE)
-        h = self.self_attn.o_proj.plus(attended, x)
+        h = linear_plus(self.self_attn.o_proj, attended, x)
         normed = rms_norm(h, self.post_attention_layernorm, self.eps)
         return (h, normed, *self.mlp.route(normed))
 
