@@ -32,10 +32,10 @@ Fast ops
     ``nn.gelu_approx(gate) * up``; either also of a fused gate/up product,
     ``silu_mul(gate_up)``): one native op each on the CPU, MLX's own
     elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
-    activations. ``linear_normed(proj, x, weight, eps)``, ``linear_gated(proj,
-    gate_up, activation, residual)`` and ``linear_plus(proj, x, residual)``
-    fold the input's norm or gated activation and the residual add into a
-    quantized product.
+    activations. ``linear_normed`` (``proj(rms_norm(x, weight, eps))``),
+    ``linear_gated`` (``residual + proj(act(gate) * up)``) and
+    ``linear_plus`` (``residual + proj(x)``) fold the input's norm or gated
+    activation and the residual add into a quantized product.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
