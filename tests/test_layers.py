@@ -282,6 +282,13 @@ def test_normed_and_gated_products_equal_the_ops_written_out(
         np.testing.assert_array_equal(np.array(got), np.array(r + linear(h)))
     with pytest.raises(ValueError, match="gated activation 'relu' is not one of"):
         layers.linear_gated(linear, gate_up, "relu")
+    # a sandwich norm after the product, before the residual
+    post = (_normal((48,), 18), 1e-6)
+    got = layers.linear_plus(linear, x, r, post_norm=post)
+    np.testing.assert_array_equal(np.array(got), np.array(r + layers.rms_norm(linear(x), *post)))
+    got = layers.linear_gated(linear, gate_up, "gelu_tanh_mul", r, post_norm=post)
+    want = r + layers.rms_norm(linear(layers.gelu_tanh_mul(gate_up)), *post)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 def test_a_wrapper_that_observes_its_inputs_sees_them_all() -> None:

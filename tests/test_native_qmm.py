@@ -287,6 +287,7 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
         "tests/test_native_qmm.py::test_group_16_rows_of_odd_group_counts_and_half_scales",
         "tests/test_native_qmm.py::test_a_residual_is_added_as_the_product_is_written",
         "tests/test_native_qmm.py::test_a_prologue_equals_the_op_it_stands_for",
+        "tests/test_native_qmm.py::test_a_post_norm_equals_the_norm_after_the_product",
         "tests/test_native_ops.py",
     ]
     run = subprocess.run(
@@ -366,3 +367,36 @@ def test_prologue_refusals() -> None:
             mx.concatenate([x, x], axis=-1), w, s, b, group_size=32, bits=4, prologue="silu_mul",
             prologue_weight=mx.ones((64,)),
         )  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_a_post_norm_equals_the_norm_after_the_product(weighted: bool, m: int) -> None:
+    # each row of the product normalized by the rms_norm kernel, then the residual added: bit for bit
+    x, w, s, b = _case(200, 256, m, 4, 32, mx.float16, seed=11)
+    spec = QuantSpec(bits=4, group_size=32)
+    weight = mx.random.normal((200,), key=mx.random.key(12)) if weighted else None
+    r = mx.random.normal((m, 200), key=mx.random.key(13))
+    normed = native.rms_norm(native.quantized_matmul(x, w, s, b, spec), weight, 1e-6)
+    got = native.quantized_matmul(x, w, s, b, spec, post_norm=(weight, 1e-6))
+    assert np.array_equal(np.array(got), np.array(normed))
+    step = mx.compile(lambda a, res: native.quantized_matmul(a, w, s, b, spec, res, post_norm=(weight, 1e-6)))
+    assert np.array_equal(np.array(step(x, r)), np.array(r + normed))
+    gate_up = mx.random.normal((m, 512), key=mx.random.key(14))  # with a prologue too: down of a GeGLU
+    both = native.quantized_matmul(gate_up, w, s, b, spec, r, prologue="gelu_tanh_mul", post_norm=(weight, 1e-6))
+    want = r + native.rms_norm(native.quantized_matmul(native.gelu_tanh_mul(gate_up), w, s, b, spec), weight, 1e-6)
+    assert np.array_equal(np.array(both), np.array(want))
+
+
+@needs_native
+def test_post_norm_refusals() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 2, 4, 32, mx.float32)
+    with pytest.raises(ValueError, match=r"the post norm's weight must be float32 \[N\]"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, post_norm=True, post_weight=mx.ones((64,)))
+    with pytest.raises(ValueError, match="a post_weight needs post_norm"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, post_weight=mx.ones((16,)))
+    with pytest.raises(ValueError, match="a post norm needs float32 x"):
+        _qmm.quantized_matmul(x.astype(mx.float16), w, s, b, group_size=32, bits=4, post_norm=True)

@@ -34,8 +34,10 @@ Fast ops
     elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
     activations. ``linear_normed`` (``proj(rms_norm(x, weight, eps))``),
     ``linear_gated`` (``residual + proj(act(gate) * up)``) and
-    ``linear_plus`` (``residual + proj(x)``) fold the input's norm or gated
-    activation and the residual add into a quantized product.
+    ``linear_plus`` (``residual + proj(x)``; both with an optional
+    ``post_norm``, a sandwich norm before the add) fold the input's norm or
+    gated activation, the output's norm and the residual add into a
+    quantized product.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and

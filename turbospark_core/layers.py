@@ -246,16 +246,18 @@ def _held_natively(proj: Linear) -> bool:
     return type(proj) is Linear and proj.quant is not None and proj.scales is not None and proj.bias is None
 
 
-def linear_plus(proj: Linear, x: mx.array, residual: mx.array) -> mx.array:
+PostNorm = tuple[mx.array | None, float]
+"""An RMSNorm applied to a projection's output before its residual add: ``(weight, eps)``."""
+
+
+def linear_plus(proj: Linear, x: mx.array, residual: mx.array, *, post_norm: PostNorm | None = None) -> mx.array:
     """``residual + proj(x)``: a projection that feeds the residual stream (attention's output, the MLP's down).
 
-    A quantized matrix on the CPU adds the residual as its product is
-    written (one op instead of two; the same result).
+    ``post_norm``: ``residual + rms_norm(proj(x), *post_norm)`` (Gemma's
+    sandwich norms). A quantized matrix on the CPU normalizes and adds as its
+    product is written (one op instead of up to three; the same result).
     """
-    if _held_natively(proj):
-        assert proj.quant is not None and proj.scales is not None
-        return native.quantized_matmul(x, proj.weight, proj.scales, proj.biases, proj.quant, residual)
-    return residual + proj(x)
+    return _fused(proj, x, residual, post_norm, "", None, 0.0, lambda: proj(x))
 
 
 def linear_normed(proj: Linear, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -264,35 +266,57 @@ def linear_normed(proj: Linear, x: mx.array, weight: mx.array | None, eps: float
     A quantized matrix on the CPU normalizes the rows of ``x`` inside its
     product (the same kernel as :func:`rms_norm`; one op instead of two).
     """
-    if _held_natively(proj) and (weight is None or weight.shape == (x.shape[-1],)):
-        assert proj.quant is not None and proj.scales is not None
-        if native.prologue_supported(x, proj.quant, weight):
-            return native.quantized_matmul(
-                x, proj.weight, proj.scales, proj.biases, proj.quant, prologue="rms_norm", prologue_weight=weight,
-                eps=eps,
-            )  # fmt: skip
-    return proj(rms_norm(x, weight, eps))
+    if weight is not None and weight.shape != (x.shape[-1],):
+        return proj(rms_norm(x, weight, eps))
+    return _fused(proj, x, None, None, "rms_norm", weight, eps, lambda: proj(rms_norm(x, weight, eps)))
 
 
-def linear_gated(proj: Linear, gate_up: mx.array, activation: str, residual: mx.array | None = None) -> mx.array:
+def linear_gated(
+    proj: Linear,
+    gate_up: mx.array,
+    activation: str,
+    residual: mx.array | None = None,
+    *,
+    post_norm: PostNorm | None = None,
+) -> mx.array:
     """``residual + proj(act(gate) * up)`` from the fused gate/up product ``[..., 2F]`` (a gated MLP's down).
 
     ``activation``: ``"silu_mul"`` (SwiGLU) or ``"gelu_tanh_mul"`` (GeGLU);
-    ``residual`` optional. A quantized matrix on the CPU applies the
-    activation inside its product (the same kernel as :func:`silu_mul` /
-    :func:`gelu_tanh_mul`; one op instead of two).
+    ``residual`` optional; ``post_norm`` as :func:`linear_plus`. A quantized
+    matrix on the CPU applies the activation inside its product (the same
+    kernel as :func:`silu_mul` / :func:`gelu_tanh_mul`; one op instead of two).
     """
     if activation not in GATED:
         msg = f"gated activation {activation!r} is not one of {sorted(GATED)}; pass 'silu_mul' or 'gelu_tanh_mul'"
         raise ValueError(msg)
+    act = GATED[activation]
+    return _fused(proj, gate_up, residual, post_norm, activation, None, 0.0, lambda: proj(act(gate_up, None)))
+
+
+def _fused(
+    proj: Linear,
+    x: mx.array,
+    residual: mx.array | None,
+    post_norm: PostNorm | None,
+    prologue: str,
+    weight: mx.array | None,
+    eps: float,
+    apart: Callable[[], mx.array],
+) -> mx.array:
+    """``residual + post_norm(proj(prologue(x)))``: one native product where it can be, else ``apart()`` and so on."""
+    post_weight = None if post_norm is None else post_norm[0]
     if _held_natively(proj):
         assert proj.quant is not None and proj.scales is not None
-        if native.prologue_supported(gate_up, proj.quant):
+        held = [w for w in (weight, post_weight) if w is not None]
+        if native.prologue_supported(x, proj.quant) and all(native.prologue_supported(w, proj.quant) for w in held):
             return native.quantized_matmul(
-                gate_up, proj.weight, proj.scales, proj.biases, proj.quant, residual, prologue=activation
-            )
-    h = GATED[activation](gate_up, None)
-    return proj(h) if residual is None else linear_plus(proj, h, residual)
+                x, proj.weight, proj.scales, proj.biases, proj.quant, residual, prologue=prologue,
+                prologue_weight=weight, eps=eps, post_norm=post_norm,
+            )  # fmt: skip
+    y = apart()
+    if post_norm is not None:
+        y = rms_norm(y, *post_norm)
+    return y if residual is None else residual + y
 
 
 class Embedding:

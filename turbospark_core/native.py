@@ -99,6 +99,7 @@ def quantized_matmul(
     prologue: str = "",
     prologue_weight: mx.array | None = None,
     eps: float = 0.0,
+    post_norm: tuple[mx.array | None, float] | None = None,
 ) -> mx.array:
     """``x @ dequantize(w).T`` (``+ residual`` when given): native on the CPU when supported, else MLX's own kernel.
 
@@ -111,9 +112,15 @@ def quantized_matmul(
     first): ``x`` goes through :func:`rms_norm` (``prologue_weight``, ``eps``)
     or, a fused gate/up product ``[..., 2K]``, through :func:`silu_mul` /
     :func:`gelu_tanh_mul` inside the product (the same kernels, one op fewer).
+    ``post_norm`` (``(weight, eps)``; also :func:`prologue_supported`): each
+    row of the product RMS-normalized before the residual is added
+    (``residual + rms_norm(x @ W.T)``, a sandwich norm).
     """
     if prologue:
         assert prologue in PROLOGUES and prologue_supported(x, quant, prologue_weight), prologue
+    post_weight, post_eps = post_norm if post_norm is not None else (None, 0.0)
+    if post_norm is not None:
+        assert prologue_supported(x, quant, post_weight), "post_norm"
     if _MODULE is not None and keeps(quant):
         fold = (
             residual is not None
@@ -123,6 +130,7 @@ def quantized_matmul(
         out: mx.array = _MODULE.quantized_matmul(
             x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode,
             residual=residual if fold else None, prologue=prologue, prologue_weight=prologue_weight, eps=eps,
+            post_norm=post_norm is not None, post_weight=post_weight, post_eps=post_eps,
         )  # fmt: skip
         return out if fold or residual is None else residual + out
     if biases is None and quant.mode == "affine":

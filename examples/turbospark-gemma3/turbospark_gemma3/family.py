@@ -34,6 +34,7 @@ from turbospark_core.family import (
     int_problems,
     linear_gated,
     linear_normed,
+    linear_plus,
     rms_norm,
     rope_heads,
     rope_scaling_problems,
@@ -148,6 +149,14 @@ class RMSNorm:
         """``linear(self(x))``: float32 activations are normalized inside a quantized product (one op)."""
         return linear_normed(linear, x, self.weight, self.eps) if x.dtype == mx.float32 else linear(self(x))
 
+    def after(self, y: mx.array, residual: mx.array) -> mx.array:
+        """``residual`` plus ``self(y)`` (a sandwich norm's residual add)."""
+        return _residual(residual, self(y))
+
+    def fold(self, residual: mx.array) -> tuple[mx.array, float] | None:
+        """This norm as a product's ``post_norm`` where it may run inside it: float32 activations."""
+        return (self.weight, self.eps) if residual.dtype == mx.float32 else None
+
 
 class Attention:
     def __init__(self, args: Args, w: WeightStore, prefix: str, sliding: bool) -> None:
@@ -175,8 +184,8 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None, norm: RMSNorm) -> mx.array:
-        """The attention of ``norm(x)``."""
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None, norm: RMSNorm, post: RMSNorm) -> mx.array:
+        """``x`` plus ``post`` of the attention of ``norm(x)``."""
         L = x.shape[1]
         offset = 0 if cache is None else cache.offset
         q, k, v = self.heads(x, offset, norm)
@@ -185,7 +194,11 @@ class Attention:
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        return self.o_proj(attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True))
+        attended = attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True)
+        folded = post.fold(x)
+        if folded is not None:
+            return linear_plus(self.o_proj, attended, x, post_norm=folded)
+        return post.after(self.o_proj(attended), x)
 
     def heads(self, x: mx.array, offset: int, norm: RMSNorm) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v ``[B, H, L, D]`` of ``norm(x)``: q and k normalized per head, then rotated."""
@@ -222,12 +235,15 @@ class MLP:
             sizes = [self.gate_proj.out_features, self.up_proj.out_features]
             self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
-    def __call__(self, x: mx.array, norm: RMSNorm) -> mx.array:
-        """The MLP of ``norm(x)`` (on float32 activations the norm and GeGLU run inside the products)."""
+    def __call__(self, x: mx.array, norm: RMSNorm, post: RMSNorm) -> mx.array:
+        """``x`` plus ``post`` of the MLP of ``norm(x)`` (float32 activations: norms, GeGLU and add in the products)."""
+        folded = post.fold(x)
+        if self.gate_up is not None and folded is not None:
+            return linear_gated(self.down_proj, norm.into(self.gate_up, x), "gelu_tanh_mul", x, post_norm=folded)
         if self.gate_up is not None:
-            return linear_gated(self.down_proj, norm.into(self.gate_up, x), "gelu_tanh_mul")
+            return post.after(self.down_proj(gelu_tanh_mul(norm.into(self.gate_up, x))), x)
         normed = norm(x)
-        return self.down_proj(gelu_tanh_mul(self.gate_proj(normed), self.up_proj(normed)))
+        return post.after(self.down_proj(gelu_tanh_mul(self.gate_proj(normed), self.up_proj(normed))), x)
 
 
 def _residual(x: mx.array, y: mx.array) -> mx.array:
@@ -255,10 +271,10 @@ class Block:
         self._decode_ffn = mx.compile(self._ffn)  # one-token steps have fixed shapes
 
     def _ffn(self, h: mx.array) -> mx.array:
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(h, self.pre_feedforward_layernorm)))
+        return self.mlp(h, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        h = _residual(x, self.post_attention_layernorm(self.self_attn(x, cache, self.input_layernorm)))
+        h = self.self_attn(x, cache, self.input_layernorm, self.post_attention_layernorm)
         return self._decode_ffn(h) if x.shape[1] == 1 else self._ffn(h)
 
 

@@ -287,12 +287,16 @@ enum Prologue : int { kNoPrologue = 0, kRmsNormed = 1, kSiluMul = 2, kGeluTanhMu
 
 // The optional inputs of a product after x, w, scales, in this order: biases (none: a symmetric
 // matrix, every bias -2^(bits-1) * its scale), a residual r of y's shape (y = x @ W.T + r: the
-// residual stream's add folded into the product that feeds it), the prologue's weight.
+// residual stream's add folded into the product that feeds it), the prologue's weight, the post
+// norm's weight. A post norm RMS-normalizes each row of the product before the residual is added
+// (y = r + rms_norm(x @ W.T): a "sandwich" norm after attention's output or the MLP's down).
 struct Extras {
   bool biases = false, residual = false;
   int prologue = kNoPrologue;
-  bool weight = false;  // the RMS norm's weight
+  bool weight = false;  // the prologue RMS norm's weight
   float eps = 0.0f;
+  bool post = false, post_weight = false;
+  float post_eps = 0.0f;
   bool operator==(const Extras&) const = default;
 };
 
@@ -309,12 +313,13 @@ class QuantizedMatmul : public QuantizedPrimitive {
     QMat q = layout(scales, w.shape(0), (int64_t)w.shape(1) * 32 / bits());
     const int64_t M = x.size() / x.shape(-1);
     size_t next = 3;
-    std::optional<Dense> bd, rd, pw;
+    std::optional<Dense> bd, rd, pw, qw;
     if (e_.biases) bd.emplace(inputs[next++]);
     if (e_.residual) rd.emplace(inputs[next++]);
     if (e_.weight) pw.emplace(inputs[next++]);
+    if (e_.post_weight) qw.emplace(inputs[next++]);
     enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), rd = std::move(rd),
-                  pw = std::move(pw), yp = out.data<float>(), M, e = e_]() mutable {
+                  pw = std::move(pw), qw = std::move(qw), yp = out.data<float>(), M, e = e_]() mutable {
       q.w = wd.get();
       q.scales = sd.get();
       q.biases = bd ? bd->get() : nullptr;
@@ -334,7 +339,17 @@ class QuantizedMatmul : public QuantizedPrimitive {
         });
         xp = pre->data();
       }
-      compute(q, xp, M, yp, rd ? reinterpret_cast<const float*>(rd->get()) : nullptr);
+      const float* rp = rd ? reinterpret_cast<const float*>(rd->get()) : nullptr;
+      compute(q, xp, M, yp, e.post ? nullptr : rp);
+      if (e.post) {  // each row normalized (the same kernel as rms_norm()), then the residual added
+        const int64_t N = q.N;
+        const float* wp = qw ? reinterpret_cast<const float*>(qw->get()) : nullptr;
+        Scratch normed((size_t)(M * N));
+        over_rows(M, N, [&](int64_t r0, int64_t r1) {
+          runtime().rms_norm(yp + r0 * N, N, wp, normed.data() + r0 * N, r1 - r0, N, e.post_eps);
+          for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp ? rp[i] + normed.data()[i] : normed.data()[i];
+        });
+      }
     });
   }
 
@@ -393,7 +408,8 @@ mx::array float32_input(const mx::array& x, mx::Stream s) {
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
                            const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode,
                            const std::optional<mx::array>& residual, const std::string& prologue,
-                           const std::optional<mx::array>& prologue_weight, float eps) {
+                           const std::optional<mx::array>& prologue_weight, float eps, bool post_norm,
+                           const std::optional<mx::array>& post_weight, float post_eps) {
   const bool fp4 = check_layout(scales, biases, group_size, bits, mode);
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   check(x_in.ndim() >= 1, "x must have at least one dimension");
@@ -432,6 +448,16 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   if (prologue_weight) {
     e.weight = true;
     inputs.push_back(*prologue_weight);
+  }
+  check(!post_weight || post_norm, "a post_weight needs post_norm");
+  check(!post_norm || x_in.dtype() == mx::float32, "a post norm needs float32 x");
+  check(!post_weight || (post_weight->dtype() == mx::float32 && post_weight->shape() == mx::Shape{(int)N}),
+        "the post norm's weight must be float32 [N]");
+  e.post = post_norm;
+  e.post_eps = post_eps;
+  if (post_weight) {
+    e.post_weight = true;
+    inputs.push_back(*post_weight);
   }
   auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4, e), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
@@ -1230,12 +1256,14 @@ NB_MODULE(_qmm, m) {
   m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"), nb::arg("mode") = "affine",
         nb::arg("residual") = nb::none(), nb::arg("prologue") = "", nb::arg("prologue_weight") = nb::none(),
-        nb::arg("eps") = 0.0f,
+        nb::arg("eps") = 0.0f, nb::arg("post_norm") = false, nb::arg("post_weight") = nb::none(),
+        nb::arg("post_eps") = 0.0f,
         "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
         "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale; mode 'mxfp4': e2m1 codes times "
         "uint8 exponent scales; residual (float32, the product's shape): added to the product, as one op; "
         "prologue 'rms_norm' (prologue_weight, eps), 'silu_mul' or 'gelu_tanh_mul' (x the fused gate/up "
-        "[..., 2K]): applied to x first, as rms_norm()/silu_mul()/gelu_tanh_mul() would.");
+        "[..., 2K]): applied to x first, as rms_norm()/silu_mul()/gelu_tanh_mul() would; post_norm: each row "
+        "of the product RMS-normalized (post_weight, post_eps) before the residual is added.");
   m.def("gather_quantized_matmul", &tsq::gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
         nb::arg("mode") = "affine",
