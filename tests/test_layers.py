@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from turbospark_core import layers
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
+from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
 
 # (bits, group_size, mode): MLX's affine kernels and mxfp4
@@ -209,3 +212,103 @@ def test_rms_norm_and_silu_mul_equal_mlx_whatever_the_path(dtype: mx.Dtype) -> N
     want = (nn.gelu_approx(g) * u).astype(mx.float32)
     got = layers.gelu_tanh_mul(g, u).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, None], ids=[*QUANT_IDS, "dense"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_plus_adds_the_product_to_the_residual(quant: tuple[int, int, str] | None, with_bias: bool) -> None:
+    w, bias = _normal((48, 64), 1), (_normal((48,), 2) if with_bias else None)
+    linear = Linear(w, bias) if quant is None else _quantized(w, *quant, bias=bias)[0]
+    x, r = _normal((2, 3, 64), 3), _normal((2, 3, 48), 4)
+    # folded into a quantized product or added after, the same bits as the sum written out
+    np.testing.assert_array_equal(np.array(layers.linear_plus(linear, x, r)), np.array(r + linear(x)))
+
+    class Doubled(Linear):  # a subclass with its own product (a distributed rank's) keeps it
+        def __call__(self, x: mx.array) -> mx.array:
+            return super().__call__(x) * 2
+
+    doubled = Doubled(linear.weight, bias, quant=linear.quant, scales=linear.scales, biases=linear.biases)
+    np.testing.assert_array_equal(np.array(layers.linear_plus(doubled, x, r)), np.array(r + 2 * linear(x)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_heads_merged_attention_and_fused_gates_whatever_the_path(dtype: mx.Dtype, norm: bool) -> None:
+    # float32 on the CPU runs the native ops, bfloat16 the MLX composition they replace: the same values
+    rope = Rope.from_config(dims=32, theta=10000.0, scaling=None, max_positions=4096)
+    heads, kv_heads, d = 4, 2, 32
+    x = (_normal((2, 3, (heads + 2 * kv_heads) * d), 5) * 2).astype(dtype)
+    norms = (_normal((d,), 6).astype(dtype), _normal((d,), 7).astype(dtype)) if norm else None
+    offset = mx.array([4, 9])
+    got = layers.rope_heads(x, rope, heads=heads, kv_heads=kv_heads, offset=offset, norms=norms, eps=1e-6)
+    q, k, v = (p.reshape(2, 3, n, d).transpose(0, 2, 1, 3) for p, n in zip(
+        mx.split(x, [heads * d, (heads + kv_heads) * d], axis=-1), (heads, kv_heads, kv_heads), strict=True
+    ))  # fmt: skip
+    if norms is not None:
+        q, k = mx.fast.rms_norm(q, norms[0], 1e-6), mx.fast.rms_norm(k, norms[1], 1e-6)
+    want = [rope(q, offset), rope(k, offset), v]
+    tol = 1e-5 if dtype == mx.float32 else 6e-2
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(_np(g), _np(w), rtol=tol, atol=tol * 4)
+    cache_k = mx.concatenate([k, k[:, :, ::-1]], axis=2)
+    merged = layers.attention(q, cache_k, cache_k, scale=d**-0.5, mask="causal", merge_heads=True)
+    apart = mx.fast.scaled_dot_product_attention(q, cache_k, cache_k, scale=d**-0.5, mask="causal")
+    assert merged.shape == (2, 3, heads * d)
+    np.testing.assert_allclose(_np(merged), _np(apart.transpose(0, 2, 1, 3).reshape(2, 3, -1)), rtol=tol, atol=tol)
+    gate, up = mx.split(x, 2, axis=-1)
+    np.testing.assert_allclose(_np(layers.silu_mul(x)), _np(gate * mx.sigmoid(gate) * up), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        _np(layers.gelu_tanh_mul(x)), _np(nn.gelu_approx(gate) * up), rtol=tol, atol=tol * 4
+    )
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, None], ids=[*QUANT_IDS, "dense"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_normed_and_gated_products_equal_the_ops_written_out(
+    quant: tuple[int, int, str] | None, with_bias: bool
+) -> None:
+    w, bias = _normal((48, 64), 8), (_normal((48,), 9) if with_bias else None)
+    linear = Linear(w, bias) if quant is None else _quantized(w, *quant, bias=bias)[0]
+    x, norm, r = _normal((2, 3, 64), 10) * 3, _normal((64,), 11), _normal((2, 3, 48), 12)
+    # folded into a quantized product or run apart, the same bits as the ops one after another
+    for weight in (norm, None):
+        want = linear(layers.rms_norm(x, weight, 1e-5))
+        np.testing.assert_array_equal(np.array(layers.linear_normed(linear, x, weight, 1e-5)), np.array(want))
+    gate_up = _normal((2, 3, 128), 13) * 4
+    for name, act in (("silu_mul", layers.silu_mul), ("gelu_tanh_mul", layers.gelu_tanh_mul)):
+        h = act(gate_up)
+        np.testing.assert_array_equal(np.array(layers.linear_gated(linear, gate_up, name)), np.array(linear(h)))
+        got = layers.linear_gated(linear, gate_up, name, r)
+        np.testing.assert_array_equal(np.array(got), np.array(r + linear(h)))
+    with pytest.raises(ValueError, match="gated activation 'relu' is not one of"):
+        layers.linear_gated(linear, gate_up, "relu")
+    # a sandwich norm after the product, before the residual
+    post = (_normal((48,), 18), 1e-6)
+    got = layers.linear_plus(linear, x, r, post_norm=post)
+    np.testing.assert_array_equal(np.array(got), np.array(r + layers.rms_norm(linear(x), *post)))
+    got = layers.linear_gated(linear, gate_up, "gelu_tanh_mul", r, post_norm=post)
+    want = r + layers.rms_norm(linear(layers.gelu_tanh_mul(gate_up)), *post)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_a_wrapper_that_observes_its_inputs_sees_them_all() -> None:
+    # calibration and diagnostics wrap a Linear to record what it multiplies: the fused forms call it as itself
+    linear = _quantized(_normal((48, 64), 14), 4, 64, "affine")[0]
+    seen: list[mx.array] = []
+
+    class Observed:
+        def __call__(self, x: mx.array) -> mx.array:
+            seen.append(x)
+            return linear(x)
+
+    x, norm, r = _normal((1, 2, 64), 15), _normal((64,), 16), _normal((1, 2, 48), 17)
+    observed: Any = Observed()
+    np.testing.assert_array_equal(np.array(layers.linear_plus(observed, x, r)), np.array(r + linear(x)))
+    np.testing.assert_array_equal(
+        np.array(layers.linear_normed(observed, x, norm, 1e-5)), np.array(linear(layers.rms_norm(x, norm, 1e-5)))
+    )
+    gate_up = mx.concatenate([x, x], axis=-1)
+    np.testing.assert_array_equal(
+        np.array(layers.linear_gated(observed, gate_up, "silu_mul")), np.array(linear(layers.silu_mul(x, x)))
+    )
+    assert len(seen) == 3

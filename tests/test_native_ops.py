@@ -248,3 +248,126 @@ def test_kv_rows_refusals() -> None:
     five = mx.concatenate([s, s[:, :2]], axis=1)  # 96 values do not split into 5 groups
     with pytest.raises(ValueError, match="one value per group"):
         _qmm.kv_rows(w, five, five, 4, False)
+
+
+def _heads_reference(
+    parts: list[mx.array], heads: int, kv_heads: int, dims: int, mscale: float, offset: mx.array,
+    norms: tuple[mx.array, mx.array] | None, fast: bool,
+) -> list[mx.array]:  # fmt: skip
+    """What rope_heads stands for, composed: split, reshape, transpose, per-head norm, scale, RoPE.
+
+    ``fast``: MLX's own mx.fast.rms_norm and mx.fast.rope; else the native rms_norm and rope ops.
+    """
+    if len(parts) == 1:
+        d = parts[0].shape[-1] // (heads + 2 * kv_heads)
+        parts = mx.split(parts[0], [heads * d, (heads + kv_heads) * d], axis=-1)
+    B, L = parts[0].shape[:2]
+    counts = (heads, kv_heads, kv_heads)
+    q, k, v = (p.reshape(B, L, n, -1).transpose(0, 2, 1, 3) for p, n in zip(parts, counts, strict=True))
+    out = []
+    for x, w in ((q, None if norms is None else norms[0]), (k, None if norms is None else norms[1])):
+        if w is not None:
+            x = mx.fast.rms_norm(x, w, 1e-6) if fast else native.rms_norm(x, w, 1e-6)
+        if mscale != 1.0:
+            x = mx.concatenate([x[..., :dims] * mscale, x[..., dims:]], axis=-1)
+        if fast:
+            rows = [
+                mx.fast.rope(x[b : b + 1], dims, traditional=False, base=None, scale=0.5, offset=o, freqs=_freqs(dims))
+                for b, o in enumerate(np.broadcast_to(np.array(offset), (B,)).tolist())
+            ]
+            out.append(mx.concatenate(rows, axis=0))
+        else:
+            out.append(native.rope(x, dims, 0.5, offset, _freqs(dims)))
+    return [*out, v]
+
+
+@needs_native
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize(("dims", "mscale"), [(64, 1.0), (48, 1.25)])
+@pytest.mark.parametrize(("length", "offsets"), [(1, [37]), (1, [3, 900]), (5, [0, 11])])
+def test_rope_heads_equal_the_ops_they_replace(
+    fused: bool, norm: bool, dims: int, mscale: float, length: int, offsets: list[int]
+) -> None:
+    heads, kv_heads, d = 6, 2, 64
+    key = mx.random.split(mx.random.key(11), 3)
+    x = mx.random.normal((2, length, (heads + 2 * kv_heads) * d), key=key[0]) * 3
+    parts = [x] if fused else list(mx.split(x, [heads * d, (heads + kv_heads) * d], axis=-1))
+    norms = (mx.random.normal((d,), key=key[1]), mx.random.normal((d,), key=key[2])) if norm else None
+    offset = mx.array(offsets, dtype=mx.int32)
+    assert native.rope_heads_supported(parts, heads, kv_heads, offset)
+    got = native.rope_heads(
+        parts, heads, kv_heads, dims=dims, scale=0.5, mscale=mscale, offset=offset, freqs=_freqs(dims), norms=norms,
+        eps=1e-6,
+    )  # fmt: skip
+    # the same kernels as the native norm and RoPE ops: bit for bit
+    for g, w in zip(got, _heads_reference(parts, heads, kv_heads, dims, mscale, offset, norms, False), strict=True):
+        assert g.shape == w.shape
+        assert np.array_equal(np.array(g), np.array(w))
+    # MLX's own ops: float32 rounding (its sin/cos and norm's sum run another way)
+    for g, w in zip(got, _heads_reference(parts, heads, kv_heads, dims, mscale, offset, norms, True), strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=0, atol=2e-5 * np.abs(np.array(w)).max())
+
+
+@needs_native
+def test_rope_heads_compiled_with_a_value_head_size_of_its_own() -> None:
+    # q/k and v apart, v's heads wider; compiled as a decode step compiles it
+    q, k, v = (mx.random.normal((1, 1, n), key=mx.random.key(n)) for n in (4 * 32, 2 * 32, 2 * 48))
+    def heads(a: mx.array, b: mx.array, c: mx.array, o: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return native.rope_heads([a, b, c], 4, 2, dims=32, scale=1.0, mscale=1.0, offset=o, freqs=_freqs(32))
+
+    step = mx.compile(heads)
+    got = step(q, k, v, mx.array(7, dtype=mx.int32))
+    assert [g.shape for g in got] == [(1, 4, 1, 32), (1, 2, 1, 32), (1, 2, 1, 48)]
+    want = native.rope(q.reshape(1, 1, 4, 32).transpose(0, 2, 1, 3), 32, 1.0, 7, _freqs(32))
+    assert np.array_equal(np.array(got[0]), np.array(want))
+    assert np.array_equal(np.array(got[2]), np.array(v.reshape(1, 1, 2, 48).transpose(0, 2, 1, 3)))
+
+
+@needs_native
+def test_rope_heads_refusals() -> None:
+    x = mx.zeros((1, 1, 8 * 16))
+    assert not native.rope_heads_supported([x], 5, 2, 0)  # 128 does not split into 9 heads
+    assert not native.rope_heads_supported([x.astype(mx.float16)], 4, 2, 0)
+    assert not native.rope_heads_supported([x], 4, 2, mx.array([1, 2, 3]))  # 3 offsets for 1 row
+    with pytest.raises(ValueError, match=r"rope_heads: the fused product's width must be \(heads \+ 2 kv_heads\)"):
+        native.rope_heads([x], 5, 2, dims=16, scale=1.0, mscale=1.0, offset=0, freqs=_freqs(16))
+    with pytest.raises(ValueError, match="rope_heads: dims must be even"):
+        native.rope_heads([x], 4, 2, dims=18, scale=1.0, mscale=1.0, offset=0, freqs=_freqs(18))
+    with pytest.raises(ValueError, match="rope_heads: a head norm's weight must be float32"):
+        native.rope_heads(
+            [x], 4, 2, dims=16, scale=1.0, mscale=1.0, offset=0, freqs=_freqs(16), norms=(mx.ones((8,)), mx.ones((8,)))
+        )
+
+
+@needs_native
+@pytest.mark.parametrize(("length", "mask"), [(1, None), (3, "causal")])
+def test_decode_attention_merges_heads_as_a_transpose_and_reshape_would(length: int, mask: str | None) -> None:
+    kk, kv, kq = mx.random.split(mx.random.key(12), 3)
+    k = mx.random.normal((2, 2, 30, 64), key=kk)[:, :, :20]
+    v = mx.random.normal((2, 2, 30, 48), key=kv)[:, :, :20]
+    q = mx.random.normal((2, 6, length, 64), key=kq)
+    apart = native.decode_attention(q, k, v, 0.125, mask)
+    merged = native.decode_attention(q, k, v, 0.125, mask, merge_heads=True)
+    assert merged.shape == (2, length, 6 * 48)
+    assert np.array_equal(np.array(merged), np.array(apart.transpose(0, 2, 1, 3).reshape(2, length, -1)))
+
+
+@needs_native
+def test_gated_activations_read_a_fused_product_in_place() -> None:
+    h = mx.random.normal((3, 2, 2 * 1029), key=mx.random.key(13)) * 5
+    gate, up = mx.split(h, 2, axis=-1)
+    for fn in (native.silu_mul, native.gelu_tanh_mul):
+        assert native.gated_supported(h)
+        assert np.array_equal(np.array(mx.compile(fn)(h)), np.array(fn(gate, up)))
+    assert not native.gated_supported(h[..., 1:])
+    with pytest.raises(ValueError, match=r"silu_mul: a fused gate/up product must be float32 \[\.\.\., 2n\]"):
+        native.silu_mul(h[..., 1:])
+
+
+@needs_native
+def test_rope_heads_take_only_float32_head_norms() -> None:
+    x = mx.zeros((1, 1, 8 * 16))
+    assert native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,)), mx.ones((16,))))
+    assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,), mx.float16), mx.ones((16,))))
+    assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((8,)), mx.ones((8,))))

@@ -285,6 +285,9 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
         "tests/test_native_qmm.py::test_a_row_of_x_gets_the_same_result_in_any_tile",
         "tests/test_native_qmm.py::test_group_16_equals_the_unpacked_fallback",
         "tests/test_native_qmm.py::test_group_16_rows_of_odd_group_counts_and_half_scales",
+        "tests/test_native_qmm.py::test_a_residual_is_added_as_the_product_is_written",
+        "tests/test_native_qmm.py::test_a_prologue_equals_the_op_it_stands_for",
+        "tests/test_native_qmm.py::test_a_post_norm_equals_the_norm_after_the_product",
         "tests/test_native_ops.py",
     ]
     run = subprocess.run(
@@ -293,3 +296,107 @@ def test_every_kernel_set_equals_mlx(kernels: str) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_a_residual_is_added_as_the_product_is_written(bits: int, m: int) -> None:
+    # row kernels (few rows) and the many-row paths alike: the same bits as the product plus the residual
+    x, w, s, b = _case(200, 256, m, bits, 32, mx.float16, seed=5)
+    r = mx.random.normal((m, 200), key=mx.random.key(6))
+    spec = QuantSpec(bits=bits, group_size=32)
+    want = np.array(r + native.quantized_matmul(x, w, s, b, spec))
+    assert np.array_equal(np.array(native.quantized_matmul(x, w, s, b, spec, residual=r)), want)
+    step = mx.compile(lambda a, res: native.quantized_matmul(a, w, s, b, spec, residual=res))
+    assert np.array_equal(np.array(step(x, r)), want)
+    # a residual the product cannot take in place (half precision, broadcast) is added after: the same sum
+    half = native.quantized_matmul(x.astype(mx.float16), w, s, b, spec, residual=r.astype(mx.float16))
+    np.testing.assert_allclose(np.array(half), want, rtol=2e-3, atol=2e-2 * np.abs(want).max())
+    row = native.quantized_matmul(x, w, s, b, spec, residual=r[:1])
+    assert np.array_equal(np.array(row), np.array(r[:1] + native.quantized_matmul(x, w, s, b, spec)))
+
+
+@needs_native
+def test_a_residual_of_another_shape_is_refused() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 2, 4, 32, mx.float32)
+    with pytest.raises(ValueError, match="a residual needs float32 x and a float32 residual of the product's shape"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, residual=mx.zeros((1, 16)))
+
+
+@needs_native
+@pytest.mark.parametrize("prologue", ["rms_norm", "rms_norm-unweighted", "silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_a_prologue_equals_the_op_it_stands_for(prologue: str, m: int) -> None:
+    # the norm or gated activation inside the product runs the same kernels as the op before it: bit for bit
+    x, w, s, b = _case(200, 256, m, 4, 32, mx.float16, seed=7)
+    spec = QuantSpec(bits=4, group_size=32)
+    r = mx.random.normal((m, 200), key=mx.random.key(8))
+    if prologue.startswith("rms_norm"):
+        weight = None if prologue.endswith("unweighted") else mx.random.normal((256,), key=mx.random.key(9))
+        x_in, before = x * 3, native.rms_norm(x * 3, weight, 1e-5)
+        kwargs = {"prologue": "rms_norm", "prologue_weight": weight, "eps": 1e-5}
+    else:
+        x_in = mx.random.normal((m, 512), key=mx.random.key(10)) * 4  # a fused gate/up product
+        before = native.silu_mul(x_in) if prologue == "silu_mul" else native.gelu_tanh_mul(x_in)
+        kwargs = {"prologue": prologue}
+    assert native.prologue_supported(x_in, spec, kwargs.get("prologue_weight"))
+    want = native.quantized_matmul(before, w, s, b, spec)
+    assert np.array_equal(np.array(native.quantized_matmul(x_in, w, s, b, spec, **kwargs)), np.array(want))
+    step = mx.compile(lambda a, res: native.quantized_matmul(a, w, s, b, spec, res, **kwargs))
+    assert np.array_equal(np.array(step(x_in, r)), np.array(r + want))
+
+
+@needs_native
+def test_prologue_refusals() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 2, 4, 32, mx.float32)
+    assert not native.prologue_supported(x.astype(mx.float16), QuantSpec(bits=4, group_size=32))
+    assert not native.prologue_supported(x, QuantSpec(bits=4, group_size=32), mx.ones((64,), mx.float16))
+    with pytest.raises(ValueError, match="twice them: a fused gate/up input"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, prologue="silu_mul")
+    with pytest.raises(ValueError, match="prologue must be"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, prologue="relu")
+    with pytest.raises(ValueError, match=r"the rms_norm prologue's weight must be float32 \[K\]"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, prologue="rms_norm", prologue_weight=mx.ones((8,)))
+    with pytest.raises(ValueError, match="only the rms_norm prologue takes a weight"):
+        _qmm.quantized_matmul(
+            mx.concatenate([x, x], axis=-1), w, s, b, group_size=32, bits=4, prologue="silu_mul",
+            prologue_weight=mx.ones((64,)),
+        )  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_a_post_norm_equals_the_norm_after_the_product(weighted: bool, m: int) -> None:
+    # each row of the product normalized by the rms_norm kernel, then the residual added: bit for bit
+    x, w, s, b = _case(200, 256, m, 4, 32, mx.float16, seed=11)
+    spec = QuantSpec(bits=4, group_size=32)
+    weight = mx.random.normal((200,), key=mx.random.key(12)) if weighted else None
+    r = mx.random.normal((m, 200), key=mx.random.key(13))
+    normed = native.rms_norm(native.quantized_matmul(x, w, s, b, spec), weight, 1e-6)
+    got = native.quantized_matmul(x, w, s, b, spec, post_norm=(weight, 1e-6))
+    assert np.array_equal(np.array(got), np.array(normed))
+    step = mx.compile(lambda a, res: native.quantized_matmul(a, w, s, b, spec, res, post_norm=(weight, 1e-6)))
+    assert np.array_equal(np.array(step(x, r)), np.array(r + normed))
+    gate_up = mx.random.normal((m, 512), key=mx.random.key(14))  # with a prologue too: down of a GeGLU
+    both = native.quantized_matmul(gate_up, w, s, b, spec, r, prologue="gelu_tanh_mul", post_norm=(weight, 1e-6))
+    want = r + native.rms_norm(native.quantized_matmul(native.gelu_tanh_mul(gate_up), w, s, b, spec), weight, 1e-6)
+    assert np.array_equal(np.array(both), np.array(want))
+
+
+@needs_native
+def test_post_norm_refusals() -> None:
+    from turbospark_core._native import _qmm
+
+    x, w, s, b = _case(16, 64, 2, 4, 32, mx.float32)
+    with pytest.raises(ValueError, match=r"the post norm's weight must be float32 \[N\]"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, post_norm=True, post_weight=mx.ones((64,)))
+    with pytest.raises(ValueError, match="a post_weight needs post_norm"):
+        _qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4, post_weight=mx.ones((16,)))
+    with pytest.raises(ValueError, match="a post norm needs float32 x"):
+        _qmm.quantized_matmul(x.astype(mx.float16), w, s, b, group_size=32, bits=4, post_norm=True)

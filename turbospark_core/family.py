@@ -22,13 +22,22 @@ Attention
     ``Cache`` (any per-layer cache), ``AttentionCache`` (the protocol the
     two KV caches follow, for an attention layer's argument), ``KVCache``,
     ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
-    ``attention`` (scaled dot-product attention, native for a CPU decode step).
+    ``attention`` (scaled dot-product attention, native for a CPU decode step;
+    ``merge_heads=True`` for the ``[B, L, H * D]`` the output projection reads);
+    ``rope_heads`` (q, k, v heads from the fused q/k/v product, per-head norms,
+    RoPE: one native op on the CPU).
 Fast ops
     ``rms_norm`` (``mx.fast.rms_norm``), ``silu_mul`` (the SwiGLU
     activation ``silu(gate) * up``) and ``gelu_tanh_mul`` (GeGLU,
-    ``nn.gelu_approx(gate) * up``): one native op each on the CPU, MLX's own
+    ``nn.gelu_approx(gate) * up``; either also of a fused gate/up product,
+    ``silu_mul(gate_up)``): one native op each on the CPU, MLX's own
     elsewhere. Call them instead of ``mx.fast.rms_norm`` and hand-written
-    activations.
+    activations. ``linear_normed`` (``proj(rms_norm(x, weight, eps))``),
+    ``linear_gated`` (``residual + proj(act(gate) * up)``) and
+    ``linear_plus`` (``residual + proj(x)``; both with an optional
+    ``post_norm``, a sandwich norm before the add) fold the input's norm or
+    gated activation, the output's norm and the residual add into a
+    quantized product.
 Conversion
     The records ``TensorTarget`` (where a source tensor goes),
     ``SourceTensor`` and ``AffineQuantized`` (an MLX-quantized matrix), and
@@ -125,7 +134,11 @@ from turbospark_core.layers import (
     fuse_linears,
     fused_parts,
     gelu_tanh_mul,
+    linear_gated,
+    linear_normed,
+    linear_plus,
     rms_norm,
+    rope_heads,
     silu_mul,
 )
 from turbospark_core.registry import FamilySpec
@@ -211,9 +224,13 @@ __all__ = [
     "is_number",
     "is_tied_head",
     "keys_problem",
+    "linear_gated",
+    "linear_normed",
+    "linear_plus",
     "names_under",
     "resize_rgb",
     "rms_norm",
+    "rope_heads",
     "rope_scaling",
     "rope_scaling_problems",
     "rope_theta",

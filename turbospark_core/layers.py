@@ -6,13 +6,14 @@ The weight store hands them out; families never see how a matrix is held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark_core import dequant, native
+from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
 
 Activation = Callable[[mx.array, mx.array], mx.array]
@@ -134,18 +135,65 @@ def fused_parts(fused: Linear, sizes: list[int]) -> list[Linear]:
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | str | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+    merge_heads: bool = False,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``; one native op on the CPU.
 
     Families call it for attention over their caches and for prefill: it is
     then one op instead of MLX's CPU composition of about ten (whose softmax
     runs scalar exponentials), and each query's result is the same however
-    many run together.
+    many run together. ``merge_heads``: the result ``[B, L, H * Dv]``, the
+    heads side by side as the output projection reads them (written so
+    natively; a transpose and a reshape elsewhere).
     """
     if native.decode_attention_supported(q, k, v, mask):
-        return native.decode_attention(q, k, v, scale, mask)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return native.decode_attention(q, k, v, scale, mask, merge_heads)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1) if merge_heads else out
+
+
+def rope_heads(
+    projections: mx.array | Sequence[mx.array],
+    rope: Rope,
+    *,
+    heads: int,
+    kv_heads: int,
+    offset: int | mx.array,
+    norms: tuple[mx.array, mx.array] | None = None,
+    eps: float = 0.0,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Attention's q, k and v heads ``[B, H, L, D]`` from its projections, q and k rotated by ``rope``.
+
+    ``projections``: the fused q/k/v product ``[B, L, (heads + 2 kv_heads) * D]``,
+    or ``(q, k, v)`` each ``[B, L, H * D]``. ``norms``: q's and k's RMSNorm
+    weights ``[D]``, applied to each head before the rotation (a per-head
+    "qk norm", with ``eps``). One native op on the CPU; elsewhere the split,
+    reshapes, transposes, norms and RoPEs it stands for.
+    """
+    parts = [projections] if isinstance(projections, mx.array) else list(projections)
+    if native.rope_heads_supported(parts, heads, kv_heads, offset, norms):
+        return native.rope_heads(
+            parts, heads, kv_heads, dims=rope.dims, scale=rope.scale, mscale=rope.mscale, offset=offset,
+            freqs=rope.freqs, norms=norms, eps=eps,
+        )  # fmt: skip
+    if len(parts) == 1:
+        d = parts[0].shape[-1] // (heads + 2 * kv_heads)
+        q, k, v = mx.split(parts[0], [heads * d, (heads + kv_heads) * d], axis=-1)
+    else:
+        q, k, v = parts
+    B, L = q.shape[:2]
+    q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+    k = k.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(B, L, kv_heads, -1).transpose(0, 2, 1, 3)
+    if norms is not None:
+        q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)
+    return rope(q, offset), rope(k, offset), v
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -159,19 +207,116 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
 
 
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU."""
+def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """``silu(gate) * up`` (the SwiGLU activation); one vectorized native op on the CPU.
+
+    ``up=None``: ``gate`` is a fused gate/up product ``[..., 2n]`` (gate's half
+    first), read in place without a split.
+    """
     if native.gated_supported(gate, up):
         return native.silu_mul(gate, up)
+    if up is None:
+        gate, up = mx.split(gate, 2, axis=-1)
     return gate * mx.sigmoid(gate) * up
 
 
-def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``gelu_tanh(gate) * up`` (GeGLU with the tanh GELU, ``mlx.nn.gelu_approx``); one native op on the CPU."""
+def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """``gelu_tanh(gate) * up`` (GeGLU with the tanh GELU, ``mlx.nn.gelu_approx``); one native op on the CPU.
+
+    ``up=None``: ``gate`` is a fused gate/up product, as :func:`silu_mul` takes it.
+    """
     if native.gated_supported(gate, up):
         return native.gelu_tanh_mul(gate, up)
+    if up is None:
+        gate, up = mx.split(gate, 2, axis=-1)
     out: mx.array = nn.gelu_approx(gate) * up  # mlx.nn's activations are unannotated
     return out
+
+
+GATED: dict[str, Callable[[mx.array, mx.array | None], mx.array]] = {
+    "silu_mul": silu_mul,
+    "gelu_tanh_mul": gelu_tanh_mul,
+}
+"""The gated activations :func:`linear_gated` takes, by name."""
+
+
+def _held_natively(proj: Linear) -> bool:
+    # a plain quantized Linear without a bias: anything else (a distributed rank's subclass, a wrapper that
+    # observes its inputs) is called as itself
+    return type(proj) is Linear and proj.quant is not None and proj.scales is not None and proj.bias is None
+
+
+PostNorm = tuple[mx.array | None, float]
+"""An RMSNorm applied to a projection's output before its residual add: ``(weight, eps)``."""
+
+
+def linear_plus(proj: Linear, x: mx.array, residual: mx.array, *, post_norm: PostNorm | None = None) -> mx.array:
+    """``residual + proj(x)``: a projection that feeds the residual stream (attention's output, the MLP's down).
+
+    ``post_norm``: ``residual + rms_norm(proj(x), *post_norm)`` (Gemma's
+    sandwich norms). A quantized matrix on the CPU normalizes and adds as its
+    product is written (one op instead of up to three; the same result).
+    """
+    return _fused(proj, x, residual, post_norm, "", None, 0.0, lambda: proj(x))
+
+
+def linear_normed(proj: Linear, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``proj(rms_norm(x, weight, eps))``: a projection of a normalized input (q/k/v, the MLP's gate/up).
+
+    A quantized matrix on the CPU normalizes the rows of ``x`` inside its
+    product (the same kernel as :func:`rms_norm`; one op instead of two).
+    """
+    if weight is not None and weight.shape != (x.shape[-1],):
+        return proj(rms_norm(x, weight, eps))
+    return _fused(proj, x, None, None, "rms_norm", weight, eps, lambda: proj(rms_norm(x, weight, eps)))
+
+
+def linear_gated(
+    proj: Linear,
+    gate_up: mx.array,
+    activation: str,
+    residual: mx.array | None = None,
+    *,
+    post_norm: PostNorm | None = None,
+) -> mx.array:
+    """``residual + proj(act(gate) * up)`` from the fused gate/up product ``[..., 2F]`` (a gated MLP's down).
+
+    ``activation``: ``"silu_mul"`` (SwiGLU) or ``"gelu_tanh_mul"`` (GeGLU);
+    ``residual`` optional; ``post_norm`` as :func:`linear_plus`. A quantized
+    matrix on the CPU applies the activation inside its product (the same
+    kernel as :func:`silu_mul` / :func:`gelu_tanh_mul`; one op instead of two).
+    """
+    if activation not in GATED:
+        msg = f"gated activation {activation!r} is not one of {sorted(GATED)}; pass 'silu_mul' or 'gelu_tanh_mul'"
+        raise ValueError(msg)
+    act = GATED[activation]
+    return _fused(proj, gate_up, residual, post_norm, activation, None, 0.0, lambda: proj(act(gate_up, None)))
+
+
+def _fused(
+    proj: Linear,
+    x: mx.array,
+    residual: mx.array | None,
+    post_norm: PostNorm | None,
+    prologue: str,
+    weight: mx.array | None,
+    eps: float,
+    apart: Callable[[], mx.array],
+) -> mx.array:
+    """``residual + post_norm(proj(prologue(x)))``: one native product where it can be, else ``apart()`` and so on."""
+    post_weight = None if post_norm is None else post_norm[0]
+    if _held_natively(proj):
+        assert proj.quant is not None and proj.scales is not None
+        held = [w for w in (weight, post_weight) if w is not None]
+        if native.prologue_supported(x, proj.quant) and all(native.prologue_supported(w, proj.quant) for w in held):
+            return native.quantized_matmul(
+                x, proj.weight, proj.scales, proj.biases, proj.quant, residual, prologue=prologue,
+                prologue_weight=weight, eps=eps, post_norm=post_norm,
+            )  # fmt: skip
+    y = apart()
+    if post_norm is not None:
+        y = rms_norm(y, *post_norm)
+    return y if residual is None else residual + y
 
 
 class Embedding:

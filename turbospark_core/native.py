@@ -79,24 +79,66 @@ def keeps(quant: QuantSpec) -> bool:
     return supports(quant) and mx.default_device() == mx.cpu
 
 
+PROLOGUES = ("rms_norm", "silu_mul", "gelu_tanh_mul")
+"""What :func:`quantized_matmul` can apply to its input first (``prologue=``)."""
+
+
+def prologue_supported(x: mx.array, quant: QuantSpec, weight: mx.array | None = None) -> bool:
+    """Whether :func:`quantized_matmul` folds a prologue into this product: float32 ``x`` and weight, native."""
+    return keeps(quant) and x.dtype == mx.float32 and (weight is None or weight.dtype == mx.float32)
+
+
 def quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, quant: QuantSpec
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    quant: QuantSpec,
+    residual: mx.array | None = None,
+    *,
+    prologue: str = "",
+    prologue_weight: mx.array | None = None,
+    eps: float = 0.0,
+    post_norm: tuple[mx.array | None, float] | None = None,
 ) -> mx.array:
-    """``x @ dequantize(w).T``: native on the CPU when supported, else MLX's own kernel.
+    """``x @ dequantize(w).T`` (``+ residual`` when given): native on the CPU when supported, else MLX's own kernel.
 
     ``biases=None`` with an affine ``quant``: a symmetric matrix (each bias is
     ``-2^(bits-1)`` times its scale), whose biases the native kernels derive.
+    A ``residual`` (the residual stream a projection adds to) is added as the
+    product is written, one op instead of two, when ``x`` and it are float32
+    of the product's shape; otherwise it is added after (the same result).
+    ``prologue`` (one of :data:`PROLOGUES`; check :func:`prologue_supported`
+    first): ``x`` goes through :func:`rms_norm` (``prologue_weight``, ``eps``)
+    or, a fused gate/up product ``[..., 2K]``, through :func:`silu_mul` /
+    :func:`gelu_tanh_mul` inside the product (the same kernels, one op fewer).
+    ``post_norm`` (``(weight, eps)``; also :func:`prologue_supported`): each
+    row of the product RMS-normalized before the residual is added
+    (``residual + rms_norm(x @ W.T)``, a sandwich norm).
     """
+    if prologue:
+        assert prologue in PROLOGUES and prologue_supported(x, quant, prologue_weight), prologue
+    post_weight, post_eps = post_norm if post_norm is not None else (None, 0.0)
+    if post_norm is not None:
+        assert prologue_supported(x, quant, post_weight), "post_norm"
     if _MODULE is not None and keeps(quant):
-        out: mx.array = _MODULE.quantized_matmul(
-            x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
+        fold = (
+            residual is not None
+            and x.dtype == residual.dtype == mx.float32
+            and residual.shape == (*x.shape[:-1], w.shape[0])
         )
-        return out
+        out: mx.array = _MODULE.quantized_matmul(
+            x, w, scales, biases, group_size=quant.group_size, bits=quant.bits, mode=quant.mode,
+            residual=residual if fold else None, prologue=prologue, prologue_weight=prologue_weight, eps=eps,
+            post_norm=post_norm is not None, post_weight=post_weight, post_eps=post_eps,
+        )  # fmt: skip
+        return out if fold or residual is None else residual + out
     if biases is None and quant.mode == "affine":
         biases = dequant.symmetric_biases(scales, quant.bits)
-    return mx.quantized_matmul(
+    y = mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=quant.group_size, bits=quant.bits, mode=quant.mode
     )
+    return y if residual is None else residual + y
 
 
 def gather_quantized_matmul(
@@ -165,7 +207,12 @@ def decode_attention_supported(
 
 
 def decode_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array | str | None = None,
+    merge_heads: bool = False,
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` as one op.
 
@@ -174,11 +221,13 @@ def decode_attention(
     prefill); this reads the cache's keys and values in place, each query
     alone with vectorized exponentials (so a query's result does not depend
     on how many run together: decode, verify, batch rows and prefill chunks
-    alike). Check :func:`decode_attention_supported` first.
+    alike). ``merge_heads``: the result as ``[B, L, H * Dv]`` (what an output
+    projection reads) instead of ``[B, H, L, Dv]``. Check :func:`decode_attention_supported` first.
     """
     assert _MODULE is not None
     causal = isinstance(mask, str)
-    out: mx.array = _MODULE.decode_attention(q, k, v, scale, None if isinstance(mask, str) else mask, causal)
+    array_mask = None if isinstance(mask, str) else mask
+    out: mx.array = _MODULE.decode_attention(q, k, v, scale, array_mask, causal, merge_heads)
     return out
 
 
@@ -202,26 +251,88 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     return out
 
 
-def gated_supported(gate: mx.array, up: mx.array) -> bool:
-    """Whether :func:`silu_mul` and :func:`gelu_tanh_mul` take these: float32 arrays of one shape, on the CPU."""
+def gated_supported(gate: mx.array, up: mx.array | None = None) -> bool:
+    """Whether :func:`silu_mul` and :func:`gelu_tanh_mul` take these: float32 arrays of one shape, on the CPU.
+
+    ``up=None``: ``gate`` is a fused gate/up product ``[..., 2n]``.
+    """
+    if up is None:
+        return _cpu_float32(gate) and gate.ndim >= 1 and gate.shape[-1] % 2 == 0
     return _cpu_float32(gate, up) and gate.shape == up.shape and gate.ndim >= 1
 
 
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
     """``gate * mx.sigmoid(gate) * up`` as one vectorized op (halves of a fused product read in place).
 
-    Check :func:`gated_supported` first.
+    ``up=None``: ``gate`` is the fused product ``[..., 2n]``, gate's half first
+    (no split op). Check :func:`gated_supported` first.
     """
     assert _MODULE is not None
     out: mx.array = _MODULE.silu_mul(gate, up)
     return out
 
 
-def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """``mlx.nn.gelu_approx(gate) * up`` as one vectorized op. Check :func:`gated_supported` first."""
+def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """``mlx.nn.gelu_approx(gate) * up`` as one vectorized op (``up=None`` as :func:`silu_mul`).
+
+    Check :func:`gated_supported` first.
+    """
     assert _MODULE is not None
     out: mx.array = _MODULE.gelu_tanh_mul(gate, up)
     return out
+
+
+def rope_heads_supported(
+    projections: list[mx.array],
+    heads: int,
+    kv_heads: int,
+    offset: int | mx.array,
+    norms: tuple[mx.array, mx.array] | None = None,
+) -> bool:
+    """Whether :func:`rope_heads` takes these: float32 ``[B, L, heads * D]`` projections on the CPU.
+
+    ``projections``: the fused q/k/v product alone, or q, k and v; ``offset``
+    one position, or one for each row; ``norms`` none or float32 ``[D]`` each.
+    """
+    held = [*projections, *(norms or ())]
+    if len(projections) not in (1, 3) or not _cpu_float32(*held) or any(p.ndim != 3 for p in projections):
+        return False
+    counts = [heads + 2 * kv_heads] if len(projections) == 1 else [heads, kv_heads, kv_heads]
+    if any(p.shape[-1] % n for p, n in zip(projections, counts, strict=True)):
+        return False
+    d = projections[0].shape[-1] // counts[0]
+    if norms is not None and any(w.shape != (d,) for w in norms):
+        return False
+    return isinstance(offset, int) or offset.size in (1, projections[0].shape[0])
+
+
+def rope_heads(
+    projections: list[mx.array],
+    heads: int,
+    kv_heads: int,
+    *,
+    dims: int,
+    scale: float,
+    mscale: float,
+    offset: int | mx.array,
+    freqs: mx.array,
+    norms: tuple[mx.array, mx.array] | None = None,
+    eps: float = 0.0,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Attention's q, k, v heads ``[B, H, L, D]`` from its projections, rotated, as one op.
+
+    ``projections``: the fused q/k/v product ``[B, L, (heads + 2 kv_heads) * D]``
+    alone, or ``[q, k, v]`` apart. With ``norms`` (q's and k's ``[D]``
+    weights) each q and k head is RMS-normalized first; then the first
+    ``dims`` features of q and k are multiplied by ``mscale`` and rotated as
+    :func:`rope` does. What MLX composes from a split, three reshapes, three
+    transposes, two norms and two RoPEs. Check :func:`rope_heads_supported` first.
+    """
+    assert _MODULE is not None
+    off = mx.array(offset, dtype=mx.int32) if isinstance(offset, int) else offset
+    q_norm, k_norm = norms if norms is not None else (None, None)
+    q, k, v = _MODULE.rope_heads(projections, heads, kv_heads, dims, scale, mscale, off, freqs, q_norm, k_norm, eps)
+    return q, k, v
 
 
 def kv_rows_supported(w: mx.array, scales: mx.array) -> bool:

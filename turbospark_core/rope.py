@@ -26,6 +26,11 @@ class Rope:
         self.scale = scale
         self.mscale = mscale
 
+    @property
+    def freqs(self) -> mx.array:
+        """The periods ``[dims / 2]`` (angle = position * scale / period), as ``mx.fast.rope`` takes them."""
+        return self._freqs
+
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if self.mscale != 1.0:
             x = _scale_rotated(x, self.dims, self.mscale)

@@ -20,6 +20,7 @@ from turbospark_core.family import (
     ArchConfigError,
     CacheSpec,
     KVCache,
+    Linear,
     RingKVCache,
     Rope,
     WeightStore,
@@ -31,7 +32,11 @@ from turbospark_core.family import (
     fused_parts,
     gelu_tanh_mul,
     int_problems,
+    linear_gated,
+    linear_normed,
+    linear_plus,
     rms_norm,
+    rope_heads,
     rope_scaling_problems,
     steer,
 )
@@ -140,6 +145,18 @@ class RMSNorm:
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
 
+    def into(self, linear: Linear, x: mx.array) -> mx.array:
+        """``linear(self(x))``: float32 activations are normalized inside a quantized product (one op)."""
+        return linear_normed(linear, x, self.weight, self.eps) if x.dtype == mx.float32 else linear(self(x))
+
+    def after(self, y: mx.array, residual: mx.array) -> mx.array:
+        """``residual`` plus ``self(y)`` (a sandwich norm's residual add)."""
+        return _residual(residual, self(y))
+
+    def fold(self, residual: mx.array) -> tuple[mx.array, float] | None:
+        """This norm as a product's ``post_norm`` where it may run inside it: float32 activations."""
+        return (self.weight, self.eps) if residual.dtype == mx.float32 else None
+
 
 class Attention:
     def __init__(self, args: Args, w: WeightStore, prefix: str, sliding: bool) -> None:
@@ -167,24 +184,43 @@ class Attention:
             max_positions=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        if self.qkv is not None:
-            q, k, v = mx.split(self.qkv(x), [self.sizes[0], self.sizes[0] + self.sizes[1]], axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None, norm: RMSNorm, post: RMSNorm) -> mx.array:
+        """``x`` plus ``post`` of the attention of ``norm(x)``."""
+        L = x.shape[1]
         offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k, v = self.heads(x, offset, norm)
         if cache is None:
             mask = causal_mask(L, self.window)
         else:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        attended = attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True)
+        folded = post.fold(x)
+        if folded is not None:
+            return linear_plus(self.o_proj, attended, x, post_norm=folded)
+        return post.after(self.o_proj(attended), x)
+
+    def heads(self, x: mx.array, offset: int, norm: RMSNorm) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v ``[B, H, L, D]`` of ``norm(x)``: q and k normalized per head, then rotated."""
+        if self.qkv is not None:
+            proj: mx.array | tuple[mx.array, mx.array, mx.array] = norm.into(self.qkv, x)
+        else:
+            normed = norm(x)
+            proj = (self.q_proj(normed), self.k_proj(normed), self.v_proj(normed))
+        if x.dtype == mx.float32:  # the norms' own dtype: one op (native on the CPU) does it all
+            norms = (self.q_norm.weight, self.k_norm.weight)
+            return rope_heads(
+                proj, self.rope, heads=self.n_heads, kv_heads=self.n_kv_heads, offset=offset, norms=norms,
+                eps=self.q_norm.eps,
+            )  # fmt: skip
+        # narrower activations: Gemma normalizes in float32 and narrows after
+        B, L, _ = x.shape
+        splits = [self.sizes[0], self.sizes[0] + self.sizes[1]]
+        q, k, v = mx.split(proj, splits, axis=-1) if isinstance(proj, mx.array) else proj
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(q, offset), self.rope(k, offset), v
 
 
 
@@ -199,11 +235,15 @@ class MLP:
             sizes = [self.gate_proj.out_features, self.up_proj.out_features]
             self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, norm: RMSNorm, post: RMSNorm) -> mx.array:
+        """``x`` plus ``post`` of the MLP of ``norm(x)`` (float32 activations: norms, GeGLU and add in the products)."""
+        folded = post.fold(x)
+        if self.gate_up is not None and folded is not None:
+            return linear_gated(self.down_proj, norm.into(self.gate_up, x), "gelu_tanh_mul", x, post_norm=folded)
         if self.gate_up is not None:
-            gate, up = mx.split(self.gate_up(x), 2, axis=-1)
-            return self.down_proj(gelu_tanh_mul(gate, up))
-        return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+            return post.after(self.down_proj(gelu_tanh_mul(norm.into(self.gate_up, x))), x)
+        normed = norm(x)
+        return post.after(self.down_proj(gelu_tanh_mul(self.gate_proj(normed), self.up_proj(normed))), x)
 
 
 def _residual(x: mx.array, y: mx.array) -> mx.array:
@@ -231,10 +271,10 @@ class Block:
         self._decode_ffn = mx.compile(self._ffn)  # one-token steps have fixed shapes
 
     def _ffn(self, h: mx.array) -> mx.array:
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        return self.mlp(h, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
-        h = _residual(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache)))
+        h = self.self_attn(x, cache, self.input_layernorm, self.post_attention_layernorm)
         return self._decode_ffn(h) if x.shape[1] == 1 else self._ffn(h)
 
 

@@ -308,12 +308,10 @@ class Attention:
 
     def attend(self, q: mx.array, kv: SharedKV) -> mx.array:
         """Attention of ``q`` over ``kv``; ``[B, L, heads * D]``."""
-        B, _, L, _ = q.shape
         k, v, mask = kv
         if k.dtype != q.dtype:  # caches may be held in another dtype than the activations
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = attention(q, k, v, scale=1.0, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return attention(q, k, v, scale=1.0, mask=mask, merge_heads=True)
 
 
 class MLP:

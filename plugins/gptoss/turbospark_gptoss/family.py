@@ -31,6 +31,7 @@ from turbospark_core.family import (
     float_problems,
     int_problems,
     rms_norm,
+    rope_heads,
     rope_scaling_problems,
     steer,
 )
@@ -184,11 +185,8 @@ class Attention:
 
     def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, ``[B, heads, L, D]``."""
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.rope(q, offset), self.rope(k, offset), v
+        proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return rope_heads(proj, self.rope, heads=self.n_heads, kv_heads=self.n_kv_heads, offset=offset)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
         """Attention with the sinks over the cache (written first); ``[B, L, heads * D]``."""

@@ -33,7 +33,11 @@ from turbospark_core.family import (
     int_problems,
     is_int,
     keys_problem,
+    linear_gated,
+    linear_normed,
+    linear_plus,
     rms_norm,
+    rope_heads,
     rope_scaling_problems,
     silu_mul,
     steer,
@@ -241,40 +245,67 @@ class Attention:
         return out if tail.shape[-1] == 0 else mx.concatenate([out, tail], axis=-1)
 
     def project(
-        self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
+        self,
+        x: mx.array,
+        offset: int | mx.array,
+        positions: mx.array | None = None,
+        norm: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        B, L, _ = x.shape
-        if self.qkv is not None:
-            q, k, v = mx.split(self.qkv(x), self.splits, axis=-1)
+        """q, k, v heads ``[B, H, L, D]``, q and k rotated (one native op on the CPU with the rope).
+
+        ``norm``: the layer's input RMSNorm weight, applied to ``x`` first
+        (inside the fused q/k/v product where it can be).
+        """
+        if norm is not None and self.qkv is None:
+            x, norm = rms_norm(x, norm, self.eps), None
+        proj: mx.array | tuple[mx.array, mx.array, mx.array]
+        if self.qkv is None:
+            proj = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            proj = self.qkv(x) if norm is None else linear_normed(self.qkv, x, norm, self.eps)
         if self.qk_norm == "full":
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
+            q, k, v = mx.split(proj, self.splits, axis=-1) if isinstance(proj, mx.array) else proj
+            proj = (rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps), v)
+        norms = None
+        if self.qk_norm == "head":
+            assert self.q_norm is not None and self.k_norm is not None
+            norms = (self.q_norm, self.k_norm)
+        if positions is None:
+            return rope_heads(
+                proj, self.rope, heads=self.n_heads, kv_heads=self.n_kv_heads, offset=offset, norms=norms,
+                eps=self.eps,
+            )  # fmt: skip
+        # explicit M-RoPE positions (image prompts): the heads unrotated, then rotated by position
+        B, L, _ = x.shape
+        q, k, v = mx.split(proj, self.splits, axis=-1) if isinstance(proj, mx.array) else proj
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if self.qk_norm == "head":
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        if positions is not None:
-            return self.rope_at(q, positions), self.rope_at(k, positions), v
-        return self.rope(q, offset), self.rope(k, offset), v
+        if norms is not None:
+            q, k = rms_norm(q, norms[0], self.eps), rms_norm(k, norms[1], self.eps)
+        return self.rope_at(q, positions), self.rope_at(k, positions), v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
-        B, _, L, _ = q.shape
+        """Attention over the cache, the heads merged: ``[B, L, H * D]``."""
+        L = q.shape[2]
         mask: mx.array | str | None = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True)
 
     def __call__(
-        self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
+        self,
+        x: mx.array,
+        cache: KVCache | None,
+        shift: int | mx.array = 0,
+        positions: mx.array | None = None,
+        *,
+        norm: mx.array,
     ) -> mx.array:
-        q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions)
-        return self.o_proj(self.attend(q, k, v, cache))
+        """``x`` plus the attention of ``rms_norm(x, norm)``."""
+        q, k, v = self.project(x, (0 if cache is None else cache.offset) + shift, positions, norm)
+        return linear_plus(self.o_proj, self.attend(q, k, v, cache), x)
 
 
 class MLP:
@@ -287,11 +318,12 @@ class MLP:
             sizes = [self.gate_proj.out_features, self.up_proj.out_features]
             self.gate_proj, self.up_proj = fused_parts(self.gate_up, sizes)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, norm: mx.array, eps: float) -> mx.array:
+        """``h`` plus the MLP of ``rms_norm(h, norm, eps)`` (the norm and the activation inside the products)."""
         if self.gate_up is not None:
-            gate, up = mx.split(self.gate_up(x), 2, axis=-1)
-            return self.down_proj(swiglu(gate, up))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+            return linear_gated(self.down_proj, linear_normed(self.gate_up, h, norm, eps), "silu_mul", h)
+        x = rms_norm(h, norm, eps)
+        return linear_plus(self.down_proj, swiglu(self.gate_proj(x), self.up_proj(x)), h)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -322,9 +354,11 @@ class MoE:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, norm: mx.array, eps: float) -> mx.array:
+        """``h`` plus the experts' weighted output for ``rms_norm(h, norm, eps)``."""
+        x = rms_norm(h, norm, eps)
         inds, weights = self.route(x)
-        return combine(self.experts.glu(x, inds, swiglu, weights=weights), weights)
+        return h + combine(self.experts.glu(x, inds, swiglu, weights=weights), weights)
 
 
 def combine(y: mx.array, weights: mx.array) -> mx.array:
@@ -350,15 +384,15 @@ class Block:
         self._decode_combine = mx.compile(self._combine)
 
     def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        return self.self_attn.project(rms_norm(x, self.input_layernorm, self.eps), offset)
+        return self.self_attn.project(x, offset, norm=self.input_layernorm)
 
     def _rest(self, x: mx.array, attended: mx.array) -> mx.array:
-        h = x + self.self_attn.o_proj(attended)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = linear_plus(self.self_attn.o_proj, attended, x)
+        return self.mlp(h, self.post_attention_layernorm, self.eps)
 
     def _route(self, x: mx.array, attended: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         assert isinstance(self.mlp, MoE)
-        h = x + self.self_attn.o_proj(attended)
+        h = linear_plus(self.self_attn.o_proj, attended, x)
         normed = rms_norm(h, self.post_attention_layernorm, self.eps)
         return (h, normed, *self.mlp.route(normed))
 
@@ -376,8 +410,8 @@ class Block:
                 return self._decode_rest(x, attended)
             h, normed, inds, weights = self._decode_route(x, attended)
             return self._decode_combine(h, self.mlp.experts.glu(normed, inds, swiglu, weights=weights), weights)
-        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cache, shift, positions)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = self.self_attn(x, cache, shift, positions, norm=self.input_layernorm)
+        return self.mlp(h, self.post_attention_layernorm, self.eps)
 
 
 class Model:

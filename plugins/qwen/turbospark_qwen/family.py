@@ -316,13 +316,12 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
         """Attention over the cache (written first); ``[B, L, heads * D]``."""
-        B, _, L, _ = q.shape
+        L = q.shape[2]
         mask: mx.array | str | None = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
             mask = cache.mask(L)
-        out = attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return attention(q, k, v, scale=self.head_dim**-0.5, mask=mask, merge_heads=True)
 
     def output(self, attended: mx.array, gate: mx.array) -> mx.array:
         return self.o_proj(attended * mx.sigmoid(gate))

@@ -31,6 +31,7 @@ from turbospark_core.family import (
     is_int,
     is_number,
     rms_norm,
+    rope_heads,
     rope_scaling_problems,
     steer,
 )
@@ -183,8 +184,6 @@ class Attention:
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.scale = args.head_dim**-0.5
-        q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
-        self.splits = [q_size, q_size + kv_size]
         self.q_k_v_proj = w.linear(f"{prefix}.q_k_v_proj")
         self.g_proj = w.linear(f"{prefix}.g_proj")
         self.out_proj = w.linear(f"{prefix}.out_proj")
@@ -198,13 +197,10 @@ class Attention:
 
     def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Rotated queries and keys, values (``[B, heads, L, D]``) and the output gate's logits (one per head)."""
-        B, L, _ = x.shape
-        q, k, v = mx.split(self.q_k_v_proj(x), self.splits, axis=-1)
-        # Views of the fused projection: make them contiguous before the rope kernel
-        q = mx.contiguous(q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3))
-        k = mx.contiguous(k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.rope(q, offset), self.rope(k, offset), v, self.g_proj(x)
+        q, k, v = rope_heads(
+            self.q_k_v_proj(x), self.rope, heads=self.n_heads, kv_heads=self.n_kv_heads, offset=offset
+        )
+        return q, k, v, self.g_proj(x)
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: AttentionCache | None

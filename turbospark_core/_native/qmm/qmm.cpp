@@ -14,11 +14,13 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -117,13 +119,23 @@ int64_t chunk_rows(int64_t N, int64_t K, int64_t M, int threads) {
   return std::max(min_rows, balanced);
 }
 
-void run_rows(const QMat& q, const float* x, int64_t M, float* y) {
+// y[:, n0:n1] += r[:, n0:n1] (r null: nothing): a residual added as each chunk of y is written,
+// the same rounding as adding it after the product
+void add_columns(const float* r, float* y, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  if (r == nullptr) return;
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t n = n0; n < n1; n++) y[m * N + n] += r[m * N + n];
+  }
+}
+
+void run_rows(const QMat& q, const float* x, int64_t M, float* y, const float* r = nullptr) {
   Runtime& rt = runtime();
   const int64_t step = chunk_rows(q.N, q.K, M, rt.pool->threads());
   const int64_t chunks = (q.N + step - 1) / step;
   rt.pool->run(chunks, [&](int64_t c) {
     const int64_t n0 = c * step, n1 = std::min(q.N, n0 + step);
     rt.rows(q, x, M, y, q.N, n0, n1);
+    add_columns(r, y, M, q.N, n0, n1);
   });
 }
 
@@ -131,7 +143,7 @@ void run_rows(const QMat& q, const float* x, int64_t M, float* y) {
 // scratch and multiplies it with sgemm. OpenBLAS runs single-threaded here
 // (turbospark_core.native sets it so): this pool spreads the panels, and no
 // BLAS thread spins waiting for work on a shared core.
-void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
+void run_panels(const QMat& q, const float* x, int64_t M, float* y, const float* r) {
   Runtime& rt = runtime();
   const int64_t cap = std::max<int64_t>(16, ((int64_t)1 << 18) / q.K);  // ~1 MiB of floats
   const int64_t even = (q.N + rt.pool->threads() * 2 - 1) / (rt.pool->threads() * 2);
@@ -143,11 +155,12 @@ void run_panels(const QMat& q, const float* x, int64_t M, float* y) {
     // row-major (101), no-trans A (111), trans B (112)
     rt.sgemm(101, 111, 112, (int)M, (int)rows, (int)q.K, 1.0f, x, (int)q.K, scratch.data(), (int)q.K, 0.0f, y + p0,
              (int)q.N);
+    add_columns(r, y, M, q.N, p0, p0 + rows);
   });
 }
 
 // Many rows of x with the native GEMM: panels of its width spread over the pool.
-void run_gemm(const QMat& q, const float* x, int64_t M, float* y) {
+void run_gemm(const QMat& q, const float* x, int64_t M, float* y, const float* r) {
   Runtime& rt = runtime();
   constexpr int64_t width = 64;  // the kernel's panel
   const int64_t panels = (q.N + width - 1) / width;
@@ -155,14 +168,16 @@ void run_gemm(const QMat& q, const float* x, int64_t M, float* y) {
   rt.pool->run((panels + per - 1) / per, [&](int64_t c) {
     const int64_t n0 = c * per * width, n1 = std::min(q.N, n0 + per * width);
     rt.gemm(q, x, M, y, q.N, n0, n1);
+    add_columns(r, y, M, q.N, n0, n1);
   });
 }
 
-void compute(const QMat& q, const float* x, int64_t M, float* y) {
+// y = x @ W.T (+ r, a residual of y's shape, when given)
+void compute(const QMat& q, const float* x, int64_t M, float* y, const float* r) {
   Runtime& rt = runtime();
-  if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y);
-  if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y);
-  run_rows(q, x, M, y);
+  if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y, r);
+  if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y, r);
+  run_rows(q, x, M, y, r);
 }
 
 int scale_type(mx::Dtype d) {
@@ -181,6 +196,20 @@ mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>&
   enc.set_output_array(out);
   return enc;
 }
+
+// Floats of scratch from MLX's allocator (its cache of freed buffers: no fresh pages to fault in
+// and zero on every call, as a large std::vector would cost), handed back when done.
+class Scratch {
+ public:
+  explicit Scratch(size_t floats) : buf_(mx::allocator::allocator().malloc(floats * sizeof(float))) {}
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { mx::allocator::allocator().free(buf_); }
+  float* data() { return static_cast<float*>(buf_.raw_ptr()); }
+
+ private:
+  mx::allocator::Buffer buf_;
+};
 
 // An input as its task reads it: its own buffer when row-contiguous, else a
 // dense copy made inside the task (inputs are traced without their layout
@@ -231,6 +260,8 @@ class QuantizedPrimitive : public mx::UnaryPrimitive {
   }
 
  protected:
+  int bits() const { return bits_; }
+
   // A matrix of N rows and K columns in this layout, its scales stored as `scales` (pointers unset)
   QMat layout(const mx::array& scales, int64_t N, int64_t K) const {
     QMat q;
@@ -248,27 +279,82 @@ class QuantizedPrimitive : public mx::UnaryPrimitive {
   bool fp4_;
 };
 
+void over_rows(int64_t rows, int64_t n, const std::function<void(int64_t, int64_t)>& body);
+
+// What a product does to its rows of x first (the op that would feed it, folded in):
+// RMS-normalize them (weight optional), or the gated activation of a fused gate/up row [2K].
+enum Prologue : int { kNoPrologue = 0, kRmsNormed = 1, kSiluMul = 2, kGeluTanhMul = 3 };
+
+// The optional inputs of a product after x, w, scales, in this order: biases (none: a symmetric
+// matrix, every bias -2^(bits-1) * its scale), a residual r of y's shape (y = x @ W.T + r: the
+// residual stream's add folded into the product that feeds it), the prologue's weight, the post
+// norm's weight. A post norm RMS-normalizes each row of the product before the residual is added
+// (y = r + rms_norm(x @ W.T): a "sandwich" norm after attention's output or the MLP's down).
+struct Extras {
+  bool biases = false, residual = false;
+  int prologue = kNoPrologue;
+  bool weight = false;  // the prologue RMS norm's weight
+  float eps = 0.0f;
+  bool post = false, post_weight = false;
+  float post_eps = 0.0f;
+  bool operator==(const Extras&) const = default;
+};
+
 class QuantizedMatmul : public QuantizedPrimitive {
  public:
-  using QuantizedPrimitive::QuantizedPrimitive;
+  QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4, Extras e)
+      : QuantizedPrimitive(s, group, bits, fp4), e_(e) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& scales = inputs[2];
     auto& enc = encoder_for(stream(), inputs, out);
-    QMat q = layout(scales, w.shape(0), x.shape(-1));
-    const int64_t M = x.size() / q.K;
-    // no biases input: a symmetric matrix (every bias is -2^(bits-1) * its scale)
-    std::optional<Dense> bd;
-    if (inputs.size() > 3) bd.emplace(inputs[3]);
-    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), yp = out.data<float>(),
-                  M]() mutable {
+    QMat q = layout(scales, w.shape(0), (int64_t)w.shape(1) * 32 / bits());
+    const int64_t M = x.size() / x.shape(-1);
+    size_t next = 3;
+    std::optional<Dense> bd, rd, pw, qw;
+    if (e_.biases) bd.emplace(inputs[next++]);
+    if (e_.residual) rd.emplace(inputs[next++]);
+    if (e_.weight) pw.emplace(inputs[next++]);
+    if (e_.post_weight) qw.emplace(inputs[next++]);
+    enc.dispatch([q, xd = Dense(x), wd = Dense(w), sd = Dense(scales), bd = std::move(bd), rd = std::move(rd),
+                  pw = std::move(pw), qw = std::move(qw), yp = out.data<float>(), M, e = e_]() mutable {
       q.w = wd.get();
       q.scales = sd.get();
       q.biases = bd ? bd->get() : nullptr;
-      compute(q, reinterpret_cast<const float*>(xd.get()), M, yp);
+      const auto* xp = reinterpret_cast<const float*>(xd.get());
+      std::optional<Scratch> pre;  // x after the prologue: the same kernels as the ops it stands for
+      if (e.prologue != kNoPrologue) {
+        const int64_t K = q.K;
+        pre.emplace((size_t)(M * K));
+        const float* wp = pw ? reinterpret_cast<const float*>(pw->get()) : nullptr;
+        GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
+        over_rows(M, K, [&](int64_t r0, int64_t r1) {
+          if (e.prologue == kRmsNormed) {
+            runtime().rms_norm(xp + r0 * K, K, wp, pre->data() + r0 * K, r1 - r0, K, e.eps);
+          } else {
+            gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre->data() + r0 * K, r1 - r0, K);
+          }
+        });
+        xp = pre->data();
+      }
+      const float* rp = rd ? reinterpret_cast<const float*>(rd->get()) : nullptr;
+      compute(q, xp, M, yp, e.post ? nullptr : rp);
+      if (e.post) {  // each row normalized (the same kernel as rms_norm()), then the residual added
+        const int64_t N = q.N;
+        const float* wp = qw ? reinterpret_cast<const float*>(qw->get()) : nullptr;
+        Scratch normed((size_t)(M * N));
+        over_rows(M, N, [&](int64_t r0, int64_t r1) {
+          runtime().rms_norm(yp + r0 * N, N, wp, normed.data() + r0 * N, r1 - r0, N, e.post_eps);
+          for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp ? rp[i] + normed.data()[i] : normed.data()[i];
+        });
+      }
     });
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return QuantizedPrimitive::is_equivalent(other) && e_ == static_cast<const QuantizedMatmul&>(other).e_;
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -282,6 +368,9 @@ class QuantizedMatmul : public QuantizedPrimitive {
     shape.back() = inputs[1].shape(0);
     return {shape};
   }
+
+ private:
+  Extras e_;
 };
 
 void check(bool ok, const std::string& msg) {
@@ -317,14 +406,31 @@ mx::array float32_input(const mx::array& x, mx::Stream s) {
 }
 
 mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode) {
+                           const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode,
+                           const std::optional<mx::array>& residual, const std::string& prologue,
+                           const std::optional<mx::array>& prologue_weight, float eps, bool post_norm,
+                           const std::optional<mx::array>& post_weight, float post_eps) {
   const bool fp4 = check_layout(scales, biases, group_size, bits, mode);
   check(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   check(x_in.ndim() >= 1, "x must have at least one dimension");
   const int64_t N = w.shape(0), K = (int64_t)w.shape(1) * 32 / bits;
+  Extras e;
+  e.biases = biases.has_value();
+  e.residual = residual.has_value();
+  e.eps = eps;
+  if (prologue == "rms_norm") e.prologue = kRmsNormed;
+  else if (prologue == "silu_mul") e.prologue = kSiluMul;
+  else if (prologue == "gelu_tanh_mul") e.prologue = kGeluTanhMul;
+  else check(prologue.empty(), "prologue must be '', 'rms_norm', 'silu_mul' or 'gelu_tanh_mul', got '" + prologue + "'");
+  const bool gated = e.prologue == kSiluMul || e.prologue == kGeluTanhMul;
+  check(!prologue_weight || e.prologue == kRmsNormed, "only the rms_norm prologue takes a weight");
+  check(e.prologue == kNoPrologue || x_in.dtype() == mx::float32, "a prologue needs float32 x");
+  check(!prologue_weight || (prologue_weight->dtype() == mx::float32 && prologue_weight->shape() == mx::Shape{(int)K}),
+        "the rms_norm prologue's weight must be float32 [K]");
   std::ostringstream shape_msg;
-  shape_msg << "x's last dimension " << x_in.shape(-1) << " does not match the weight's " << K << " columns";
-  check(x_in.shape(-1) == K, shape_msg.str());
+  shape_msg << "x's last dimension " << x_in.shape(-1) << " does not match the weight's " << K << " columns"
+            << (gated ? " (twice them: a fused gate/up input)" : "");
+  check(x_in.shape(-1) == (gated ? 2 * K : K), shape_msg.str());
   check(K % group_size == 0, "the weight's columns must be a multiple of group_size");
   check_scales(scales, biases, {(int)N, (int)(K / group_size)}, "[N, K / group_size]");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -334,7 +440,26 @@ mx::array quantized_matmul(const mx::array& x_in, const mx::array& w, const mx::
   out_shape.back() = (int)N;
   std::vector<mx::array> inputs = {x, w, scales};
   if (biases) inputs.push_back(*biases);
-  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4), inputs);
+  if (residual) {
+    check(x_in.dtype() == mx::float32 && residual->dtype() == mx::float32 && residual->shape() == out_shape,
+          "a residual needs float32 x and a float32 residual of the product's shape");
+    inputs.push_back(*residual);
+  }
+  if (prologue_weight) {
+    e.weight = true;
+    inputs.push_back(*prologue_weight);
+  }
+  check(!post_weight || post_norm, "a post_weight needs post_norm");
+  check(!post_norm || x_in.dtype() == mx::float32, "a post norm needs float32 x");
+  check(!post_weight || (post_weight->dtype() == mx::float32 && post_weight->shape() == mx::Shape{(int)N}),
+        "the post norm's weight must be float32 [N]");
+  e.post = post_norm;
+  e.post_eps = post_eps;
+  if (post_weight) {
+    e.post_weight = true;
+    inputs.push_back(*post_weight);
+  }
+  auto y = mx::array(out_shape, mx::float32, std::make_shared<QuantizedMatmul>(s, group_size, bits, fp4, e), inputs);
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
@@ -463,6 +588,37 @@ mx::array gather_quantized_matmul(const mx::array& x_in, const mx::array& w, con
   return out_dtype == mx::float32 ? y : mx::astype(y, out_dtype, s);
 }
 
+// The rotation of one position (Hugging Face half-split layout, as mx.fast.rope computes it):
+// angle_i = (position * scale) * (1 / freqs[i]) for the first dims / 2 frequencies.
+class Angles {
+ public:
+  Angles(const float* freqs, int dims, float scale) : half_(dims / 2), scale_(scale), inv_(half_), c_(half_), s_(half_) {
+    for (int i = 0; i < half_; i++) inv_[i] = 1.0f / freqs[i];
+  }
+  void set(int64_t position) {
+    const float pos = (float)position * scale_;
+    for (int i = 0; i < half_; i++) {
+      const float theta = pos * inv_[i];
+      c_[i] = std::cos(theta);
+      s_[i] = std::sin(theta);
+    }
+  }
+  // dst[0, D) = src (stride sd) with its first dims features times m, then rotated; the rest copied
+  void rotate(const float* src, int64_t sd, float* dst, int64_t D, float m) const {
+    for (int i = 0; i < half_; i++) {
+      const float a = src[i * sd] * m, z = src[(i + half_) * sd] * m;
+      dst[i] = a * c_[i] - z * s_[i];
+      dst[i + half_] = a * s_[i] + z * c_[i];
+    }
+    for (int64_t i = 2 * half_; i < D; i++) dst[i] = src[i * sd];
+  }
+
+ private:
+  int half_;
+  float scale_;
+  std::vector<float> inv_, c_, s_;
+};
+
 // RoPE (Hugging Face half-split layout) over the first `dims` features of each
 // head of x [B, H, L, D], position of query l in row b = offsets[b or 0] + l;
 // angle = (position * scale) * (1 / freqs[i]), as mx.fast.rope computes it.
@@ -482,27 +638,13 @@ class Rope : public mx::UnaryPrimitive {
                   sh, sl, sd, n_off, dims = dims_, scale = scale_]() mutable {
       const auto* op = reinterpret_cast<const int32_t*>(od.get());
       const auto* fp = reinterpret_cast<const float*>(fd.get());
-      const int half = dims / 2;
-      std::vector<float> inv(half), c(half), sn(half);
-      for (int i = 0; i < half; i++) inv[i] = 1.0f / fp[i];
+      Angles at(fp, dims, scale);
       for (int64_t b = 0; b < B; b++) {
         const int32_t off = op[n_off == 1 ? 0 : b];
         for (int64_t l = 0; l < L; l++) {
-          const float pos = (float)(off + l) * scale;
-          for (int i = 0; i < half; i++) {
-            const float theta = pos * inv[i];
-            c[i] = std::cos(theta);
-            sn[i] = std::sin(theta);
-          }
+          at.set(off + l);
           for (int64_t h = 0; h < H; h++) {
-            const float* src = xp + b * sb + h * sh + l * sl;
-            float* dst = yp + ((b * H + h) * L + l) * D;
-            for (int i = 0; i < half; i++) {
-              const float a = src[i * sd], z = src[(i + half) * sd];
-              dst[i] = a * c[i] - z * sn[i];
-              dst[i + half] = a * sn[i] + z * c[i];
-            }
-            for (int64_t i = dims; i < D; i++) dst[i] = src[i * sd];
+            at.rotate(xp + b * sb + h * sh + l * sl, sd, yp + ((b * H + h) * L + l) * D, D, 1.0f);
           }
         }
       }
@@ -574,7 +716,8 @@ void strided(const AttnRow& a, int64_t ksd, int64_t vsd, float* p, float* y) {
 // (the cache's slices are not copied).
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
-  DecodeAttention(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+  DecodeAttention(mx::Stream s, float scale, bool causal, bool merge)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), merge_(merge) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& q = inputs[0];
@@ -596,7 +739,7 @@ class DecodeAttention : public mx::UnaryPrimitive {
     const int64_t mb = mp ? inputs[3].strides()[0] : 0, mh = mp ? inputs[3].strides()[1] : 0,
                   ml = mp ? inputs[3].strides()[2] : 0, mt = mp ? inputs[3].strides()[3] : 0;
     enc.dispatch([qv = view(q), kv = view(k), vv = view(v), yp = out.data<float>(), B, Hq, L, D, Hkv, T, Dv, mp, mb, mh,
-                  ml, mt, causal = causal_, scale = scale_]() {
+                  ml, mt, causal = causal_, scale = scale_, merge = merge_]() {
       const bool dense = kv.sd == 1 && vv.sd == 1;  // rows of keys and values are dense: the SIMD kernels
       // query l of head h in row b: its key row and visible range; q copied dense when strided
       auto row = [&](int64_t b, int64_t h, int64_t l, float* qs) {
@@ -606,7 +749,10 @@ class DecodeAttention : public mx::UnaryPrimitive {
                        mp ? mp + b * mb + h * mh + l * ml : nullptr, kv.st, vv.st, mt, T, D, Dv,
                        causal ? T - L + l + 1 : T, scale};
       };
-      auto output = [&](int64_t b, int64_t h, int64_t l) { return yp + ((b * Hq + h) * L + l) * Dv; };
+      // merged heads: [B, L, Hq * Dv] (what the output projection reads), else [B, Hq, L, Dv]
+      auto output = [&](int64_t b, int64_t h, int64_t l) {
+        return yp + (merge ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * Dv;
+      };
       const int64_t group = Hq / Hkv;
       // a task is the queries of `span` positions of every head that shares a kv head (GQA): they read
       // each block of keys and values from memory once (the scores of span * group queries fit the
@@ -656,22 +802,25 @@ class DecodeAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && merge_ == o.merge_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[2].shape(3);
-    return {shape};
+    return {shape(inputs[0], inputs[2], merge_)};
+  }
+
+  static mx::Shape shape(const mx::array& q, const mx::array& v, bool merge) {
+    if (merge) return {q.shape(0), q.shape(2), q.shape(1) * v.shape(3)};
+    return {q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
   }
 
  private:
   float scale_;
-  bool causal_;
+  bool causal_, merge_;
 };
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                           const std::optional<mx::array>& mask, bool causal) {
+                           const std::optional<mx::array>& mask, bool causal, bool merge_heads) {
   check(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "decode_attention: q, k, v must be [B, H, L, D]");
   check(q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32,
         "decode_attention: q, k, v must be float32");
@@ -683,15 +832,14 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   check(k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0, "decode_attention: query heads must be a multiple of kv heads");
   check(k.shape(3) == q.shape(3) && k.shape(2) > 0, "decode_attention: k must have q's head size and a key");
   auto s = mx::default_stream(mx::Device::cpu);
-  auto shape = q.shape();
-  shape.back() = v.shape(3);
   std::vector<mx::array> inputs = {q, k, v};
   if (mask) {
     check(mask->dtype() == mx::bool_ && mask->ndim() >= 2 && mask->ndim() <= 4,
           "decode_attention: the mask must be boolean [L, T], [1|H, L, T] or [B, 1|H, L, T]");
     inputs.push_back(mx::broadcast_to(*mask, {q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, s));
   }
-  return mx::array(shape, mx::float32, std::make_shared<DecodeAttention>(s, scale, causal), std::move(inputs));
+  return mx::array(DecodeAttention::shape(q, v, merge_heads), mx::float32,
+                   std::make_shared<DecodeAttention>(s, scale, causal, merge_heads), std::move(inputs));
 }
 
 // Rows of the last axis as a task reads them: a base pointer and one row stride
@@ -881,6 +1029,150 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), std::move(inputs));
 }
 
+// Attention's heads from its projections, one op: q, k and v [B, H, L, D] (row-contiguous) from
+// the fused product [B, L, (Hq + 2 Hkv) * D] (or q, k, v [B, L, H * D] apart), q's and k's heads
+// optionally RMS-normalized with their own weight [D] first, then their first `dims` features
+// times mscale and rotated (as Rope) at position offsets[b or 0] + l; v's heads copied. What
+// MLX composes from a split, three reshapes and transposes, two norms and two RoPEs.
+class RopeHeads : public mx::Primitive {
+ public:
+  RopeHeads(mx::Stream s, int hq, int hkv, int dims, float scale, float mscale, bool norm, float eps)
+      : mx::Primitive(s), hq_(hq), hkv_(hkv), dims_(dims), scale_(scale), mscale_(mscale), norm_(norm), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const bool fused = inputs.size() == (norm_ ? 5u : 3u);
+    const int np = fused ? 1 : 3;  // projection inputs
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
+    const int64_t B = outputs[0].shape(0), L = outputs[0].shape(2), D = outputs[0].shape(3), Dv = outputs[2].shape(3);
+    std::vector<Rows> proj;
+    for (int i = 0; i < np; i++) proj.emplace_back(inputs[i]);
+    std::optional<Dense> qn, kn;
+    if (norm_) {
+      qn.emplace(inputs[np + 2]);
+      kn.emplace(inputs[np + 3]);
+    }
+    enc.dispatch([proj = std::move(proj), od = Dense(inputs[np]), n_off = (int64_t)inputs[np].size(),
+                  fd = Dense(inputs[np + 1]), qn = std::move(qn), kn = std::move(kn), yq = outputs[0].data<float>(),
+                  yk = outputs[1].data<float>(), yv = outputs[2].data<float>(), B, L, D, Dv, hq = (int64_t)hq_,
+                  hkv = (int64_t)hkv_, dims = dims_, scale = scale_, m = mscale_, eps = eps_]() mutable {
+      // each projection's rows (one row per token) and where q, k and v start in them
+      const float* src[3];
+      int64_t stride[3];
+      for (size_t i = 0; i < proj.size(); i++) std::tie(src[i], stride[i]) = proj[i].get();
+      if (proj.size() == 1) {
+        src[1] = src[0] + hq * D;
+        src[2] = src[0] + (hq + hkv) * D;
+        stride[1] = stride[2] = stride[0];
+      }
+      const auto* op = reinterpret_cast<const int32_t*>(od.get());
+      const auto* fp = reinterpret_cast<const float*>(fd.get());
+      const float* qw = qn ? reinterpret_cast<const float*>(qn->get()) : nullptr;
+      const float* kw = kn ? reinterpret_cast<const float*>(kn->get()) : nullptr;
+      over_rows(B * L, (hq + 2 * hkv) * D, [&](int64_t r0, int64_t r1) {
+        Angles at(fp, dims, scale);
+        std::vector<float> normed(qw ? (size_t)(std::max(hq, hkv) * D) : 0);
+        // heads of one row (token): normalized into scratch first where asked, then rotated into place
+        auto heads = [&](const float* row, int64_t H, const float* w, float* out, int64_t b, int64_t l) {
+          if (w != nullptr) {
+            runtime().rms_norm(row, D, w, normed.data(), H, D, eps);
+            row = normed.data();
+          }
+          for (int64_t h = 0; h < H; h++) at.rotate(row + h * D, 1, out + ((b * H + h) * L + l) * D, D, m);
+        };
+        for (int64_t r = r0; r < r1; r++) {
+          const int64_t b = r / L, l = r % L;
+          at.set((int64_t)op[n_off == 1 ? 0 : b] + l);
+          heads(src[0] + r * stride[0], hq, qw, yq, b, l);
+          heads(src[1] + r * stride[1], hkv, kw, yk, b, l);
+          for (int64_t h = 0; h < hkv; h++) {
+            std::memcpy(yv + ((b * hkv + h) * L + l) * Dv, src[2] + r * stride[2] + h * Dv, Dv * sizeof(float));
+          }
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("turbospark rope_heads runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkRopeHeads"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RopeHeads&>(other);
+    return hq_ == o.hq_ && hkv_ == o.hkv_ && dims_ == o.dims_ && scale_ == o.scale_ && mscale_ == o.mscale_ &&
+           norm_ == o.norm_ && eps_ == o.eps_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return shapes(inputs, inputs.size() == (norm_ ? 5u : 3u) ? 1 : 3, hq_, hkv_);
+  }
+
+  // q, k and v's [B, H, L, D] from the projection inputs (the first np)
+  static std::vector<mx::Shape> shapes(const std::vector<mx::array>& inputs, int np, int hq, int hkv) {
+    const auto& x = inputs[0];
+    const int B = x.shape(0), L = x.shape(1);
+    if (np == 1) {
+      const int D = x.shape(2) / (hq + 2 * hkv);
+      return {{B, hq, L, D}, {B, hkv, L, D}, {B, hkv, L, D}};
+    }
+    return {{B, hq, L, x.shape(2) / hq}, {B, hkv, L, inputs[1].shape(2) / hkv}, {B, hkv, L, inputs[2].shape(2) / hkv}};
+  }
+
+ private:
+  int hq_, hkv_, dims_;
+  float scale_, mscale_;
+  bool norm_;
+  float eps_;
+};
+
+std::vector<mx::array> rope_heads(const std::vector<mx::array>& projections, int heads, int kv_heads, int dims,
+                                  float scale, float mscale, const mx::array& offset, const mx::array& freqs,
+                                  const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,
+                                  float eps) {
+  const std::string what = "rope_heads: ";
+  check(projections.size() == 1 || projections.size() == 3, what + "pass the fused q/k/v product or q, k and v");
+  check(heads > 0 && kv_heads > 0, what + "heads and kv_heads must be positive");
+  const auto& x = projections[0];
+  for (const auto& p : projections) {
+    check(p.ndim() == 3 && p.dtype() == mx::float32 && p.shape(0) == x.shape(0) && p.shape(1) == x.shape(1),
+          what + "projections must be float32 [B, L, heads * head_dim] of one B and L");
+  }
+  const int np = (int)projections.size();
+  const int n_heads[3] = {heads, kv_heads, kv_heads};
+  if (np == 1) {
+    check(x.shape(2) % (heads + 2 * kv_heads) == 0, what + "the fused product's width must be (heads + 2 kv_heads) * D");
+  } else {
+    for (int i = 0; i < 3; i++) check(projections[i].shape(2) % n_heads[i] == 0, what + "a projection's width is not heads * D");
+  }
+  auto shapes = RopeHeads::shapes(projections, np, heads, kv_heads);
+  const int D = shapes[0][3];
+  check(shapes[1][3] == D && D > 0, what + "q and k must share their head size");
+  check(dims > 0 && dims % 2 == 0 && dims <= D, what + "dims must be even and at most the head size");
+  check(freqs.dtype() == mx::float32 && freqs.size() == (size_t)(dims / 2), what + "freqs must be float32 [dims / 2]");
+  check(offset.size() == 1 || offset.size() == (size_t)x.shape(0), what + "offset must be a scalar or one per row");
+  check(!q_norm == !k_norm, what + "normalize both q and k heads or neither");
+  for (const auto* w : {&q_norm, &k_norm}) {
+    check(!*w || ((*w)->dtype() == mx::float32 && (*w)->ndim() == 1 && (*w)->shape(0) == D),
+          what + "a head norm's weight must be float32 [head_dim]");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = projections;
+  inputs.push_back(offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, s));
+  inputs.push_back(freqs);
+  if (q_norm) {
+    inputs.push_back(*q_norm);
+    inputs.push_back(*k_norm);
+  }
+  auto prim = std::make_shared<RopeHeads>(s, heads, kv_heads, dims, scale, mscale, q_norm.has_value(), eps);
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, prim, inputs);
+}
+
 // act(gate) * up for a gated MLP's activation: silu (SwiGLU) or the tanh GELU (GeGLU).
 class GatedActivation : public mx::UnaryPrimitive {
  public:
@@ -889,10 +1181,13 @@ class GatedActivation : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = encoder_for(stream(), inputs, out);
     GatedFn fn = gelu_ ? runtime().gelu_tanh_mul : runtime().silu_mul;
-    enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[1]), yp = out.data<float>(), fn]() mutable {
+    // one input: the fused product [..., 2n], gate its first half and up its second
+    const bool fused = inputs.size() == 1;
+    enc.dispatch([g = Rows(inputs[0]), u = Rows(inputs[fused ? 0 : 1]), yp = out.data<float>(), fn, fused]() mutable {
       auto [gp, gs] = g.get();
       auto [up, us] = u.get();
-      const int64_t n = g.n();
+      const int64_t n = fused ? g.n() / 2 : g.n();
+      if (fused) up += n;
       over_rows(g.rows(), n, [&](int64_t r0, int64_t r1) { fn(gp + r0 * gs, gs, up + r0 * us, us, yp + r0 * n, r1 - r0, n); });
     });
   }
@@ -907,21 +1202,42 @@ class GatedActivation : public mx::UnaryPrimitive {
     return gelu_ == static_cast<const GatedActivation&>(other).gelu_;
   }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {shape(inputs[0], inputs.size() == 1)};
+  }
+
+  static mx::Shape shape(const mx::array& gate, bool fused) {
+    auto shape = gate.shape();
+    if (fused) shape.back() /= 2;
+    return shape;
+  }
 
  private:
   bool gelu_;
 };
 
-mx::array gated(const mx::array& gate, const mx::array& up, bool gelu, const char* what) {
-  check(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape() && gate.ndim() >= 1,
-        std::string(what) + ": gate and up must be float32 arrays of one shape");
+// up absent: gate is the fused product [..., 2n] (gate's half, then up's)
+mx::array gated(const mx::array& gate, const std::optional<mx::array>& up, bool gelu, const char* what) {
+  if (up) {
+    check(gate.dtype() == mx::float32 && up->dtype() == mx::float32 && gate.shape() == up->shape() && gate.ndim() >= 1,
+          std::string(what) + ": gate and up must be float32 arrays of one shape");
+  } else {
+    check(gate.dtype() == mx::float32 && gate.ndim() >= 1 && gate.shape(-1) % 2 == 0,
+          std::string(what) + ": a fused gate/up product must be float32 [..., 2n]");
+  }
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(gate.shape(), mx::float32, std::make_shared<GatedActivation>(s, gelu), {gate, up});
+  std::vector<mx::array> inputs = {gate};
+  if (up) inputs.push_back(*up);
+  return mx::array(GatedActivation::shape(gate, !up), mx::float32, std::make_shared<GatedActivation>(s, gelu),
+                   std::move(inputs));
 }
 
-mx::array silu_mul(const mx::array& gate, const mx::array& up) { return gated(gate, up, false, "silu_mul"); }
-mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up) { return gated(gate, up, true, "gelu_tanh_mul"); }
+mx::array silu_mul(const mx::array& gate, const std::optional<mx::array>& up) {
+  return gated(gate, up, false, "silu_mul");
+}
+mx::array gelu_tanh_mul(const mx::array& gate, const std::optional<mx::array>& up) {
+  return gated(gate, up, true, "gelu_tanh_mul");
+}
 
 bool bind_blas(const std::string& path, const std::string& prefix) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -939,9 +1255,15 @@ NB_MODULE(_qmm, m) {
   m.doc() = "turbospark native quantized matmul (MLX custom primitive)";
   m.def("quantized_matmul", &tsq::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"), nb::arg("mode") = "affine",
+        nb::arg("residual") = nb::none(), nb::arg("prologue") = "", nb::arg("prologue_weight") = nb::none(),
+        nb::arg("eps") = 0.0f, nb::arg("post_norm") = false, nb::arg("post_weight") = nb::none(),
+        nb::arg("post_eps") = 0.0f,
         "x @ dequantize(w, scales, biases).T for MLX's affine layout (transpose=True), float32 compute; "
         "biases None: a symmetric matrix, every bias -2^(bits-1) * its scale; mode 'mxfp4': e2m1 codes times "
-        "uint8 exponent scales.");
+        "uint8 exponent scales; residual (float32, the product's shape): added to the product, as one op; "
+        "prologue 'rms_norm' (prologue_weight, eps), 'silu_mul' or 'gelu_tanh_mul' (x the fused gate/up "
+        "[..., 2K]): applied to x first, as rms_norm()/silu_mul()/gelu_tanh_mul() would; post_norm: each row "
+        "of the product RMS-normalized (post_weight, post_eps) before the residual is added.");
   m.def("gather_quantized_matmul", &tsq::gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases").none(), nb::arg("indices"), nb::kw_only(), nb::arg("group_size"), nb::arg("bits"),
         nb::arg("mode") = "affine",
@@ -950,19 +1272,27 @@ NB_MODULE(_qmm, m) {
   m.def("rope", &tsq::rope, nb::arg("x"), nb::arg("dims"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs"),
         "mx.fast.rope(x, dims, traditional=False, base=None, scale, offset, freqs) for float32 [B, H, L, D] as one op.");
   m.def("decode_attention", &tsq::decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-        nb::arg("mask") = nb::none(), nb::arg("causal") = false,
-        "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one float32 query per head "
-        "(mask: None or boolean), as one op.");
+        nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::arg("merge_heads") = false,
+        "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for float32 queries "
+        "(mask: None or boolean), as one op; merge_heads: the result as [B, L, H * Dv] (heads side by side).");
   m.def("kv_rows", &tsq::kv_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("bits"),
         nb::arg("rotate"),
         "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
         "Walsh-Hadamard transform of each row (mx.hadamard_transform).");
   m.def("rms_norm", &tsq::rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
-  m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up"),
-        "gate * mx.sigmoid(gate) * up for float32 arrays of one shape, as one op.");
-  m.def("gelu_tanh_mul", &tsq::gelu_tanh_mul, nb::arg("gate"), nb::arg("up"),
-        "mlx.nn.gelu_approx(gate) * up for float32 arrays of one shape, as one op.");
+  m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up").none(),
+        "gate * mx.sigmoid(gate) * up for float32 arrays of one shape, as one op; up None: gate is the fused "
+        "product [..., 2n] (gate's half first).");
+  m.def("gelu_tanh_mul", &tsq::gelu_tanh_mul, nb::arg("gate"), nb::arg("up").none(),
+        "mlx.nn.gelu_approx(gate) * up for float32 arrays of one shape, as one op; up None: gate is the fused "
+        "product [..., 2n] (gate's half first).");
+  m.def("rope_heads", &tsq::rope_heads, nb::arg("projections"), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("dims"), nb::arg("scale"), nb::arg("mscale"), nb::arg("offset"), nb::arg("freqs"),
+        nb::arg("q_norm").none(), nb::arg("k_norm").none(), nb::arg("eps"),
+        "q, k, v [B, H, L, D] from the fused q/k/v product [B, L, (heads + 2 kv_heads) * D] (or [q, k, v]): "
+        "q's and k's heads RMS-normalized (weights given), their first dims features times mscale and rotated "
+        "as rope(), as one op.");
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
