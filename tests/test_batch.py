@@ -99,6 +99,32 @@ def _spy_forward_shapes(runner: Any, monkeypatch: pytest.MonkeyPatch) -> list[tu
     return shapes
 
 
+def test_a_prompt_of_several_chunks_joins_running_rows_a_step_after_its_last_chunk(
+    runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its join re-lays every row out: the step that runs its last chunk does not also join it."""
+    prompts = _prompts(runner, 2)
+    batch = runner.batch(max_rows=3, prefill_chunk=7)
+    first = batch.add(prompts[0], 40)
+    while first.status != "decoding":
+        batch.step()
+    shapes = _spy_forward_shapes(runner, monkeypatch)
+    long = batch.add(prompts[1], 3)
+    steps: list[tuple[list[tuple[int, ...]], str]] = []
+    while long.status != "decoding" and not long.done:
+        shapes.clear()
+        batch.step()
+        steps.append((list(shapes), long.status))
+    prefills = [i for i, (forwards, _) in enumerate(steps) if any(s[1] > 1 for s in forwards)]
+    assert len(prefills) >= 2 and not first.done  # several chunks, joining a running row
+    joined, status = steps[-1]
+    assert status == "decoding" and joined and all(s[1] == 1 for s in joined)  # the join's step: decode only
+    assert prefills[-1] < len(steps) - 1
+    batch.run()
+    assert long.result is not None and long.result.tokens == runner.generate(prompts[1], max_tokens=3).tokens
+    assert first.result is not None and first.result.tokens == runner.generate(prompts[0], max_tokens=40).tokens
+
+
 def test_prompts_joining_together_are_prefilled_in_one_forward(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Their chunks run in ``[B, L]`` forwards; each row's tokens and log probabilities equal the row alone.
 

@@ -205,6 +205,7 @@ class Batch:
         self._next_id = 0
         self._waiting: deque[_Seq] = deque()
         self._prefilling: _Seq | None = None
+        self._join_later: list[_Seq] = []  # prefilled long prompts joining the batch at the next step
         self._decoding: list[_Seq] = []
         self._solo: list[_Seq] = []  # a row decoding speculatively on its own caches (at most one)
         self._caches: BatchCaches | None = None
@@ -282,7 +283,8 @@ class Batch:
 
     def cancel(self, row: BatchRow) -> None:
         """Stop a row now (its row leaves the batch before the next step); its result keeps what it had."""
-        for seq in [*self._waiting, *self._decoding, *self._solo, *([self._prefilling] if self._prefilling else [])]:
+        prefilling = [self._prefilling] if self._prefilling else []
+        for seq in [*self._waiting, *self._decoding, *self._solo, *prefilling, *self._join_later]:
             if seq.row is row and not row.done:
                 if seq.caches is not None and seq.state is not None:  # prefilling, or paused mid-prefill
                     seq.state.reset()  # a half-prefilled session holds no known prefix
@@ -292,7 +294,8 @@ class Batch:
     @property
     def idle(self) -> bool:
         """Whether no row is queued, prefilling or decoding."""
-        return not self._waiting and self._prefilling is None and not self._decoding and not self._solo
+        busy = self._waiting or self._prefilling is not None or self._join_later
+        return not busy and not self._decoding and not self._solo
 
     @property
     def decoding_rows(self) -> int:
@@ -314,6 +317,13 @@ class Batch:
         out: list[tuple[BatchRow, str]] = []
         if self._inflight is not None and self._prefill_due():
             self._settle(out)
+            return out
+        if self._join_later:  # this step's work is their join (no prefill)
+            for seq in self._join_later:
+                self._join_with_last_token(seq)
+            self._join_later = []
+            self._place_rows()
+            self._decode_step(out)
             return out
         together: list[_Seq] = []  # rows whose chunks this step runs in one [B, L] forward
         sizer = self.prefill_cost.sizer()
@@ -359,9 +369,15 @@ class Batch:
         for _ in self:
             pass
 
+    def _rows_taken(self) -> int:
+        """Rows in the batch, and prefilled ones joining it at the next step."""
+        return len(self._decoding) + len(self._join_later)
+
     def _prefill_due(self) -> bool:
-        """Whether this step prefills: a row is mid-prefill, or a waiting one can be admitted."""
-        return self._prefilling is not None or (bool(self._waiting) and len(self._decoding) < self.max_rows)
+        """Whether this step prefills: a row is mid-prefill or due to join, or a waiting one can be admitted."""
+        if self._prefilling is not None or self._join_later:
+            return True
+        return bool(self._waiting) and self._rows_taken() < self.max_rows
 
     def _let_short_prompt_pass(self, sizer: ChunkSizer, budget: float, planned: int = 0) -> None:
         """A waiting prompt that fits ``budget`` goes ahead of a long one mid-prefill (which keeps its progress).
@@ -374,7 +390,7 @@ class Batch:
         if long is None or long.passed >= self.max_rows or sizer.fits(long.left, long.fed, budget):
             return
         short = next((q for q in self._waiting if q.caches is None and sizer.fits(len(q.ids) - 1, 0, budget)), None)
-        if short is None or len(self._decoding) + planned >= self.max_rows:
+        if short is None or self._rows_taken() + planned >= self.max_rows:
             return
         long.passed += 1
         long.row.status = "queued"
@@ -385,7 +401,7 @@ class Batch:
 
     def _admit(self, planned: int = 0) -> None:
         """The next waiting row becomes the prefilling one, when a row is free (``planned``: rows joining this step)."""
-        if self._prefilling is None and self._waiting and len(self._decoding) + planned < self.max_rows:
+        if self._prefilling is None and self._waiting and self._rows_taken() + planned < self.max_rows:
             seq = self._waiting.popleft()
             seq.row.status = "prefill"
             self._prefilling = seq
@@ -514,7 +530,15 @@ class Batch:
             seq.fed += len(chunk)
             seq.progress.prompt_s += time.perf_counter() - t0
             if seq.fed == len(ids) - 1 and self._foldable(seq):
-                self._join_with_last_token(seq)
+                if len(chunk) < len(ids) - 1 and self._decoding:
+                    # a prompt of several chunks joins running rows as the next step's work: its join
+                    # re-lays every row out to its width (2,000 tokens joining three rows: about half a
+                    # chunk's time), which with its last chunk would stall them longer than one chunk
+                    self._join_later.append(seq)
+                    if self._prefilling is seq:
+                        self._prefilling = None
+                else:
+                    self._join_with_last_token(seq)
             return
         images = self._images(seq, len(ids) - 1, len(ids))
         logits = self.runner._forward(mx.array([ids[-1:]]), seq.caches, edit, images, got, layers or None)
@@ -786,6 +810,7 @@ class Batch:
     def _place_rows(self) -> None:
         """A row alone decodes speculatively; with company, every row decodes in the batch."""
         alone = len(self._decoding) + len(self._solo) == 1 and not self._waiting and self._prefilling is None
+        alone = alone and not self._join_later
         if alone and self._decoding and self._solo_ready(self._decoding[0]):
             assert self._caches is not None
             seq = self._decoding[0]
@@ -881,6 +906,7 @@ class Batch:
     def _drop_finished(self) -> None:
         if self._prefilling is not None and self._prefilling.row.done:
             self._prefilling = None
+        self._join_later = [s for s in self._join_later if not s.row.done]
         self._waiting = deque(s for s in self._waiting if not s.row.done)
         for seq in self._solo:
             if seq.row.done and seq.state is not None:
