@@ -319,8 +319,8 @@ class Batch:
             self._settle(out)
             return out
         if self._join_later:  # this step's work is their join (no prefill)
-            for seq in self._join_later:
-                self._join_with_last_token(seq)
+            for joining in self._join_later:
+                self._join_with_last_token(joining)
             self._join_later = []
             self._place_rows()
             self._decode_step(out)
