@@ -694,35 +694,26 @@ struct Sums {
   }
 };
 
-// One query. Heads up to 128 wide score sixteen keys at a time (one transposing reduction for
-// all of them).
+// One query of a head wider than 128 (heads up to 128 go through attend_many_chunks, which
+// scores sixteen keys per reduction): key by key.
 template <int C, bool EXACT>
 void attend_chunks(const AttnRow& a, float* p, float* y) {
+  static_assert(C > 8);
   const Query<C, EXACT> q(a);
   const int64_t end = key_end(a);
   float m = -INFINITY;
-  if constexpr (C <= 8) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < end; t += 16) {
-      const __m512 s = scores16<C>(a, q.qv, q.qm, t, end);
-      store16(p, t, end, s);
-      mv = _mm512_max_ps(mv, s);
+  for (int64_t t = 0; t < end; t++) {
+    if (a.hidden(t)) {
+      p[t] = -INFINITY;
+      continue;
     }
-    m = _mm512_reduce_max_ps(mv);
-  } else {
-    for (int64_t t = 0; t < end; t++) {
-      if (a.hidden(t)) {
-        p[t] = -INFINITY;
-        continue;
-      }
-      const float* kr = a.k + t * a.ks;
-      __m512 acc = _mm512_setzero_ps();
+    const float* kr = a.k + t * a.ks;
+    __m512 acc = _mm512_setzero_ps();
 #pragma GCC unroll 32
-      for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(q.qv[c], _mm512_maskz_loadu_ps(q.qm[c], kr + c * 16), acc);
-      const float s = _mm512_reduce_add_ps(acc);
-      p[t] = s;
-      m = std::max(m, s);
-    }
+    for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(q.qv[c], _mm512_maskz_loadu_ps(q.qm[c], kr + c * 16), acc);
+    const float s = _mm512_reduce_add_ps(acc);
+    p[t] = s;
+    m = std::max(m, s);
   }
   const float sum = exponentials(p, end, m);
   Sums<C> out;
@@ -770,16 +761,8 @@ void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float*
 
 void attend_avx512(const AttnRow& a, float* p, float* y) {
   const int64_t chunks = (std::max(a.D, a.Dv) + 15) / 16;
-  if (a.D == a.Dv && a.D == 16 * chunks) {
-    switch (chunks) {
-      case 4: return attend_chunks<4, true>(a, p, y);
-      case 8: return attend_chunks<8, true>(a, p, y);
-      case 16: return attend_chunks<16, true>(a, p, y);
-      default: break;
-    }
-  }
-  if (chunks <= 4) return attend_chunks<4, false>(a, p, y);
-  if (chunks <= 8) return attend_chunks<8, false>(a, p, y);
+  if (chunks <= 8) return attend_many_avx512(&a, &y, 1, p);
+  if (a.D == a.Dv && a.D == 256) return attend_chunks<16, true>(a, p, y);
   if (chunks <= 16) return attend_chunks<16, false>(a, p, y);
   if (chunks <= 32) return attend_chunks<32, false>(a, p, y);  // to 512 (some of it spills)
   attend_scalar(a, p, y);

@@ -42,7 +42,6 @@ struct Kernels {
   RowsFn rows;
   RowsFn gemm;  // many rows of x (nullptr: dequantized panels through sgemm)
   DequantFn dequant;
-  AttendFn attend;
   AttendManyFn attend_many;
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
@@ -50,17 +49,17 @@ struct Kernels {
   const char* kernel;
 };
 
-constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_scalar, attend_each<attend_scalar>, rms_norm_scalar, silu_mul_scalar,
+constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_each<attend_scalar>, rms_norm_scalar, silu_mul_scalar,
                          gelu_tanh_mul_scalar, kv_row_scalar, "scalar"};
 #if defined(__x86_64__)
-constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_avx2, attend_each<attend_avx2>, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
+constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_each<attend_avx2>, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
                        "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
-constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
+constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
                          gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
 #endif
 #if defined(__aarch64__)
-constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
+constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
                        gelu_tanh_mul_neon, kv_row_neon, "neon"};
 #endif
 
