@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -25,9 +27,11 @@
 #include <deque>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels.h"
+#include "pool.h"
 
 using namespace tsq;
 
@@ -612,6 +616,35 @@ void kv_rows(const std::vector<Set>& sets, bool quick) {
 
 }  // namespace
 
+
+// ------------------------------------------------------------ thread pool
+// Every chunk of every job runs exactly once, whether the workers are polling for the next job,
+// asleep (a pause longer than the poll), or just woken; a pool is destroyed busy-idle and asleep.
+void pool(bool quick) {
+  Tally& t = report.at("pool: each chunk once");
+  for (int spin : {0, 200}) {
+    for (int threads : {2, 3}) {
+      tsq::Pool p(threads, spin);
+      const int jobs = quick ? 300 : 3000;
+      for (int j = 0; j < jobs; j++) {
+        const int64_t chunks = pick(0, 40);
+        std::vector<std::atomic<int>> hits(chunks);
+        p.run(chunks, [&](int64_t c) { hits[c].fetch_add(1); });
+        t.checks++;
+        for (int64_t c = 0; c < chunks; c++)
+          if (hits[c].load() != 1) {
+            fail(t, "pool spin " + std::to_string(spin) + " threads " + std::to_string(threads) + ": chunk " +
+                        std::to_string(c) + " of " + std::to_string(chunks) + " ran " + std::to_string(hits[c].load()) +
+                        " times");
+            break;
+          }
+        if (j % 97 == 0) std::this_thread::sleep_for(std::chrono::microseconds(pick(0, 600)));
+      }
+      if (threads == 3) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // destroyed asleep
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   bool quick = false;
   std::string only;
@@ -640,10 +673,11 @@ int main(int argc, char** argv) {
   attention(sets, quick);
   rows_of(sets);
   kv_rows(sets, quick);
+  pool(quick);
   std::printf("%-44s %9s %8s %9s %9s\n", "check", "checks", "failed", "err/tol", "scalar");
   for (const auto& [name, t] : report.rows) {
     if (name.find("same bits") != std::string::npos || name.find("padding") != std::string::npos ||
-        name.find("alone") != std::string::npos) {
+        name.find("alone") != std::string::npos || name.find("pool") != std::string::npos) {
       std::printf("%-44s %9ld %8ld %9s %9s\n", name.c_str(), t.checks, t.failures, "exact", "");
     } else {
       std::printf("%-44s %9ld %8ld %9.3f %9.3f\n", name.c_str(), t.checks, t.failures, t.worst, t.worst_scalar);

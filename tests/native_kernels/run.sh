@@ -46,15 +46,17 @@ native() {
       compile "$cxx" "${std[@]}" "${extra[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c \
         -ffp-contract=off -c "$src/kernels_avx512.cpp" -o "$out/avx512.o"
       compile "$cxx" "${std[@]}" "${warn[@]}" "${extra[@]}" -c "$here/harness.cpp" -o "$out/harness.o"
+      compile "$cxx" "${std[@]}" "${warn[@]}" "${extra[@]}" -c "$src/pool.cpp" -o "$out/pool.o"
       compiled
-      build "$cxx" "${extra[@]}" "$out/harness.o" "$out/scalar.o" "$out/avx2.o" "$out/avx512.o" -o "$out/native"
+      build "$cxx" "${extra[@]}" -pthread "$out/harness.o" "$out/pool.o" "$out/scalar.o" "$out/avx2.o" "$out/avx512.o" -o "$out/native"
       ;;
     aarch64|arm64)
       compile "$cxx" "${std[@]}" "${extra[@]}" -c "$src/kernels_scalar.cpp" -o "$out/scalar.o"
       compile "$cxx" "${std[@]}" "${warn[@]}" "${extra[@]}" -ffp-contract=off -c "$src/kernels_neon.cpp" -o "$out/neon.o"
       compile "$cxx" "${std[@]}" "${warn[@]}" "${extra[@]}" -c "$here/harness.cpp" -o "$out/harness.o"
+      compile "$cxx" "${std[@]}" "${warn[@]}" "${extra[@]}" -c "$src/pool.cpp" -o "$out/pool.o"
       compiled
-      build "$cxx" "${extra[@]}" "$out/harness.o" "$out/scalar.o" "$out/neon.o" -o "$out/native"
+      build "$cxx" "${extra[@]}" -pthread "$out/harness.o" "$out/pool.o" "$out/scalar.o" "$out/neon.o" -o "$out/native"
       ;;
     *)
       echo "SKIPPED native: no SIMD kernel set for $host"
@@ -78,8 +80,9 @@ aarch64() {
   compile "$cxx" "${std[@]}" "${flags[@]}" -c "$src/kernels_scalar.cpp" -o "$out/scalar-a64.o"
   compile "$cxx" "${std[@]}" "${warn[@]}" "${flags[@]}" -ffp-contract=off -c "$src/kernels_neon.cpp" -o "$out/neon-a64.o"
   compile "$cxx" "${std[@]}" "${warn[@]}" "${flags[@]}" -c "$here/harness.cpp" -o "$out/harness-a64.o"
+  compile "$cxx" "${std[@]}" "${warn[@]}" "${flags[@]}" -c "$src/pool.cpp" -o "$out/pool-a64.o"
   compiled
-  build "$cxx" -static "$out/harness-a64.o" "$out/scalar-a64.o" "$out/neon-a64.o" -o "$out/aarch64"
+  build "$cxx" -static -pthread "$out/harness-a64.o" "$out/pool-a64.o" "$out/scalar-a64.o" "$out/neon-a64.o" -o "$out/aarch64"
   echo "== aarch64 under $qemu -cpu ${QEMU_CPU:-cortex-a53} (built with ${flags[*]})"
   run "$qemu" -cpu "${QEMU_CPU:-cortex-a53}" "$out/aarch64" "$@"
 }

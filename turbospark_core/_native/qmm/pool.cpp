@@ -4,6 +4,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <sched.h>
 
 namespace tsq {
 
@@ -15,6 +16,21 @@ inline void relax() {
   __asm__ __volatile__("yield");
 #endif
 }
+
+// Poll done() for up to us microseconds; true when it came true.
+template <class F>
+bool poll(int us, F done) {
+  if (us <= 0) return done();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (int round = 0;; round++) {
+    for (int i = 0; i < 32; i++) {
+      if (done()) return true;
+      relax();
+    }
+    if (std::chrono::steady_clock::now() >= until) return done();
+    if (round % 8 == 7) sched_yield();  // a runnable thread of this or another process gets the core
+  }
+}
 }  // namespace
 
 Pool::Pool(int threads, int spin_us) : spin_us_(spin_us) {
@@ -24,7 +40,8 @@ Pool::Pool(int threads, int spin_us) : spin_us_(spin_us) {
 Pool::~Pool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
+    generation_.fetch_add(1);
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
@@ -36,28 +53,23 @@ void Pool::work(Job& job) {
 
 void Pool::loop() {
   uint64_t seen = 0;
-  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (spin_us_ > 0 && generation_.load(std::memory_order_acquire) == seen) {
-      // decode steps run many small jobs back to back: poll briefly before sleeping, so the next
-      // one starts here at once instead of after a wake-up
-      lock.unlock();
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-      while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
-        for (int i = 0; i < 64; i++) relax();
-      }
-      lock.lock();
+    if (!poll(spin_us_, [&] { return generation_.load(std::memory_order_acquire) != seen; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      sleepers_.fetch_add(1);  // seq_cst: run() reads it after publishing a generation
+      wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
+      sleepers_.fetch_sub(1);
     }
-    wake_.wait(lock, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
-    if (stop_) return;
-    seen = generation_.load(std::memory_order_relaxed);
-    Job* job = job_;
-    if (job == nullptr) continue;  // woke after the job ended
-    busy_++;
-    lock.unlock();
-    work(*job);
-    lock.lock();
-    if (--busy_ == 0) done_.notify_all();
+    if (stop_.load()) return;
+    seen = generation_.load();
+    // announce first, then look: run() clears job_ before it waits for busy_ to drain, so a worker
+    // either sees the job while run() still waits for it, or sees nothing
+    busy_.fetch_add(1);
+    if (Job* job = job_.load()) work(*job);
+    if (busy_.fetch_sub(1) == 1 && caller_asleep_.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.notify_all();
+    }
   }
 }
 
@@ -70,16 +82,20 @@ void Pool::run(int64_t chunks, const std::function<void(int64_t)>& body) {
   Job job;
   job.body = &body;
   job.chunks = chunks;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = &job;
-    generation_.fetch_add(1, std::memory_order_release);
+  job_.store(&job);
+  generation_.fetch_add(1);
+  if (sleepers_.load() > 0) {
+    std::lock_guard<std::mutex> lock(mu_);  // a worker between its check and its wait holds mu_
+    wake_.notify_all();
   }
-  wake_.notify_all();
   work(job);
-  std::unique_lock<std::mutex> lock(mu_);
-  job_ = nullptr;  // workers that wake from now on find nothing to do
-  done_.wait(lock, [&] { return busy_ == 0; });
+  job_.store(nullptr);  // workers that look from now on find nothing to do
+  if (!poll(spin_us_, [&] { return busy_.load() == 0; })) {
+    std::unique_lock<std::mutex> lock(mu_);
+    caller_asleep_.store(true);
+    done_.wait(lock, [&] { return busy_.load() == 0; });
+    caller_asleep_.store(false);
+  }
 }
 
 }  // namespace tsq

@@ -1,7 +1,13 @@
-// A small thread pool that shares the machine: workers sleep on a condition
-// variable (no spinning); the calling thread works too and claims chunks from
-// an atomic counter, so a worker that is slow to wake (another process holds
-// its core) costs at most the chunk it already claimed.
+// A small thread pool that shares the machine. The calling thread works too and
+// claims chunks from an atomic counter, so a worker that is slow to wake (another
+// process holds its core) costs at most the chunk it already claimed.
+//
+// A decode step runs a few hundred small jobs back to back (tens of microseconds
+// each), where a futex wake-up of a halted virtual CPU costs as much as the job.
+// So both sides poll briefly before they sleep: a worker for the next job, the
+// caller for the workers to finish theirs; a poll yields the core to any other
+// runnable thread (sched_yield), and after spin_us without work everyone sleeps
+// (no core is held by an idle pool).
 #pragma once
 
 #include <atomic>
@@ -16,7 +22,8 @@ namespace tsq {
 
 class Pool {
  public:
-  // spin_us: how long a worker polls for the next job before it sleeps (0: sleep at once)
+  // spin_us: how long a worker polls for the next job, and the caller for the
+  // workers, before sleeping (0: sleep at once)
   explicit Pool(int threads, int spin_us = 0);
   ~Pool();
   int threads() const { return (int)workers_.size() + 1; }
@@ -29,18 +36,20 @@ class Pool {
     int64_t chunks;
     std::atomic<int64_t> next{0};
   };
-  void work(Job& job);
+  static void work(Job& job);
   void loop();
 
   std::vector<std::thread> workers_;
   std::mutex run_mu_;  // one job at a time
-  std::mutex mu_;
+  std::mutex mu_;      // guards sleeping and waking (not the hand-off itself)
   std::condition_variable wake_, done_;
-  Job* job_ = nullptr;
+  std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
+  std::atomic<int> busy_{0};          // workers inside a job
+  std::atomic<int> sleepers_{0};      // workers asleep on wake_
+  std::atomic<bool> caller_asleep_{false};
   int spin_us_ = 0;
-  int busy_ = 0;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace tsq

@@ -102,8 +102,10 @@ Runtime& runtime() {
     if (std::getenv("TURBOSPARK_NATIVE_SCALAR")) static_cast<Kernels&>(*r) = SCALAR;
     if (const char* env = std::getenv("TURBOSPARK_QMM_PANEL_ROWS")) r->gemm_min_rows = std::max(1, std::atoi(env));
     if (const char* env = std::getenv("TURBOSPARK_QMM_GEMM")) r->blas_gemm = std::string(env) == "blas";
+    // a decode step's jobs come tens of microseconds apart: polling 200 us for the next one (yielding
+    // the core to any runnable thread meanwhile) measured 10-25% more decode tok/s than sleeping at once
     const char* spin = std::getenv("TURBOSPARK_POOL_SPIN_US");
-    r->pool = std::make_unique<Pool>(default_threads(), spin ? std::max(0, std::atoi(spin)) : 0);
+    r->pool = std::make_unique<Pool>(default_threads(), spin ? std::max(0, std::atoi(spin)) : 200);
     return r;
   }();
   return *rt;
