@@ -222,3 +222,49 @@ def test_q4_rows_use_group_32_and_shrink_quantization_error() -> None:
     w, s, b = mx.quantize(x, group_size=64, bits=4)
     err64 = float(mx.abs(mx.dequantize(w, s, b, group_size=64, bits=4) - x).mean())
     assert err32 < 0.9 * err64
+
+
+def _windowed_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, t: int, window: int) -> np.ndarray:
+    """Query ``t`` attending to keys ``(t - window, t]`` (float64)."""
+    lo = max(0, t - window + 1)
+    s = np.einsum("bhd,bhsd->bhs", q[:, :, t].astype(np.float64), k[:, :, lo : t + 1].astype(np.float64)) * 0.2
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("bhs,bhsd->bhd", p, v[:, :, lo : t + 1].astype(np.float64))
+
+
+def test_ring_reads_its_prefix_unmasked_until_the_window_fills() -> None:
+    """Below its window a ring is a prefix: one-token steps read ``[0, offset)`` with no mask and
+    write no positions; a trim, a snapshot/restore and the window filling up keep every step's
+    attention equal to a windowed reference."""
+    from turbospark_core.kv_cache import RingKVCache
+
+    window, total = 8, 30
+    spec = CacheSpec.sliding(2, 16, window=window)
+    q, k, v = (np.array(mx.random.normal((1, 2, total, 16), key=mx.random.key(s))) for s in (7, 8, 9))
+    ring = RingKVCache(spec, 100, mx.float32)
+    ring.update_and_fetch(mx.array(k[:, :, :3]), mx.array(v[:, :, :3]))
+    t = 3
+    snap = None
+    while t < total:
+        kk, vv = ring.update_and_fetch(mx.array(k[:, :, t : t + 1]), mx.array(v[:, :, t : t + 1]))
+        mask = ring.mask(1)
+        if t < window:
+            assert mask is None and kk.shape[2] == t + 1  # the prefix, unmasked
+            assert len(ring.state) == 2  # keys and values: no positions written
+            np.testing.assert_array_equal(np.array(ring.fetched_positions()), np.arange(t + 1))
+        else:
+            assert mask is not None and kk.shape[2] == window
+        out = mx.fast.scaled_dot_product_attention(mx.array(q[:, :, t : t + 1]), kk, vv, scale=0.2, mask=mask)
+        np.testing.assert_allclose(np.array(out)[:, :, 0], _windowed_reference(q, k, v, t, window), atol=2e-5)
+        if t == 5 and snap is None:  # rewind two tokens inside the prefix, then replay them
+            snap = ring.snapshot()
+            assert ring.trim(2) == 2 and ring.offset == 4
+            np.testing.assert_array_equal(np.array(ring.positions)[:5], [0, 1, 2, 3, -1])
+            ring.restore(snap)
+            assert ring.offset == 6 and ring.mask(1) is None
+            assert ring.trim(2) == 2
+            t = 3
+        t += 1
+    # wrapped, the ring holds the last window of positions
+    np.testing.assert_array_equal(np.sort(np.array(ring.positions)), np.arange(total - window, total))

@@ -248,6 +248,12 @@ class RingKVCache(_KVBuffers):
     :class:`KVCache`. ``slack`` extra slots let :meth:`trim` drop up to
     ``slack`` tokens (a speculative verify's rejected drafts) without losing
     any of the window.
+
+    Until a sequence outgrows its window the ring is a prefix: slots
+    ``[0, offset)`` hold positions ``[0, offset)`` and the rest are empty. The
+    positions are then implicit (made only when asked for), and a one-token
+    step reads the prefix without a mask, as a full cache does: no positions
+    written and no mask built per layer and step.
     """
 
     def __init__(
@@ -270,9 +276,26 @@ class RingKVCache(_KVBuffers):
         self.kv_bits = kv_bits
         self._k: _Rows | None = None
         self._v: _Rows | None = None
-        self.positions: mx.array | None = None  # absolute position held by each slot
+        self._positions: mx.array | None = None  # absolute position held by each slot (explicit form)
+        self._prefix = False  # the positions are implicit: slot p holds position p below offset
         self.offset = 0
-        self._fetched_positions: mx.array | None = None
+        self._fetched: mx.array | int | None = None  # positions of the rows last fetched (int n: the prefix of n)
+
+    @property
+    def positions(self) -> mx.array | None:
+        """The absolute position held by each slot, ``-1`` where empty."""
+        if self._prefix:
+            slots = mx.arange(self.capacity, dtype=mx.int32)
+            return mx.where(slots < self.offset, slots, -1)
+        return self._positions
+
+    def _hold_positions(self, positions: mx.array | None) -> None:
+        self._positions, self._prefix = positions, False
+
+    def fetched_positions(self) -> mx.array:
+        """The positions of the rows the last :meth:`update_and_fetch` handed back."""
+        assert self._fetched is not None, "fetched_positions() follows update_and_fetch()"
+        return mx.arange(self._fetched, dtype=mx.int32) if isinstance(self._fetched, int) else self._fetched
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Add ``keys``/``values`` ``[B, H, L, D]``; return what the new queries may attend to."""
@@ -280,31 +303,48 @@ class RingKVCache(_KVBuffers):
         _refuse_overflow(self.offset + n, self.max_context)
         k_new = _Rows.encode(keys, self.kv_bits, self.dtype)
         v_new = _Rows.encode(values, self.kv_bits, self.dtype)
+        k, v = self._k, self._v
+        if n == 1 and k is not None and v is not None and self._prefix and self.offset < min(self.window, k.length):
+            # every held token is within the new one's window: it joins the prefix, read unmasked
+            end = self.offset + 1
+            k.assign(self.offset, end, k_new)
+            v.assign(self.offset, end, v_new)
+            self.offset = self._fetched = end
+            return self._fetch(k.map(lambda a: a[..., :end, :]), v.map(lambda a: a[..., :end, :]))
         new_pos = mx.arange(self.offset, self.offset + n)
+        positions = self.positions
         self.offset += n
-        k, v, positions = self._k, self._v, self.positions
         if n == 1 and k is not None and v is not None and positions is not None and k.length == self.capacity:
+            self._hold_positions(positions)
             slot = (self.offset - 1) % self.capacity
             k.assign(slot, slot + 1, k_new)
             v.assign(slot, slot + 1, v_new)
             positions[slot : slot + 1] = new_pos
-            self._fetched_positions = positions
+            self._fetched = positions
             return self._fetch(k, v)
         k_all, v_all, p_all = self._ordered_with(k_new, v_new, new_pos)
-        self._fetched_positions = p_all
+        self._fetched = p_all
         self._keep_last(k_all, v_all, p_all)
         return self._fetch(k_all, v_all)
 
     def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
-        if self._k is None or self._v is None or self.positions is None:
+        held = self.positions
+        if self._k is None or self._v is None or held is None:
             return keys, values, pos
-        order = mx.argsort(self.positions)
-        n_kept = int((self.positions >= 0).sum())
+        if self._prefix:  # already in order: the first offset - len(pos) slots
+            kept = self.offset - pos.size
+            return (
+                self._k.map(lambda a: a[..., :kept, :]).concat(keys),
+                self._v.map(lambda a: a[..., :kept, :]).concat(values),
+                mx.concatenate([held[:kept], pos]),
+            )
+        order = mx.argsort(held)
+        n_kept = int((held >= 0).sum())
         order = order[order.size - n_kept :] if n_kept else order[:0]
         return (
             self._k.map(lambda a: a[..., order, :]).concat(keys),
             self._v.map(lambda a: a[..., order, :]).concat(values),
-            mx.concatenate([self.positions[order], pos]),
+            mx.concatenate([held[order], pos]),
         )
 
     def _keep_last(self, k_all: _Rows, v_all: _Rows, p_all: mx.array) -> None:
@@ -315,7 +355,7 @@ class RingKVCache(_KVBuffers):
             shift = self.offset % self.capacity
             self._k = k_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
             self._v = v_all.map(lambda a: mx.roll(a[..., start:, :], shift, 2))
-            self.positions = mx.roll(p_all[start:], shift)
+            self._hold_positions(mx.roll(p_all[start:], shift))
             return
         pad = self.capacity - total
         B, H, _, _ = k_all.parts[0].shape
@@ -324,7 +364,10 @@ class RingKVCache(_KVBuffers):
         p_pad = mx.concatenate([p_all, mx.full((pad,), -1, mx.int32)]).astype(mx.int32)
         first = int(np.array(p_all[:1]).sum()) if total else 0
         if first % self.capacity == 0:  # already slot == position % capacity (a ring filled from 0)
-            self._k, self._v, self.positions = k_pad, v_pad, p_pad
+            self._k, self._v = k_pad, v_pad
+            self._hold_positions(p_pad)
+            # positions 0..offset-1 in slots 0..offset-1 (the tokens run contiguous up to the newest)
+            self._prefix = first == 0 and total == self.offset
             return
         # after a trim the kept tokens need not start at slot 0: put each at position % capacity
         slots = (np.arange(total) + first) % self.capacity
@@ -335,7 +378,7 @@ class RingKVCache(_KVBuffers):
         order = mx.array(src.astype(np.int32))
         self._k = k_pad.map(lambda a: a[..., order, :])
         self._v = v_pad.map(lambda a: a[..., order, :])
-        self.positions = p_pad[order]
+        self._hold_positions(p_pad[order])
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (at most ``slack`` lose nothing of the window); returns how many.
@@ -349,9 +392,11 @@ class RingKVCache(_KVBuffers):
         if n <= 0:
             return 0
         self.offset -= n
-        if self.positions is not None:
-            self.positions = mx.where(self.positions >= self.offset, -1, self.positions)
-            self._fetched_positions = self.positions
+        if self._prefix:  # the prefix just got shorter
+            self._fetched = self.positions
+        elif self._positions is not None:
+            self._positions = mx.where(self._positions >= self.offset, -1, self._positions)
+            self._fetched = self._positions
         return n
 
     def _pad(self, batch: int, heads: int, rows: int, dim: int) -> _Rows:
@@ -366,12 +411,14 @@ class RingKVCache(_KVBuffers):
         def copy_array(a: mx.array | None) -> mx.array | None:
             return None if a is None else mx.array(a)
 
+        fetched = self._fetched
         return {
             "offset": self.offset,
             "k": copy(self._k),
             "v": copy(self._v),
-            "positions": copy_array(self.positions),
-            "fetched": copy_array(self._fetched_positions),
+            "positions": copy_array(self._positions),
+            "prefix": self._prefix,
+            "fetched": fetched if isinstance(fetched, int) else copy_array(fetched),
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -379,20 +426,23 @@ class RingKVCache(_KVBuffers):
         self.offset = snap["offset"]
         self._k = None if snap["k"] is None else snap["k"].map(mx.array)
         self._v = None if snap["v"] is None else snap["v"].map(mx.array)
-        self.positions = None if snap["positions"] is None else mx.array(snap["positions"])
-        self._fetched_positions = None if snap["fetched"] is None else mx.array(snap["fetched"])
+        self._hold_positions(None if snap["positions"] is None else mx.array(snap["positions"]))
+        self._prefix = snap["prefix"]
+        fetched = snap["fetched"]
+        self._fetched = fetched if fetched is None or isinstance(fetched, int) else mx.array(fetched)
 
     def export_rows(self) -> tuple[_Rows | None, _Rows | None, mx.array]:
         """The kept keys, values (stored form) and their positions, in position order."""
-        if self._k is None or self._v is None or self.positions is None:
+        positions = self.positions
+        if self._k is None or self._v is None or positions is None:
             return None, None, mx.zeros((0,), mx.int32)
-        pos = np.array(self.positions)
+        pos = np.array(positions)
         sorted_pos = np.argsort(pos, kind="stable")
         order = mx.array(sorted_pos[pos[sorted_pos] >= 0].astype(np.int32))
         return (
             self._k.map(lambda a: a[..., order, :]),
             self._v.map(lambda a: a[..., order, :]),
-            self.positions[order],
+            positions[order],
         )
 
     def load_rows(self, keys: _Rows, values: _Rows, positions: mx.array, offset: int) -> None:
@@ -406,23 +456,31 @@ class RingKVCache(_KVBuffers):
         self._v = self._pad(B, H, self.capacity, self.spec.value_dim)
         for part, new in zip(self._k.parts + self._v.parts, keys.parts + values.parts, strict=False):
             part[..., slots, :] = new
-        self.positions = mx.full((self.capacity,), -1, mx.int32)
-        self.positions[slots] = mx.array(pos.astype(np.int32))
-        self._fetched_positions = self.positions
+        positions = mx.full((self.capacity,), -1, mx.int32)
+        positions[slots] = mx.array(pos.astype(np.int32))
+        self._hold_positions(positions)
+        self._fetched = positions
         self.offset = offset
 
-    def mask(self, n_queries: int) -> mx.array:
-        """Boolean ``[L, S]`` mask: causal and within the window, by absolute position."""
-        assert self._fetched_positions is not None, "mask() follows update_and_fetch()"
+    def mask(self, n_queries: int) -> mx.array | None:
+        """Boolean ``[L, S]`` mask: causal and within the window, by absolute position.
+
+        ``None`` for one query over a prefix (every row it reads is visible).
+        """
+        if isinstance(self._fetched, int) and n_queries == 1:
+            return None
         q = mx.arange(self.offset - n_queries, self.offset, dtype=mx.int32)[:, None]
-        return visible_keys(self._fetched_positions[None, :], q, self.window)
+        return visible_keys(self.fetched_positions()[None, :], q, self.window)
 
     @property
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the step's output."""
-        if self._k is None or self._v is None or self.positions is None:
+        if self._k is None or self._v is None:
             return []
-        return [*self._k.parts, *self._v.parts, self.positions]
+        held = [*self._k.parts, *self._v.parts]
+        if self._prefix:  # implicit positions: nothing to evaluate
+            return held
+        return [] if self._positions is None else [*held, self._positions]
 
 
 class RecurrentState:
@@ -629,13 +687,8 @@ class ExactRecentKVCache:
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[L, S + T]``: each query's keys, quantized below its recent window, exact within."""
         q = self.quantized
-        if isinstance(q, RingKVCache):
-            assert q._fetched_positions is not None, "mask() follows update_and_fetch()"
-            held = q._fetched_positions
-        else:
-            held = mx.arange(q.offset, dtype=mx.int32)
-        exact = self.exact._fetched_positions
-        assert exact is not None, "mask() follows update_and_fetch()"
+        held = q.fetched_positions() if isinstance(q, RingKVCache) else mx.arange(q.offset, dtype=mx.int32)
+        exact = self.exact.fetched_positions()
         queries = mx.arange(self.offset - n_queries, self.offset, dtype=mx.int32)[:, None]
         return recent_split_mask(held[None, :], exact[None, :], queries, self.recent, self.spec.window)
 
