@@ -8,6 +8,7 @@ import pytest
 
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ContextOverflowError
+from turbospark_core import native
 from turbospark_core.kv_cache import KVCache, _Rows, kv_group_size
 
 SPEC = CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3)
@@ -268,3 +269,38 @@ def test_ring_reads_its_prefix_unmasked_until_the_window_fills() -> None:
         t += 1
     # wrapped, the ring holds the last window of positions
     np.testing.assert_array_equal(np.sort(np.array(ring.positions)), np.arange(total - window, total))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+@pytest.mark.parametrize("ring", [False, True])
+def test_attend_in_one_op_equals_update_fetch_and_attention(ring: bool) -> None:
+    """A float cache's one-op step (rows written in place) gives the bits of update_and_fetch + mask + attention,
+    holds the same rows afterwards, and copies no buffer while decoding."""
+    from turbospark_core.kv_cache import RingKVCache
+    from turbospark_core.layers import attention, cached_attention
+
+    spec = CacheSpec.sliding(2, 16, window=12) if ring else CacheSpec(n_kv_heads=2, head_dim=16)
+
+    def make() -> KVCache | RingKVCache:
+        return RingKVCache(spec, 100, mx.float32) if ring else KVCache(spec, 100, mx.float32, step=8)
+
+    fused, parts = make(), make()
+    total = 11  # a prefill of 4, then single tokens (the ring stays below its window)
+    q, k, v = (mx.random.normal((1, 4, total, 16), key=mx.random.key(s)) for s in (11, 12, 13))
+    k, v = k[:, :2], v[:, :2]
+    copies = None
+    for a, b in [(0, 4)] + [(t, t + 1) for t in range(4, total)]:
+        got = cached_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], fused, scale=0.3, merge_heads=True)
+        kk, vv = parts.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+        want = attention(q[:, :, a:b], kk, vv, scale=0.3, mask=parts.mask(b - a), merge_heads=True)
+        mx.eval(got, want, fused.state)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+        assert fused.offset == parts.offset == b
+        if copies is None:
+            copies = native.cache_attention_copies()
+    assert native.cache_attention_copies() == copies  # written in place from the first decode step on
+    ek, ev, _ = fused.export_rows()
+    wk, wv, _ = parts.export_rows()
+    assert ek is not None and ev is not None and wk is not None and wv is not None
+    np.testing.assert_array_equal(np.array(ek.parts[0]), np.array(wk.parts[0]))
+    np.testing.assert_array_equal(np.array(ev.parts[0]), np.array(wv.parts[0]))

@@ -371,3 +371,48 @@ def test_rope_heads_take_only_float32_head_norms() -> None:
     assert native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,)), mx.ones((16,))))
     assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((16,), mx.float16), mx.ones((16,))))
     assert not native.rope_heads_supported([x], 4, 2, 0, (mx.ones((8,)), mx.ones((8,))))
+
+
+def _normal(shape: tuple[int, ...], seed: int) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+@needs_native
+@pytest.mark.parametrize("length", [1, 5])
+def test_cache_attention_writes_the_rows_and_attends_as_decode_attention(length: int) -> None:
+    """The rows land at ``offset`` and the attention has decode_attention's bits over the buffers' filled part;
+    a buffer something else still holds is copied, never changed under it."""
+    B, Hq, Hkv, D, Dv, S, offset = 2, 4, 2, 16, 8, 24, 7
+    q, k, v = _normal((B, Hq, length, D), 1), _normal((B, Hkv, length, D), 2), _normal((B, Hkv, length, Dv), 3)
+    k_buf, v_buf = _normal((B, Hkv, S, D), 4), _normal((B, Hkv, S, Dv), 5)
+    mx.eval(q, k, v, k_buf, v_buf)
+    k_before, v_before = np.array(k_buf), np.array(v_buf)
+    copies = native.cache_attention_copies()
+    out, k_new, v_new = native.cache_attention(q, k, v, k_buf, v_buf, offset, 0.25, merge_heads=True)
+    mx.eval(out, k_new, v_new)
+    assert native.cache_attention_copies() == copies + 2  # k_buf and v_buf are still held here
+    np.testing.assert_array_equal(np.array(k_buf), k_before)
+    np.testing.assert_array_equal(np.array(v_buf), v_before)
+    end = offset + length
+    want_k, want_v = k_before.copy(), v_before.copy()
+    want_k[:, :, offset:end], want_v[:, :, offset:end] = np.array(k), np.array(v)
+    np.testing.assert_array_equal(np.array(k_new), want_k)
+    np.testing.assert_array_equal(np.array(v_new), want_v)
+    mask = "causal" if length > 1 else None
+    ref = native.decode_attention(q, k_new[:, :, :end], v_new[:, :, :end], 0.25, mask, merge_heads=True)
+    np.testing.assert_array_equal(np.array(out), np.array(ref))
+
+
+@needs_native
+def test_cache_attention_refusals() -> None:
+    q, k = mx.zeros((1, 4, 2, 16)), mx.zeros((1, 2, 2, 16))
+    buf = mx.zeros((1, 2, 8, 16))
+    with pytest.raises(ValueError, match="room for the new rows"):
+        native.cache_attention(q, k, k, buf, buf, 7, 1.0)
+    with pytest.raises(ValueError, match="one new key and value row per query"):
+        native.cache_attention(q, k[:, :, :1], k[:, :, :1], buf, buf, 0, 1.0)
+    with pytest.raises(ValueError, match="hold rows like k and v"):
+        native.cache_attention(q, k, k, mx.zeros((1, 2, 8, 8)), buf, 0, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        native.cache_attention(q.astype(mx.float16), k, k, buf, buf, 0, 1.0)
+    assert not native.cache_attention_supported(q.astype(mx.float16), k, k, buf, buf)

@@ -24,6 +24,8 @@ Attention
     ``RingKVCache``, ``RecurrentState``, ``causal_mask``; ``Rope`` and ``ROPE_TYPES``;
     ``attention`` (scaled dot-product attention, native for a CPU decode step;
     ``merge_heads=True`` for the ``[B, L, H * D]`` the output projection reads);
+    ``cached_attention`` (the step's keys and values added to a cache and the
+    queries attending to it under its mask: one native op for a float full cache);
     ``rope_heads`` (q, k, v heads from the fused q/k/v product, per-head norms,
     RoPE: one native op on the CPU).
 Fast ops
@@ -131,6 +133,7 @@ from turbospark_core.layers import (
     Experts,
     Linear,
     attention,
+    cached_attention,
     fuse_linears,
     fused_parts,
     gelu_tanh_mul,
@@ -208,6 +211,7 @@ __all__ = [
     "WeightStore",
     "attention",
     "bool_problem",
+    "cached_attention",
     "causal_mask",
     "choice_list_problem",
     "drop_pattern",

@@ -139,6 +139,21 @@ class _KVBuffers:
         """Fetched rows as the family reads them: floats, rotated back."""
         return keys.decode(self.rotate_keys), values.decode(self.rotate_values)
 
+    def _attend_at(
+        self, offset: int, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool
+    ) -> mx.array | None:
+        """Write the rows at ``offset`` of the (allocated, float) buffers and attend ``q`` causally to
+        the first ``offset + L`` rows, as one native op; ``None`` (nothing written) where it does not apply."""
+        if self._k is None or self._v is None or self._k.bits is not None or self.rotate_keys or self.rotate_values:
+            return None
+        k_buf, v_buf = self._k.parts[0], self._v.parts[0]
+        if not native.cache_attention_supported(q, keys, values, k_buf, v_buf):
+            return None
+        out, k_buf, v_buf = native.cache_attention(q, keys, values, k_buf, v_buf, offset, scale, merge_heads)
+        # the cache holds only the written buffers: the next step's op may write them in place
+        self._k, self._v = _Rows((k_buf,), None, self._k.dtype), _Rows((v_buf,), None, self._v.dtype)
+        return out
+
 
 class KVCache(_KVBuffers):
     """Keys and values of one full-attention layer, grown ``step`` tokens at a time.
@@ -193,6 +208,23 @@ class KVCache(_KVBuffers):
         self._v.assign(self.offset, end, _Rows.encode(values, self.kv_bits, self.dtype))
         self.offset = end
         return self._fetch(self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :]))
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
+        """Append ``keys``/``values`` and attend ``q`` causally to everything held, as one native op.
+
+        ``None`` (nothing appended) where the op does not apply: quantized or
+        rotated rows, or not float32 on the CPU; then :meth:`update_and_fetch` and
+        :meth:`mask` do it in parts.
+        """
+        if self.kv_bits is not None:
+            return None
+        end = self.offset + keys.shape[2]
+        _refuse_overflow(end, self.max_context)
+        self._grow(keys.shape[0], end)
+        out = self._attend_at(self.offset, q, keys, values, scale, merge_heads)
+        if out is not None:
+            self.offset = end
+        return out
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped."""
@@ -326,6 +358,17 @@ class RingKVCache(_KVBuffers):
         self._fetched = p_all
         self._keep_last(k_all, v_all, p_all)
         return self._fetch(k_all, v_all)
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
+        """One token joining the prefix, attended as one native op (see :meth:`KVCache.attend`);
+        ``None`` (nothing added) otherwise: then :meth:`update_and_fetch` and :meth:`mask`."""
+        if keys.shape[2] != 1 or self._k is None or not self._prefix or self.offset >= min(self.window, self._k.length):
+            return None
+        _refuse_overflow(self.offset + 1, self.max_context)
+        out = self._attend_at(self.offset, q, keys, values, scale, merge_heads)
+        if out is not None:
+            self.offset = self._fetched = self.offset + 1
+        return out
 
     def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
         held = self.positions

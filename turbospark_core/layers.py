@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark_core import dequant, native
+from turbospark_core.kv_cache import AttentionCache, KVCache, RingKVCache
 from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
 
@@ -156,6 +157,23 @@ def attention(
         return native.decode_attention(q, k, v, scale, mask, merge_heads)
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1) if merge_heads else out
+
+
+def cached_attention(
+    q: mx.array, k: mx.array, v: mx.array, cache: AttentionCache, *, scale: float, merge_heads: bool = False
+) -> mx.array:
+    """``k``/``v`` added to ``cache`` and ``q`` attending to what it holds (under its mask).
+
+    A full float cache on the CPU (or a ring still below its window) does both
+    in one native op (the new rows written into its buffers in place, attention
+    over their filled part); otherwise :meth:`update_and_fetch`, the cache's mask and :func:`attention`.
+    """
+    if isinstance(cache, (KVCache, RingKVCache)):
+        out = cache.attend(q, k, v, scale, merge_heads)
+        if out is not None:
+            return out
+    keys, values = cache.update_and_fetch(k, v)
+    return attention(q, keys, values, scale=scale, mask=cache.mask(q.shape[2]), merge_heads=merge_heads)
 
 
 def rope_heads(

@@ -231,6 +231,35 @@ def decode_attention(
     return out
 
 
+def cache_attention_supported(q: mx.array, k: mx.array, v: mx.array, k_buf: mx.array, v_buf: mx.array) -> bool:
+    """Whether :func:`cache_attention` takes these: float32 heads and buffers on the CPU, a new row per query."""
+    if not _cpu_float32(q, k, v, k_buf, v_buf) or not all(a.ndim == 4 for a in (q, k, v, k_buf, v_buf)):
+        return False
+    return 1 <= q.shape[2] <= MAX_ATTENTION_QUERIES and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+
+
+def cache_attention(
+    q: mx.array, k: mx.array, v: mx.array, k_buf: mx.array, v_buf: mx.array, offset: int, scale: float,
+    merge_heads: bool = False,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A full cache's step as one op: ``k``/``v`` written into the buffers at ``offset``, ``q`` attending causally.
+
+    The L new rows go to rows ``[offset, offset + L)`` of ``k_buf``/``v_buf``
+    ``[B, H, S, D]`` (in place when nothing else holds the buffers), and the
+    queries attend to the first ``offset + L`` rows as :func:`decode_attention`
+    with ``"causal"`` does over them (the same bits). Returns the attention and
+    the written buffers. Check :func:`cache_attention_supported` first.
+    """
+    assert _MODULE is not None
+    out, keys, values = _MODULE.cache_attention(q, k, v, k_buf, v_buf, offset, scale, merge_heads)
+    return out, keys, values
+
+
+def cache_attention_copies() -> int:
+    """How many buffers :func:`cache_attention` copied because MLX could not hand them over (0 in steady decoding)."""
+    return int(_MODULE.cache_attention_copies()) if _MODULE is not None else 0
+
+
 def _cpu_float32(*arrays: mx.array) -> bool:
     return _MODULE is not None and mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays)
 

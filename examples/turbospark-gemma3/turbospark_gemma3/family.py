@@ -25,6 +25,7 @@ from turbospark_core.family import (
     Rope,
     WeightStore,
     attention,
+    cached_attention,
     causal_mask,
     choice_list_problem,
     float_problems,
@@ -190,11 +191,9 @@ class Attention:
         offset = 0 if cache is None else cache.offset
         q, k, v = self.heads(x, offset, norm)
         if cache is None:
-            mask = causal_mask(L, self.window)
+            attended = attention(q, k, v, scale=self.scale, mask=causal_mask(L, self.window), merge_heads=True)
         else:
-            k, v = cache.update_and_fetch(k, v)
-            mask = cache.mask(L)
-        attended = attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True)
+            attended = cached_attention(q, k, v, cache, scale=self.scale, merge_heads=True)
         folded = post.fold(x)
         if folded is not None:
             return linear_plus(self.o_proj, attended, x, post_norm=folded)

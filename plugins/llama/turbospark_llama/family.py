@@ -26,6 +26,7 @@ from turbospark_core.family import (
     WeightStore,
     attention,
     bool_problem,
+    cached_attention,
     float_problems,
     fuse_linears,
     fused_parts,
@@ -286,13 +287,10 @@ class Attention:
         return self.rope_at(q, positions), self.rope_at(k, positions), v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
-        """Attention over the cache, the heads merged: ``[B, L, H * D]``."""
-        L = q.shape[2]
-        mask: mx.array | str | None = "causal" if L > 1 else None
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-            mask = cache.mask(L)
-        return attention(q, k, v, scale=self.scale, mask=mask, merge_heads=True)
+        """Attention over the cache (written first), the heads merged: ``[B, L, H * D]``."""
+        if cache is None:
+            return attention(q, k, v, scale=self.scale, mask="causal" if q.shape[2] > 1 else None, merge_heads=True)
+        return cached_attention(q, k, v, cache, scale=self.scale, merge_heads=True)
 
     def __call__(
         self,

@@ -27,6 +27,7 @@ from turbospark_core.family import (
     WeightStore,
     attention,
     bool_problem,
+    cached_attention,
     float_problems,
     int_problems,
     keys_problem,
@@ -316,12 +317,10 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
         """Attention over the cache (written first); ``[B, L, heads * D]``."""
-        L = q.shape[2]
-        mask: mx.array | str | None = "causal" if L > 1 else None
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-            mask = cache.mask(L)
-        return attention(q, k, v, scale=self.head_dim**-0.5, mask=mask, merge_heads=True)
+        scale = self.head_dim**-0.5
+        if cache is None:
+            return attention(q, k, v, scale=scale, mask="causal" if q.shape[2] > 1 else None, merge_heads=True)
+        return cached_attention(q, k, v, cache, scale=scale, merge_heads=True)
 
     def output(self, attended: mx.array, gate: mx.array) -> mx.array:
         return self.o_proj(attended * mx.sigmoid(gate))

@@ -25,6 +25,7 @@ from turbospark_core.family import (
     Rope,
     WeightStore,
     attention,
+    cached_attention,
     causal_mask,
     float_problems,
     int_problems,
@@ -207,8 +208,7 @@ class Attention:
     ) -> mx.array:
         """Attention over the cache (written first); ``[B, L, heads, D]``."""
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-            mask = cache.mask(q.shape[2])
+            return cached_attention(q, k, v, cache, scale=self.scale).transpose(0, 2, 1, 3)
         return attention(q, k, v, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
 
     def output(self, attended: mx.array, gate: mx.array) -> mx.array:

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -712,9 +713,80 @@ void strided(const AttnRow& a, int64_t ksd, int64_t vsd, float* p, float* y) {
   for (int64_t d = 0; d < a.Dv; d++) y[d] *= inv;
 }
 
-// One query per row and head (decode): softmax(scale * q . k) v over all T
-// keys, grouped-query heads sharing keys; k/v are read through their strides
-// (the cache's slices are not copied).
+// An array as attention reads it: a base pointer and strides of [B, H, T, D].
+struct View {
+  const float* p;
+  int64_t sb, sh, st, sd;
+};
+View view_of(const mx::array& a) {
+  return View{a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+}
+
+// Optional boolean mask [B, Hq, L, T] (any strides, broadcasts included): false keys get no weight.
+struct MaskView {
+  const bool* p = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0, st = 0;
+};
+
+// softmax(scale * q . k) v for every query l of head h in row b over the first T keys,
+// grouped-query heads sharing keys; causal: query l sees keys t <= T - L + l. k/v are read
+// through their strides (a cache's buffer is not copied). Output merged ([B, L, Hq * Dv]) or not.
+void attention_rows(View qv, View kv, View vv, MaskView m, float* yp, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                    int64_t Hkv, int64_t T, int64_t Dv, bool causal, float scale, bool merge) {
+  const bool dense = kv.sd == 1 && vv.sd == 1;  // rows of keys and values are dense: the SIMD kernels
+  // query l of head h in row b: its key row and visible range; q copied dense when strided
+  auto row = [&](int64_t b, int64_t h, int64_t l, float* qs) {
+    const int64_t g = h / (Hq / Hkv);
+    for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd];
+    return AttnRow{qs, kv.p + b * kv.sb + g * kv.sh, vv.p + b * vv.sb + g * vv.sh,
+                   m.p ? m.p + b * m.sb + h * m.sh + l * m.sl : nullptr, kv.st, vv.st, m.st, T, D, Dv,
+                   causal ? T - L + l + 1 : T, scale};
+  };
+  // merged heads: [B, L, Hq * Dv] (what the output projection reads), else [B, Hq, L, Dv]
+  auto output = [&](int64_t b, int64_t h, int64_t l) {
+    return yp + (merge ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * Dv;
+  };
+  const int64_t group = Hq / Hkv;
+  // a task is the queries of `span` positions of every head that shares a kv head (GQA): they read
+  // each block of keys and values from memory once (the scores of span * group queries fit the
+  // core's cache); with fewer such tasks than threads, a task is one query of one head
+  const int64_t span = std::clamp<int64_t>((int64_t(1) << 18) / std::max<int64_t>(T * group, 1), 1, 16);
+  const int64_t blocks = (L + span - 1) / span, threads = runtime().pool->threads();
+  const bool grouped = B * Hkv * blocks >= threads;
+  const int64_t tasks = grouped ? B * Hkv * blocks : B * Hq * L;
+  auto task = [&](int64_t c) {
+    thread_local std::vector<float> qs, p;
+    thread_local std::vector<AttnRow> rows;
+    thread_local std::vector<float*> ys;
+    rows.clear();
+    ys.clear();
+    if (grouped) {
+      const int64_t l0 = (c % blocks) * span, g = (c / blocks) % Hkv, b = c / (blocks * Hkv);
+      const int64_t n = std::min(span, L - l0) * group;
+      qs.resize(n * D);
+      for (int64_t l = l0; l < std::min(L, l0 + span); l++)
+        for (int64_t h = g * group; h < (g + 1) * group; h++) {
+          rows.push_back(row(b, h, l, qs.data() + rows.size() * D));
+          ys.push_back(output(b, h, l));
+        }
+    } else {
+      const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq);
+      qs.resize(D);
+      rows.push_back(row(b, h, l, qs.data()));
+      ys.push_back(output(b, h, l));
+    }
+    p.resize(rows.size() * T);
+    if (dense) return runtime().attend_many(rows.data(), ys.data(), (int64_t)rows.size(), p.data());
+    for (size_t i = 0; i < rows.size(); i++) strided(rows[i], kv.sd, vv.sd, p.data(), ys[i]);
+  };
+  if (tasks > 1 && T * (D + Dv) * B * Hq * L >= (1 << 16)) {
+    runtime().pool->run(tasks, task);
+  } else {
+    for (int64_t c = 0; c < tasks; c++) task(c);
+  }
+}
+
+// One query per row and head (decode): attention_rows over all T keys of k and v.
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
   DecodeAttention(mx::Stream s, float scale, bool causal, bool merge)
@@ -725,73 +797,15 @@ class DecodeAttention : public mx::UnaryPrimitive {
     const auto& k = inputs[1];
     const auto& v = inputs[2];
     auto& enc = encoder_for(stream(), inputs, out);
-    struct View {
-      const float* p;
-      int64_t sb, sh, st, sd;
-    };
-    auto view = [](const mx::array& a) {
-      return View{a.data<float>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
-    };
-    const int64_t B = q.shape(0), Hq = q.shape(1), D = q.shape(3), Hkv = k.shape(1), T = k.shape(2), Dv = v.shape(3);
-    // optional boolean mask [B, Hq, L, T] (any strides, broadcasts included): false keys get no weight;
-    // causal: query l sees keys t <= T - L + l
-    const int64_t L = q.shape(2);
-    const bool* mp = inputs.size() > 3 ? inputs[3].data<bool>() : nullptr;
-    const int64_t mb = mp ? inputs[3].strides()[0] : 0, mh = mp ? inputs[3].strides()[1] : 0,
-                  ml = mp ? inputs[3].strides()[2] : 0, mt = mp ? inputs[3].strides()[3] : 0;
-    enc.dispatch([qv = view(q), kv = view(k), vv = view(v), yp = out.data<float>(), B, Hq, L, D, Hkv, T, Dv, mp, mb, mh,
-                  ml, mt, causal = causal_, scale = scale_, merge = merge_]() {
-      const bool dense = kv.sd == 1 && vv.sd == 1;  // rows of keys and values are dense: the SIMD kernels
-      // query l of head h in row b: its key row and visible range; q copied dense when strided
-      auto row = [&](int64_t b, int64_t h, int64_t l, float* qs) {
-        const int64_t g = h / (Hq / Hkv);
-        for (int64_t d = 0; d < D; d++) qs[d] = qv.p[b * qv.sb + h * qv.sh + l * qv.st + d * qv.sd];
-        return AttnRow{qs, kv.p + b * kv.sb + g * kv.sh, vv.p + b * vv.sb + g * vv.sh,
-                       mp ? mp + b * mb + h * mh + l * ml : nullptr, kv.st, vv.st, mt, T, D, Dv,
-                       causal ? T - L + l + 1 : T, scale};
-      };
-      // merged heads: [B, L, Hq * Dv] (what the output projection reads), else [B, Hq, L, Dv]
-      auto output = [&](int64_t b, int64_t h, int64_t l) {
-        return yp + (merge ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * Dv;
-      };
-      const int64_t group = Hq / Hkv;
-      // a task is the queries of `span` positions of every head that shares a kv head (GQA): they read
-      // each block of keys and values from memory once (the scores of span * group queries fit the
-      // core's cache); with fewer such tasks than threads, a task is one query of one head
-      const int64_t span = std::clamp<int64_t>((int64_t(1) << 18) / std::max<int64_t>(T * group, 1), 1, 16);
-      const int64_t blocks = (L + span - 1) / span, threads = runtime().pool->threads();
-      const bool grouped = B * Hkv * blocks >= threads;
-      const int64_t tasks = grouped ? B * Hkv * blocks : B * Hq * L;
-      auto task = [&](int64_t c) {
-        thread_local std::vector<float> qs, p;
-        thread_local std::vector<AttnRow> rows;
-        thread_local std::vector<float*> ys;
-        rows.clear();
-        ys.clear();
-        if (grouped) {
-          const int64_t l0 = (c % blocks) * span, g = (c / blocks) % Hkv, b = c / (blocks * Hkv);
-          const int64_t n = std::min(span, L - l0) * group;
-          qs.resize(n * D);
-          for (int64_t l = l0; l < std::min(L, l0 + span); l++)
-            for (int64_t h = g * group; h < (g + 1) * group; h++) {
-              rows.push_back(row(b, h, l, qs.data() + rows.size() * D));
-              ys.push_back(output(b, h, l));
-            }
-        } else {
-          const int64_t l = c % L, h = (c / L) % Hq, b = c / (L * Hq);
-          qs.resize(D);
-          rows.push_back(row(b, h, l, qs.data()));
-          ys.push_back(output(b, h, l));
-        }
-        p.resize(rows.size() * T);
-        if (dense) return runtime().attend_many(rows.data(), ys.data(), (int64_t)rows.size(), p.data());
-        for (size_t i = 0; i < rows.size(); i++) strided(rows[i], kv.sd, vv.sd, p.data(), ys[i]);
-      };
-      if (tasks > 1 && T * (D + Dv) * B * Hq * L >= (1 << 16)) {
-        runtime().pool->run(tasks, task);
-      } else {
-        for (int64_t c = 0; c < tasks; c++) task(c);
-      }
+    MaskView m;
+    if (inputs.size() > 3) {
+      const auto& a = inputs[3];
+      m = MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+    }
+    enc.dispatch([qv = view_of(q), kv = view_of(k), vv = view_of(v), yp = out.data<float>(), m, B = q.shape(0),
+                  Hq = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = k.shape(1), T = k.shape(2), Dv = v.shape(3),
+                  causal = causal_, scale = scale_, merge = merge_]() {
+      attention_rows(qv, kv, vv, m, yp, B, Hq, L, D, Hkv, T, Dv, causal, scale, merge);
     });
   }
 
@@ -841,6 +855,119 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   }
   return mx::array(DecodeAttention::shape(q, v, merge_heads), mx::float32,
                    std::make_shared<DecodeAttention>(s, scale, causal, merge_heads), std::move(inputs));
+}
+
+// A full KV cache's step in one op: the L new key and value rows are written into the cache's
+// buffers at `offset` (in place when MLX can hand the buffers over, else into copies), and the L
+// queries attend causally to the buffers' first offset + L rows. Outputs: the attention (as
+// DecodeAttention's), then the key and value buffers. Replaces two slice updates, two slices
+// and the attention of a layer's decode step with one node.
+std::atomic<int64_t> cache_copies{0};  // buffers copied because MLX could not hand them over (tests read it)
+
+class CacheAttention : public mx::Primitive {
+ public:
+  CacheAttention(mx::Stream s, int64_t offset, float scale, bool merge)
+      : mx::Primitive(s), offset_(offset), scale_(scale), merge_(merge) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    // Every output of a multi-output primitive holds its own list of the inputs, so a buffer nothing
+    // else holds counts once per output here. The lists of the outputs MLX is not evaluating through
+    // go now (MLX drops them all once this returns), so is_donatable() sees only the one it passed.
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    // each buffer handed over (written in place) or, where something else still holds it, copied first
+    std::optional<View> copy_from[2];
+    for (int i = 1; i < 3; i++) {
+      const auto& buf = inputs[2 + i];
+      if (buf.is_donatable() && buf.flags().row_contiguous) {
+        outputs[i].copy_shared_buffer(buf);
+      } else {
+        outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+        copy_from[i - 1] = view_of(buf);
+        cache_copies++;
+      }
+    }
+    for (auto& o : outputs) enc.set_output_array(o);
+    const auto& kn = inputs[1];
+    const auto& vn = inputs[2];
+    enc.dispatch([qv = view_of(q), knv = view_of(kn), vnv = view_of(vn), kb = outputs[1].data<float>(),
+                  vb = outputs[2].data<float>(), yp = outputs[0].data<float>(), B = q.shape(0), Hq = q.shape(1),
+                  L = q.shape(2), D = q.shape(3), Hkv = kn.shape(1), Dv = vn.shape(3), S = outputs[1].shape(2),
+                  copy_from_k = copy_from[0], copy_from_v = copy_from[1], offset = offset_, scale = scale_,
+                  merge = merge_]() {
+      auto copy = [&](const View& src, float* dst, int64_t width) {
+        for (int64_t b = 0; b < B; b++)
+          for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t t = 0; t < S; t++) {
+              float* row = dst + ((b * Hkv + h) * S + t) * width;
+              const float* from = src.p + b * src.sb + h * src.sh + t * src.st;
+              for (int64_t d = 0; d < width; d++) row[d] = from[d * src.sd];
+            }
+      };
+      if (copy_from_k) copy(*copy_from_k, kb, D);
+      if (copy_from_v) copy(*copy_from_v, vb, Dv);
+      // the new rows into the (row-contiguous) buffers
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+          for (int64_t l = 0; l < L; l++) {
+            float* kr = kb + ((b * Hkv + h) * S + offset + l) * D;
+            float* vr = vb + ((b * Hkv + h) * S + offset + l) * Dv;
+            for (int64_t d = 0; d < D; d++) kr[d] = knv.p[b * knv.sb + h * knv.sh + l * knv.st + d * knv.sd];
+            for (int64_t d = 0; d < Dv; d++) vr[d] = vnv.p[b * vnv.sb + h * vnv.sh + l * vnv.st + d * vnv.sd];
+          }
+      const View kv{kb, Hkv * S * D, S * D, D, 1}, vv{vb, Hkv * S * Dv, S * Dv, Dv, 1};
+      attention_rows(qv, kv, vv, MaskView{}, yp, B, Hq, L, D, Hkv, offset + L, Dv, true, scale, merge);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("turbospark cache attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkCacheAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const CacheAttention&>(other);
+    return offset_ == o.offset_ && scale_ == o.scale_ && merge_ == o.merge_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {DecodeAttention::shape(inputs[0], inputs[2], merge_), inputs[3].shape(), inputs[4].shape()};
+  }
+
+ private:
+  int64_t offset_;
+  float scale_;
+  bool merge_;
+};
+
+std::vector<mx::array> cache_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                                       const mx::array& k_buf, const mx::array& v_buf, int64_t offset, float scale,
+                                       bool merge_heads) {
+  for (const auto* a : {&q, &k, &v, &k_buf, &v_buf}) {
+    check(a->ndim() == 4 && a->dtype() == mx::float32, "cache_attention: q, k, v and the buffers must be float32 [B, H, L, D]");
+  }
+  const int64_t L = q.shape(2);
+  check(L >= 1 && L <= 65536, "cache_attention: 1 to 65536 queries per row and head");
+  check(k.shape(2) == L && v.shape(2) == L, "cache_attention: one new key and value row per query");
+  check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1),
+        "cache_attention: k and v must share q's batch and each other's heads");
+  check(k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0, "cache_attention: query heads must be a multiple of kv heads");
+  check(k.shape(3) == q.shape(3), "cache_attention: k must have q's head size");
+  check(k_buf.shape(0) == k.shape(0) && k_buf.shape(1) == k.shape(1) && k_buf.shape(3) == k.shape(3) &&
+            v_buf.shape(0) == v.shape(0) && v_buf.shape(1) == v.shape(1) && v_buf.shape(3) == v.shape(3),
+        "cache_attention: the buffers must hold rows like k and v");
+  check(offset >= 0 && offset + L <= k_buf.shape(2) && offset + L <= v_buf.shape(2),
+        "cache_attention: the buffers must have room for the new rows at offset");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto prim = std::make_shared<CacheAttention>(s, offset, scale, merge_heads);
+  std::vector<mx::Shape> shapes = {DecodeAttention::shape(q, v, merge_heads), k_buf.shape(), v_buf.shape()};
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, prim,
+                                {q, k, v, k_buf, v_buf});
 }
 
 // Rows of the last axis as a task reads them: a base pointer and one row stride
@@ -1276,6 +1403,12 @@ NB_MODULE(_qmm, m) {
         nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::arg("merge_heads") = false,
         "mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for float32 queries "
         "(mask: None or boolean), as one op; merge_heads: the result as [B, L, H * Dv] (heads side by side).");
+  m.def("cache_attention", &tsq::cache_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("k_buf"),
+        nb::arg("v_buf"), nb::arg("offset"), nb::arg("scale"), nb::arg("merge_heads"),
+        "Write k, v into the cache buffers at offset and attend q causally to their first offset + L rows: "
+        "(attention, k_buf, v_buf).");
+  m.def("cache_attention_copies", [] { return tsq::cache_copies.load(); },
+        "How many cache buffers cache_attention has copied (instead of writing them in place).");
   m.def("kv_rows", &tsq::kv_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("bits"),
         nb::arg("rotate"),
         "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
