@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from turbospark_core import native
 from turbospark_core.cache_spec import CacheSpec
 from turbospark_core.errors import ContextOverflowError
-from turbospark_core import native
 from turbospark_core.kv_cache import KVCache, _Rows, kv_group_size
 
 SPEC = CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3)

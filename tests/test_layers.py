@@ -99,6 +99,27 @@ def test_quantized_embedding_lookup_equals_dequantized_rows(bits: int, group_siz
     _close(emb.as_linear(h), np.array(h) @ _np(dense).T)
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("width", [64, 576])
+def test_quantized_embedding_rows_have_dequantizes_bits(bits: int, group_size: int, symmetric: bool, width: int) -> None:
+    """Rows of an affine table (one native op on the CPU) equal dequant.dequantize's of the same rows bit for bit:
+    float16 scales, stored or derived (symmetric) biases, MLX groups and GGUF's narrow group of 16."""
+    from turbospark_core import dequant
+
+    w = mx.random.randint(0, 2**32, (40, width * bits // 32), key=mx.random.key(5)).astype(mx.uint32)
+    scales = (mx.random.uniform(0.01, 0.1, (40, width // group_size), key=mx.random.key(6))).astype(mx.float16)
+    biases = None if symmetric else (-(2 ** (bits - 1)) * scales + 0.01).astype(mx.float16)
+    quant = QuantSpec(bits=bits, group_size=group_size, mode="affine")
+    emb = Embedding(Linear(w, quant=quant, scales=scales, biases=biases), mx.float32)
+    ids = mx.array([[3, 0, 39, 3], [7, 7, 1, 2]])
+    want = dequant.dequantize(w[ids], scales[ids], None if biases is None else biases[ids], quant, mx.float32)
+    got = emb(ids)
+    assert got.dtype == mx.float32 and got.shape == (2, 4, width)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
 # ------------------------------------------------------------------ ExpertBank
 
 
