@@ -103,7 +103,9 @@ def test_quantized_embedding_lookup_equals_dequantized_rows(bits: int, group_siz
 @pytest.mark.parametrize("group_size", [16, 32, 64])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("width", [64, 576])
-def test_quantized_embedding_rows_have_dequantizes_bits(bits: int, group_size: int, symmetric: bool, width: int) -> None:
+def test_quantized_embedding_rows_have_dequantizes_bits(
+    bits: int, group_size: int, symmetric: bool, width: int
+) -> None:
     """Rows of an affine table (one native op on the CPU) equal dequant.dequantize's of the same rows bit for bit:
     float16 scales, stored or derived (symmetric) biases, MLX groups and GGUF's narrow group of 16."""
     from turbospark_core import dequant
