@@ -233,9 +233,15 @@ def decode_attention(
 
 def cache_attention_supported(q: mx.array, k: mx.array, v: mx.array, k_buf: mx.array, v_buf: mx.array) -> bool:
     """Whether :func:`cache_attention` takes these: float32 heads and buffers on the CPU, a new row per query."""
-    if not _cpu_float32(q, k, v, k_buf, v_buf) or not all(a.ndim == 4 for a in (q, k, v, k_buf, v_buf)):
+    # spelled out rather than looped: it runs for every layer of every decode step
+    f32 = mx.float32
+    if _MODULE is None or not (q.dtype == f32 and k.dtype == f32 and v.dtype == f32 and k_buf.dtype == f32):
         return False
-    return 1 <= q.shape[2] <= MAX_ATTENTION_QUERIES and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    if v_buf.dtype != f32 or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k_buf.ndim != 4 or v_buf.ndim != 4:
+        return False
+    heads, kv_heads, queries = q.shape[1], k.shape[1], q.shape[2]
+    cpu = mx.default_device() == mx.cpu
+    return cpu and 1 <= queries <= MAX_ATTENTION_QUERIES and kv_heads > 0 and heads % kv_heads == 0
 
 
 def cache_attention(
