@@ -2,8 +2,8 @@
 
 With the extension, quantized weights stay quantized on the CPU and multiply
 through :func:`quantized_matmul` (AVX-512, AVX2/FMA, NEON on arm64 or portable kernels, a thread
-pool that sleeps when idle): row kernels for up to 16 rows of x (decode, batched
-decode, verify), and from 17 rows a native GEMM over dequantized panels (AVX-512 and NEON;
+pool whose threads poll briefly for the next job and then sleep): row kernels for up to 16 rows
+of x (decode, batched decode, verify), and from 17 rows a native GEMM over dequantized panels (AVX-512 and NEON;
 ``TURBOSPARK_QMM_GEMM=blas`` sends them through OpenBLAS's sgemm instead, as the
 AVX2 and portable sets always do). The NEON set (every aarch64 CPU: Linux arm64, Apple
 silicon on MLX's CPU device) has been checked for correctness under qemu's emulation only
