@@ -408,9 +408,10 @@ class RingKVCache(_KVBuffers):
         first = int(np.array(p_all[:1]).sum()) if total else 0
         if first % self.capacity == 0:  # already slot == position % capacity (a ring filled from 0)
             self._k, self._v = k_pad, v_pad
-            self._hold_positions(p_pad)
-            # positions 0..offset-1 in slots 0..offset-1 (the tokens run contiguous up to the newest)
-            self._prefix = first == 0 and total == self.offset
+            # positions 0..offset-1 in slots 0..offset-1 (the tokens run contiguous up to the newest): implicit
+            prefix = first == 0 and total == self.offset
+            self._hold_positions(None if prefix else p_pad)
+            self._prefix = prefix
             return
         # after a trim the kept tokens need not start at slot 0: put each at position % capacity
         slots = (np.arange(total) + first) % self.capacity
@@ -470,7 +471,7 @@ class RingKVCache(_KVBuffers):
         self._k = None if snap["k"] is None else snap["k"].map(mx.array)
         self._v = None if snap["v"] is None else snap["v"].map(mx.array)
         self._hold_positions(None if snap["positions"] is None else mx.array(snap["positions"]))
-        self._prefix = snap["prefix"]
+        self._prefix = snap.get("prefix", False)
         fetched = snap["fetched"]
         self._fetched = fetched if fetched is None or isinstance(fetched, int) else mx.array(fetched)
 
