@@ -216,8 +216,6 @@ class KVCache(_KVBuffers):
         rotated rows, or not float32 on the CPU; then :meth:`update_and_fetch` and
         :meth:`mask` do it in parts.
         """
-        if self.kv_bits is not None:
-            return None
         end = self.offset + keys.shape[2]
         _refuse_overflow(end, self.max_context)
         self._grow(keys.shape[0], end)
@@ -336,7 +334,7 @@ class RingKVCache(_KVBuffers):
         k_new = _Rows.encode(keys, self.kv_bits, self.dtype)
         v_new = _Rows.encode(values, self.kv_bits, self.dtype)
         k, v = self._k, self._v
-        if n == 1 and k is not None and v is not None and self._prefix and self.offset < min(self.window, k.length):
+        if n == 1 and k is not None and v is not None and self._joins_prefix():
             # every held token is within the new one's window: it joins the prefix, read unmasked
             end = self.offset + 1
             k.assign(self.offset, end, k_new)
@@ -362,13 +360,17 @@ class RingKVCache(_KVBuffers):
     def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
         """One token joining the prefix, attended as one native op (see :meth:`KVCache.attend`);
         ``None`` (nothing added) otherwise: then :meth:`update_and_fetch` and :meth:`mask`."""
-        if keys.shape[2] != 1 or self._k is None or not self._prefix or self.offset >= min(self.window, self._k.length):
+        if keys.shape[2] != 1 or not self._joins_prefix():
             return None
         _refuse_overflow(self.offset + 1, self.max_context)
         out = self._attend_at(self.offset, q, keys, values, scale, merge_heads)
         if out is not None:
             self.offset = self._fetched = self.offset + 1
         return out
+
+    def _joins_prefix(self) -> bool:
+        """Whether one more token stays a prefix: a slot is free after it and it sees every held token."""
+        return self._prefix and self._k is not None and self.offset < min(self.window, self._k.length)
 
     def _ordered_with(self, keys: _Rows, values: _Rows, pos: mx.array) -> tuple[_Rows, _Rows, mx.array]:
         held = self.positions

@@ -899,26 +899,20 @@ class CacheAttention : public mx::Primitive {
                   L = q.shape(2), D = q.shape(3), Hkv = kn.shape(1), Dv = vn.shape(3), S = outputs[1].shape(2),
                   copy_from_k = copy_from[0], copy_from_v = copy_from[1], offset = offset_, scale = scale_,
                   merge = merge_]() {
-      auto copy = [&](const View& src, float* dst, int64_t width) {
+      // rows [0, n) of src (any strides) into rows [at, at + n) of the row-contiguous buffer dst
+      auto copy = [&](const View& src, int64_t n, float* dst, int64_t at, int64_t width) {
         for (int64_t b = 0; b < B; b++)
           for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t t = 0; t < S; t++) {
-              float* row = dst + ((b * Hkv + h) * S + t) * width;
+            for (int64_t t = 0; t < n; t++) {
+              float* row = dst + ((b * Hkv + h) * S + at + t) * width;
               const float* from = src.p + b * src.sb + h * src.sh + t * src.st;
               for (int64_t d = 0; d < width; d++) row[d] = from[d * src.sd];
             }
       };
-      if (copy_from_k) copy(*copy_from_k, kb, D);
-      if (copy_from_v) copy(*copy_from_v, vb, Dv);
-      // the new rows into the (row-contiguous) buffers
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++)
-          for (int64_t l = 0; l < L; l++) {
-            float* kr = kb + ((b * Hkv + h) * S + offset + l) * D;
-            float* vr = vb + ((b * Hkv + h) * S + offset + l) * Dv;
-            for (int64_t d = 0; d < D; d++) kr[d] = knv.p[b * knv.sb + h * knv.sh + l * knv.st + d * knv.sd];
-            for (int64_t d = 0; d < Dv; d++) vr[d] = vnv.p[b * vnv.sb + h * vnv.sh + l * vnv.st + d * vnv.sd];
-          }
+      if (copy_from_k) copy(*copy_from_k, S, kb, 0, D);
+      if (copy_from_v) copy(*copy_from_v, S, vb, 0, Dv);
+      copy(knv, L, kb, offset, D);  // the new rows
+      copy(vnv, L, vb, offset, Dv);
       const View kv{kb, Hkv * S * D, S * D, D, 1}, vv{vb, Hkv * S * Dv, S * Dv, Dv, 1};
       attention_rows(qv, kv, vv, MaskView{}, yp, B, Hq, L, D, Hkv, offset + L, Dv, true, scale, merge);
     });
