@@ -356,7 +356,7 @@ class Embedding:
         if t.quant is None or t.scales is None:
             return t.weight[ids]
         w, scales, biases = t.weight[ids], t.scales[ids], None if t.biases is None else t.biases[ids]
-        float32 = self.dtype is None or self.dtype == mx.float32
+        float32 = self.dtype is not None and self.dtype == mx.float32  # rows in the dtype dequantize gives
         if t.quant.mode == "affine" and float32 and native.kv_rows_supported(w, scales):
             # one native op (MLX composes about twenty on the CPU); scale * code is exact in float32, so
             # its fused multiply-add has dequantize's bits
