@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from turbospark_core import layers
+from turbospark_core import layers, native
 from turbospark_core.layers import Embedding, ExpertBank, Experts, Linear
 from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
@@ -335,3 +335,100 @@ def test_a_wrapper_that_observes_its_inputs_sees_them_all() -> None:
         np.array(layers.linear_gated(observed, gate_up, "silu_mul")), np.array(linear(layers.silu_mul(x, x)))
     )
     assert len(seen) == 3
+
+
+# ------------------------------------------------------------------ FusedLayer
+
+
+def _decoder_parts(
+    hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16, ffn: int = 96
+) -> dict[str, Any]:
+    return {
+        "input_norm": _normal((hidden,), 30) * 0.2 + 1, "mlp_norm": _normal((hidden,), 31) * 0.2 + 1,
+        "qkv": _quantized(_normal(((heads + 2 * kv_heads) * d, hidden), 32) * 0.2, 4, 32, "affine")[0],
+        "o_proj": _quantized(_normal((hidden, heads * d), 33) * 0.2, 4, 32, "affine")[0],
+        "gate_up": _quantized(_normal((2 * ffn, hidden), 34) * 0.2, 4, 32, "affine")[0],
+        "down": _quantized(_normal((hidden, ffn), 35) * 0.2, 4, 32, "affine")[0],
+        "heads": heads, "kv_heads": kv_heads, "scale": d**-0.5, "eps": 1e-5,
+        "rope": Rope.from_config(dims=d, theta=10000.0, scaling=None, max_positions=4096),
+    }  # fmt: skip
+
+
+def _decoder_step_in_parts(p: dict[str, Any], x: mx.array, cache: Any) -> mx.array:
+    """The layer written with the family-facing ops (what a flow runs without the fused layer)."""
+    offset = cache.offset
+    if isinstance(p["qkv"], Linear):
+        proj: Any = layers.linear_normed(p["qkv"], x, p["input_norm"], p["eps"])
+    else:  # q, k and v apart: the input normalized once
+        normed = layers.rms_norm(x, p["input_norm"], p["eps"])
+        proj = [m(normed) for m in p["qkv"]]
+    q, k, v = layers.rope_heads(proj, p["rope"], heads=p["heads"], kv_heads=p["kv_heads"], offset=offset)
+    h = layers.linear_plus(p["o_proj"], layers.cached_attention(q, k, v, cache, scale=p["scale"], merge_heads=True), x)
+    return layers.linear_gated(p["down"], layers.linear_normed(p["gate_up"], h, p["mlp_norm"], p["eps"]), "silu_mul", h)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+@pytest.mark.parametrize(("ring", "apart"), [(False, False), (True, False), (False, True)])
+def test_fused_layer_steps_equal_the_parts_and_write_the_cache_in_place(ring: bool, apart: bool) -> None:
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import KVCache, RingKVCache
+
+    p = _decoder_parts()
+    if apart:  # q, k and v held apart (layouts that do not fuse)
+        w = mx.dequantize(p["qkv"].weight, p["qkv"].scales, p["qkv"].biases, group_size=32, bits=4)
+        parts = zip(mx.split(w, [64, 96]), (5, 4, 8), strict=True)
+        p["qkv"] = tuple(_quantized(part, b, 32, "affine")[0] for part, b in parts)
+    fused = layers.fused_layer(**p)
+    assert fused is not None
+    spec = CacheSpec.sliding(2, 16, window=12) if ring else CacheSpec(n_kv_heads=2, head_dim=16)
+
+    def make() -> KVCache | RingKVCache:
+        return RingKVCache(spec, 100, mx.float32) if ring else KVCache(spec, 100, mx.float32, step=8)
+
+    a, b = make(), make()
+    xs = _normal((1, 11, 64), 36)
+    copies = None
+    # a prefill of 4 tokens, then single tokens (past the full cache's first growth; the ring below its window);
+    # the ring's prefill goes through its parts (the fused layer declines it), its steps through the fused op
+    for start, end in [(0, 4)] + [(t, t + 1) for t in range(4, 11)]:
+        x = xs[:, start:end]
+        got = fused(x, a)
+        if got is None:
+            assert ring and start == 0 and a.offset == 0  # declined: the cache untouched
+            got = _decoder_step_in_parts(p, x, a)
+        want = _decoder_step_in_parts(p, x, b)
+        mx.eval(got, want, a.state, b.state)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+        assert a.offset == b.offset == end
+        if copies is None:
+            copies = native.cache_attention_copies()
+    assert native.cache_attention_copies() == copies  # the buffers written in place
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+def test_fused_layer_declines_what_it_cannot_run() -> None:
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import KVCache
+
+    p = _decoder_parts()
+    dense = Linear(_normal((64, 96), 37))
+    biased = _quantized(_normal((64, 96), 38), 4, 32, "affine", bias=_normal((64,), 39))[0]
+
+    class Observed(Linear):  # a wrapper (diagnostics, a distributed rank): called as itself, never fused
+        pass
+
+    observed = Observed(p["down"].weight, quant=p["down"].quant, scales=p["down"].scales, biases=p["down"].biases)
+    for down in (dense, biased, observed):
+        assert layers.fused_layer(**{**p, "down": down}) is None
+    assert layers.fused_layer(**{**p, "qkv": None}) is None  # the projections were not fused
+    assert layers.fused_layer(**{**p, "activation": "relu"}) is None
+    assert layers.fused_layer(**{**p, "input_norm": p["input_norm"].astype(mx.float16)}) is None
+    fused = layers.fused_layer(**p)
+    assert fused is not None
+    spec = CacheSpec(n_kv_heads=2, head_dim=16)
+    x = _normal((1, 1, 64), 40)
+    quantized = KVCache(CacheSpec(n_kv_heads=2, head_dim=32), 100, mx.float32, kv_bits=8)
+    quantized.update_and_fetch(mx.zeros((1, 2, 2, 32)), mx.zeros((1, 2, 2, 32)))
+    assert fused(x, quantized) is None and quantized.offset == 2  # quantized rows: the parts run
+    float_cache = KVCache(spec, 100, mx.float32)
+    assert fused(x.astype(mx.bfloat16), float_cache) is None and float_cache.offset == 0

@@ -416,3 +416,132 @@ def test_cache_attention_refusals() -> None:
     with pytest.raises(ValueError, match="float32"):
         native.cache_attention(q.astype(mx.float16), k, k, buf, buf, 0, 1.0)
     assert not native.cache_attention_supported(q.astype(mx.float16), k, k, buf, buf)
+
+
+def _matrix(rows: int, cols: int, seed: int, bits: int, group: int, symmetric: bool) -> native.QuantizedMatrix:
+    from turbospark_core.tensor_index import QuantSpec
+
+    w, scales, biases = mx.quantize(_normal((rows, cols), seed) * 0.2, group_size=group, bits=bits)
+    return w, scales, None if symmetric else biases, QuantSpec(bits=bits, group_size=group, mode="affine")
+
+
+def _layer_in_parts(
+    x: mx.array, norms: list[mx.array | None], mats: list[native.QuantizedMatrix], k_buf: mx.array, v_buf: mx.array,
+    heads: int, kv_heads: int, rope: object, eps: float, scale: float, offset: int, activation: str,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The ops a decoder layer's step is made of, one after another."""
+    from turbospark_core.rope import Rope
+
+    assert isinstance(rope, Rope)
+    in_norm, mlp_norm, post_attn, post_mlp, q_norm, k_norm = norms
+    np_ = len(mats) - 3
+    o, gate_up, down = mats[np_:]
+    if np_ == 1:
+        proj = [native.quantized_matmul(x, *mats[0], prologue="rms_norm", prologue_weight=in_norm, eps=eps)]
+    else:
+        xn = native.rms_norm(x, in_norm, eps)
+        proj = [native.quantized_matmul(xn, *m) for m in mats[:3]]
+    head_norms = None if q_norm is None or k_norm is None else (q_norm, k_norm)
+    q, k, v = native.rope_heads(
+        proj, heads, kv_heads, dims=rope.dims, scale=rope.scale, mscale=rope.mscale, offset=offset,
+        freqs=rope.freqs, norms=head_norms, eps=eps,
+    )  # fmt: skip
+    att, k_buf, v_buf = native.cache_attention(q, k, v, k_buf, v_buf, offset, scale, merge_heads=True)
+    h = native.quantized_matmul(att, *o, x, post_norm=None if post_attn is None else (post_attn, eps))
+    gu = native.quantized_matmul(h, *gate_up, prologue="rms_norm", prologue_weight=mlp_norm, eps=eps)
+    post = None if post_mlp is None else (post_mlp, eps)
+    return native.quantized_matmul(gu, *down, h, prologue=activation, post_norm=post), k_buf, v_buf
+
+
+@needs_native
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("variant", ["llama", "gemma", "mixed-layouts", "q-k-v-apart"])
+def test_decoder_layer_equals_its_ops(length: int, variant: str) -> None:
+    """One op for a layer's step: the bits of its ops one after another, the rows written into the buffers at
+    offset; buffers still held elsewhere are copied, never changed under their holder; the next layer's
+    matrix (only read ahead) changes nothing."""
+    from turbospark_core.rope import Rope
+
+    B, hidden, heads, kv_heads, D, F, S, offset, eps = 2, 64, 4, 2, 16, 96, 16, 5, 1e-5
+    gemma = variant == "gemma"
+    layouts = [(4, 32, False), (8, 64, True), (4, 32, True), (6, 32, False)] if variant == "mixed-layouts" else [
+        (4, 32, False)
+    ] * 4  # fmt: skip
+    shapes = [((heads + 2 * kv_heads) * D, hidden), (hidden, heads * D), (2 * F, hidden), (hidden, F)]
+    mats = [_matrix(r, c, 10 + i, *layouts[i]) for i, (r, c) in enumerate(shapes)]
+    projections = 3 if variant == "q-k-v-apart" else 1
+    if projections == 3:  # Gemma 3's Q4_K_M layers: q, k and v of different layouts
+        apart = [
+            ((heads * D, hidden), (5, 32, False)), ((kv_heads * D, hidden), (4, 32, True)),
+            ((kv_heads * D, hidden), (8, 32, False)),
+        ]  # fmt: skip
+        mats = [_matrix(r, c, 40 + i, *lay) for i, ((r, c), lay) in enumerate(apart)] + mats[1:]
+    vec = [_normal((n,), 20 + i) * 0.3 + 1 for i, n in enumerate((hidden, hidden, hidden, hidden, D, D))]
+    norms: list[mx.array | None] = vec if gemma else [vec[0], vec[1], None, None, None, None]
+    rope = Rope.from_config(dims=D, theta=10000.0, scaling=None, max_positions=4096)
+    x = _normal((B, length, hidden), 1)
+    k_buf, v_buf = _normal((B, kv_heads, S, D), 2), _normal((B, kv_heads, S, D), 3)
+    activation = "gelu_tanh_mul" if gemma else "silu_mul"
+    mx.eval(x, k_buf, v_buf, *vec, *(a for m in mats for a in m[:3] if a is not None))
+    k_before, v_before = np.array(k_buf), np.array(v_buf)
+    args = dict(heads=heads, kv_heads=kv_heads, rope=rope, eps=eps, scale=D**-0.5, activation=activation)
+    want = _layer_in_parts(x, norms, mats, k_buf, v_buf, offset=offset, **args)  # type: ignore[arg-type]
+    mx.eval(want)
+    copies = native.cache_attention_copies()
+    for extra in ([], [mats[0]]):
+        assert native.decoder_layer_supported(x, k_buf, v_buf)
+        op = native.decoder_layer_op(norms, [*mats, *extra], projections=projections, **args)  # type: ignore[arg-type]
+        got = op(x, k_buf, v_buf, offset)
+        mx.eval(got)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.array(g), np.array(w))
+    assert native.cache_attention_copies() == copies + 4  # both buffers, both calls: the test holds them
+    np.testing.assert_array_equal(np.array(k_buf), k_before)
+    np.testing.assert_array_equal(np.array(v_buf), v_before)
+
+
+@needs_native
+def test_decoder_layer_refusals() -> None:
+    from turbospark_core.rope import Rope
+
+    hidden, heads, kv_heads, D, F = 64, 4, 2, 16, 96
+    shapes = [((heads + 2 * kv_heads) * D, hidden), (hidden, heads * D), (2 * F, hidden), (hidden, F)]
+    mats = [_matrix(r, c, 10 + i, 4, 32, False) for i, (r, c) in enumerate(shapes)]
+    norms: list[mx.array | None] = [mx.ones((hidden,)), mx.ones((hidden,)), None, None, None, None]
+    rope = Rope.from_config(dims=D, theta=10000.0, scaling=None, max_positions=4096)
+    x, buf = mx.zeros((1, 1, hidden)), mx.zeros((1, kv_heads, 8, D))
+    args = dict(heads=heads, kv_heads=kv_heads, rope=rope, eps=1e-5, scale=0.25, activation="silu_mul")
+
+    def make(**change: object) -> native.LayerStep:
+        kw = {"norms": norms, "matrices": mats, **args, **change}
+        return native.decoder_layer_op(**kw)  # type: ignore[arg-type]
+
+    op = make()  # the arguments below each change one thing
+    mx.eval(op(x, buf, buf, 7))
+    with pytest.raises(ValueError, match="room for the new rows"):
+        op(x, buf, buf, 8)
+    with pytest.raises(ValueError, match="x must be float32"):
+        op(x.astype(mx.float16), buf, buf, 0)
+    with pytest.raises(ValueError, match="x must be float32"):
+        op(mx.zeros((1, 1, 32)), buf, buf, 0)
+    with pytest.raises(ValueError, match=r"cache buffers must be float32 \[B, kv_heads, S, head_dim\]"):
+        op(x, mx.zeros((1, kv_heads, 8, 8)), buf, 0)
+    with pytest.raises(ValueError, match="o has the wrong shape"):
+        make(matrices=[mats[0], _matrix(2 * hidden, heads * D, 3, 4, 32, False), mats[2], mats[3]])
+    with pytest.raises(ValueError, match="the input and MLP norms need weights"):
+        make(norms=[None, *norms[1:]])
+    with pytest.raises(ValueError, match="a norm's weight must be float32"):
+        make(norms=[mx.ones((hidden,), mx.float16), *norms[1:]])
+    with pytest.raises(ValueError, match="normalize both q and k heads or neither"):
+        make(norms=[*norms[:4], mx.ones((D,)), None])
+    with pytest.raises(ValueError, match="activation must be 'silu_mul' or 'gelu_tanh_mul'"):
+        make(activation="relu")
+    with pytest.raises(ValueError, match="pass the q/k/v, o, gate_up and down"):
+        make(matrices=mats[:3])
+    with pytest.raises(ValueError, match="projections must be 1"):
+        make(projections=2)
+    with pytest.raises(ValueError, match="k has the wrong shape"):
+        q = _matrix(heads * D, hidden, 9, 4, 32, False)
+        make(matrices=[q, q, q, *mats[1:]], projections=3)
+    assert not native.decoder_layer_supported(x.astype(mx.float16), buf, buf)
+    assert not native.decoder_layer_supported(mx.zeros((1, hidden)), buf, buf)

@@ -27,7 +27,9 @@ Attention
     ``cached_attention`` (the step's keys and values added to a cache and the
     queries attending to it under its mask: one native op for a float full cache);
     ``rope_heads`` (q, k, v heads from the fused q/k/v product, per-head norms,
-    RoPE: one native op on the CPU).
+    RoPE: one native op on the CPU); ``fused_layer`` (a pre-norm decoder
+    layer's whole step, attention and gated MLP, as one native op:
+    ``FusedLayer``, or ``None`` where its matrices are not held natively).
 Fast ops
     ``rms_norm`` (``mx.fast.rms_norm``), ``silu_mul`` (the SwiGLU
     activation ``silu(gate) * up``) and ``gelu_tanh_mul`` (GeGLU,
@@ -131,10 +133,12 @@ from turbospark_core.layers import (
     Embedding,
     ExpertBank,
     Experts,
+    FusedLayer,
     Linear,
     attention,
     cached_attention,
     fuse_linears,
+    fused_layer,
     fused_parts,
     gelu_tanh_mul,
     linear_gated,
@@ -185,6 +189,7 @@ __all__ = [
     "FamilyContext",
     "FamilyModel",
     "FamilySpec",
+    "FusedLayer",
     "HeadContext",
     "ImageError",
     "ImageFeatures",
@@ -218,6 +223,7 @@ __all__ = [
     "float_problem",
     "float_problems",
     "fuse_linears",
+    "fused_layer",
     "fused_parts",
     "gelu_tanh_mul",
     "hookimpl",

@@ -139,19 +139,42 @@ class _KVBuffers:
         """Fetched rows as the family reads them: floats, rotated back."""
         return keys.decode(self.rotate_keys), values.decode(self.rotate_values)
 
-    def _attend_at(
-        self, offset: int, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool
-    ) -> mx.array | None:
-        """Write the rows at ``offset`` of the (allocated, float) buffers and attend ``q`` causally to
-        the first ``offset + L`` rows, as one native op; ``None`` (nothing written) where it does not apply."""
+    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+        """The float key/value buffers ready for ``n`` new rows per sequence, and the row they go to.
+
+        For ops that write a step's rows into the buffers themselves (:func:`native.cache_attention`,
+        a fused layer); then :meth:`commit_step`. ``None`` where the rows are not stored as plain
+        floats (quantized or rotated) or, for a ring, the step would not join its prefix.
+        """
+        raise NotImplementedError
+
+    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
+        """Hold the buffers an op wrote ``n`` rows into (from :meth:`step_buffers`) and count the rows."""
+        raise NotImplementedError
+
+    def _float_buffers(self) -> tuple[mx.array, mx.array] | None:
         if self._k is None or self._v is None or self._k.bits is not None or self.rotate_keys or self.rotate_values:
             return None
-        k_buf, v_buf = self._k.parts[0], self._v.parts[0]
-        if not native.cache_attention_supported(q, keys, values, k_buf, v_buf):
-            return None
-        out, k_buf, v_buf = native.cache_attention(q, keys, values, k_buf, v_buf, offset, scale, merge_heads)
+        return self._k.parts[0], self._v.parts[0]
+
+    def _hold(self, k_buf: mx.array, v_buf: mx.array) -> None:
         # the cache holds only the written buffers: the next step's op may write them in place
+        assert self._k is not None and self._v is not None
         self._k, self._v = _Rows((k_buf,), None, self._k.dtype), _Rows((v_buf,), None, self._v.dtype)
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
+        """Append ``keys``/``values`` and attend ``q`` causally to everything held, as one native op.
+
+        ``None`` (nothing appended) where the op does not apply (see
+        :meth:`step_buffers`; or not float32 on the CPU); then
+        :meth:`update_and_fetch` and :meth:`mask` do it in parts.
+        """
+        n = keys.shape[2]
+        step = self.step_buffers(keys.shape[0], n)
+        if step is None or not native.cache_attention_supported(q, keys, values, step[0], step[1]):
+            return None
+        out, k_buf, v_buf = native.cache_attention(q, keys, values, *step, scale, merge_heads)
+        self.commit_step(k_buf, v_buf, n)
         return out
 
 
@@ -209,20 +232,16 @@ class KVCache(_KVBuffers):
         self.offset = end
         return self._fetch(self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :]))
 
-    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
-        """Append ``keys``/``values`` and attend ``q`` causally to everything held, as one native op.
-
-        ``None`` (nothing appended) where the op does not apply: quantized or
-        rotated rows, or not float32 on the CPU; then :meth:`update_and_fetch` and
-        :meth:`mask` do it in parts.
-        """
-        end = self.offset + keys.shape[2]
+    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+        end = self.offset + n
         _refuse_overflow(end, self.max_context)
-        self._grow(keys.shape[0], end)
-        out = self._attend_at(self.offset, q, keys, values, scale, merge_heads)
-        if out is not None:
-            self.offset = end
-        return out
+        self._grow(batch, end)
+        held = self._float_buffers()
+        return None if held is None else (*held, self.offset)
+
+    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
+        self._hold(k_buf, v_buf)
+        self.offset += n
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped."""
@@ -357,16 +376,17 @@ class RingKVCache(_KVBuffers):
         self._keep_last(k_all, v_all, p_all)
         return self._fetch(k_all, v_all)
 
-    def attend(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, merge_heads: bool) -> mx.array | None:
-        """One token joining the prefix, attended as one native op (see :meth:`KVCache.attend`);
-        ``None`` (nothing added) otherwise: then :meth:`update_and_fetch` and :meth:`mask`."""
-        if keys.shape[2] != 1 or not self._joins_prefix():
+    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+        """As :meth:`KVCache.step_buffers`, for one token joining the prefix (else ``None``)."""
+        if n != 1 or not self._joins_prefix():
             return None
         _refuse_overflow(self.offset + 1, self.max_context)
-        out = self._attend_at(self.offset, q, keys, values, scale, merge_heads)
-        if out is not None:
-            self.offset = self._fetched = self.offset + 1
-        return out
+        held = self._float_buffers()
+        return None if held is None else (*held, self.offset)
+
+    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
+        self._hold(k_buf, v_buf)
+        self.offset = self._fetched = self.offset + n
 
     def _joins_prefix(self) -> bool:
         """Whether one more token stays a prefix: a slot is free after it and it sees every held token."""

@@ -337,6 +337,113 @@ def _fused(
     return y if residual is None else residual + y
 
 
+class FusedLayer:
+    """A pre-norm decoder layer's step as one native op (CPU, float32 activations).
+
+    What a family's layer of these parts computes::
+
+        q, k, v = heads(qkv(rms_norm(x, input_norm)))      # rotated (q/k head norms optional)
+        h = x + post_attention_norm(o_proj(attention(q, k, v over the cache)))
+        y = h + post_mlp_norm(down(activation(gate_up(rms_norm(h, mlp_norm)))))
+
+    with the post norms optional (Gemma's sandwich norms). Build it once per
+    layer with :func:`fused_layer`; call it with the step's input and the
+    layer's cache. The result is the parts' bit for bit (the same kernels in
+    the same order: :func:`linear_normed`, :func:`rope_heads`,
+    :func:`cached_attention`, :func:`linear_plus`, :func:`linear_gated`), in
+    one graph node instead of about six. ``None`` (the cache untouched) where
+    the step cannot run so: activations not float32 on the CPU, or a cache
+    whose rows are quantized or rotated, or a ring past its window; the family
+    then runs its parts.
+    """
+
+    def __init__(
+        self,
+        norms: list[mx.array | None],
+        matrices: list[native.QuantizedMatrix],
+        *,
+        heads: int,
+        kv_heads: int,
+        rope: Rope,
+        scale: float,
+        eps: float,
+        activation: str,
+        projections: int = 1,
+    ) -> None:
+        self.norms = norms
+        self.matrices = matrices
+        self.heads, self.kv_heads, self.rope, self.scale, self.eps = heads, kv_heads, rope, scale, eps
+        self.activation = activation
+        self.projections = projections
+        self.next: native.QuantizedMatrix | None = None
+        self._op = self._build()
+
+    def _build(self) -> native.LayerStep:
+        return native.decoder_layer_op(
+            self.norms, self.matrices if self.next is None else [*self.matrices, self.next], heads=self.heads,
+            kv_heads=self.kv_heads, rope=self.rope, eps=self.eps, scale=self.scale, activation=self.activation,
+            projections=self.projections,
+        )  # fmt: skip
+
+    def read_ahead(self, following: FusedLayer | None) -> None:
+        """Prefetch ``following``'s first matrix while this layer's last product ends (the next layer's step)."""
+        self.next = None if following is None else following.matrices[0]
+        self._op = self._build()
+
+    def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array | None:
+        if not isinstance(cache, (KVCache, RingKVCache)) or x.ndim != 3:
+            return None
+        step = cache.step_buffers(x.shape[0], x.shape[1])
+        if step is None or not native.decoder_layer_supported(x, step[0], step[1]):
+            return None
+        y, k_buf, v_buf = self._op(x, *step)
+        cache.commit_step(k_buf, v_buf, x.shape[1])
+        return y
+
+
+def fused_layer(
+    *,
+    input_norm: mx.array,
+    qkv: Linear | Sequence[Linear] | None,
+    o_proj: Linear,
+    mlp_norm: mx.array,
+    gate_up: Linear | None,
+    down: Linear,
+    heads: int,
+    kv_heads: int,
+    rope: Rope,
+    scale: float,
+    eps: float,
+    activation: str = "silu_mul",
+    head_norms: tuple[mx.array, mx.array] | None = None,
+    post_attention_norm: mx.array | None = None,
+    post_mlp_norm: mx.array | None = None,
+) -> FusedLayer | None:
+    """A layer's :class:`FusedLayer`, or ``None`` where its parts cannot run as one native op.
+
+    ``qkv``: the fused q/k/v product (:func:`fuse_linears`), or q, k and v
+    apart; ``gate_up``: the fused gate/up product; every matrix held
+    natively (quantized, no bias, a plain :class:`Linear`: not on a
+    distributed rank or observed by a diagnostic); every norm weight float32;
+    ``eps`` every norm's; ``activation`` one of :data:`GATED`.
+    """
+    norms = [input_norm, mlp_norm, post_attention_norm, post_mlp_norm, *(head_norms or (None, None))]
+    if not native.available() or activation not in GATED or any(w is not None and w.dtype != mx.float32 for w in norms):
+        return None
+    projections = [qkv] if qkv is None or isinstance(qkv, Linear) else list(qkv)
+    matrices: list[native.QuantizedMatrix] = []
+    for p in (*projections, o_proj, gate_up, down):
+        if p is None or not _held_natively(p) or p.quant is None or p.scales is None or not native.keeps(p.quant):
+            return None
+        matrices.append((p.weight, p.scales, p.biases, p.quant))
+    if len(projections) not in (1, 3):
+        return None
+    return FusedLayer(
+        norms, matrices, heads=heads, kv_heads=kv_heads, rope=rope, scale=scale, eps=eps, activation=activation,
+        projections=len(projections),
+    )  # fmt: skip
+
+
 class Embedding:
     """Token embedding table, also usable as a tied output head.
 

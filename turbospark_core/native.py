@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import mlx.core as mx  # before the extension: it finds libmlx because mlx loaded it
 
 from turbospark_core import dequant
 from turbospark_core.tensor_index import QuantSpec
+
+if TYPE_CHECKING:
+    from turbospark_core.rope import Rope
 
 OFF_ENV = "TURBOSPARK_NATIVE"
 BITS = frozenset({2, 3, 4, 5, 6, 8})
@@ -264,6 +269,59 @@ def cache_attention(
 def cache_attention_copies() -> int:
     """How many buffers :func:`cache_attention` copied because MLX could not hand them over (0 in steady decoding)."""
     return int(_MODULE.cache_attention_copies()) if _MODULE is not None else 0
+
+
+QuantizedMatrix = tuple[mx.array, mx.array, mx.array | None, QuantSpec]
+"""A matrix as :func:`quantized_matmul` takes it: ``(w, scales, biases, quant)``."""
+
+LayerStep = Callable[[mx.array, mx.array, mx.array, int], tuple[mx.array, mx.array, mx.array]]
+"""A layer's step: ``(x, k_buf, v_buf, offset) -> (y, k_buf, v_buf)`` (see :func:`decoder_layer_op`)."""
+
+
+def decoder_layer_supported(x: mx.array, k_buf: mx.array, v_buf: mx.array) -> bool:
+    """Whether :func:`decoder_layer` takes this step: float32 ``x`` ``[B, L, hidden]`` and buffers on the CPU."""
+    f32 = mx.float32
+    if _MODULE is None or x.dtype != f32 or k_buf.dtype != f32 or v_buf.dtype != f32 or mx.default_device() != mx.cpu:
+        return False
+    return x.ndim == 3 and k_buf.ndim == 4 and v_buf.ndim == 4 and 1 <= x.shape[1] <= MAX_ATTENTION_QUERIES
+
+
+def decoder_layer_op(
+    norms: Sequence[mx.array | None],
+    matrices: Sequence[QuantizedMatrix],
+    *,
+    heads: int,
+    kv_heads: int,
+    rope: Rope,
+    eps: float,
+    scale: float,
+    activation: str,
+    projections: int = 1,
+) -> LayerStep:
+    """A pre-norm decoder layer's step as one op: ``op(x, k_buf, v_buf, offset) -> (y, k_buf, v_buf)``.
+
+    The layer's weights are checked and held once; a step then takes one
+    call. ``norms``: the RMSNorm weights ``[input, mlp, post_attention,
+    post_mlp, q_head, k_head]`` (``None`` where the layer has none; the
+    first two are required). ``matrices``: the q/k/v projection
+    (``projections=1``: one fused matrix; ``3``: q, k and v), the output,
+    fused gate/up and down projections, each held natively; one more,
+    optional: the next layer's first matrix, whose first rows are
+    prefetched as this layer ends. A step writes its key and value rows into
+    rows ``offset..`` of the buffers (in place when nothing else holds them),
+    as :func:`cache_attention` writes them. Each part is computed by the code
+    of its own op (:func:`quantized_matmul` with its prologue, residual and
+    post norm, :func:`rope_heads`, :func:`cache_attention`), so ``y`` is
+    theirs bit for bit. Check :func:`decoder_layer_supported` for each step.
+    """
+    assert _MODULE is not None
+    w, s, b, q = zip(*matrices, strict=True)
+    op: LayerStep = _MODULE.DecoderLayerOp(
+        list(norms), list(w), list(s), list(b), [m.group_size for m in q], [m.bits for m in q], [m.mode for m in q],
+        projections, rope.freqs, heads=heads, kv_heads=kv_heads, dims=rope.dims, rope_scale=rope.scale,
+        mscale=rope.mscale, eps=eps, scale=scale, activation=activation,
+    )  # fmt: skip
+    return op
 
 
 def _cpu_float32(*arrays: mx.array) -> bool:

@@ -30,6 +30,7 @@ from turbospark_core.family import (
     choice_list_problem,
     float_problems,
     fuse_linears,
+    fused_layer,
     fused_parts,
     gelu_tanh_mul,
     int_problems,
@@ -268,11 +269,26 @@ class Block:
         self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
         self._decode_ffn = mx.compile(self._ffn)  # one-token steps have fixed shapes
+        # quantized matrices on the CPU: the whole step (sandwich norms and all) as one native op
+        attn = self.self_attn
+        self._fused = fused_layer(
+            input_norm=self.input_layernorm.weight,
+            qkv=attn.qkv if attn.qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+            o_proj=attn.o_proj, mlp_norm=self.pre_feedforward_layernorm.weight, gate_up=self.mlp.gate_up,
+            down=self.mlp.down_proj, heads=attn.n_heads, kv_heads=attn.n_kv_heads, rope=attn.rope, scale=attn.scale,
+            eps=args.rms_norm_eps, activation="gelu_tanh_mul", head_norms=(attn.q_norm.weight, attn.k_norm.weight),
+            post_attention_norm=self.post_attention_layernorm.weight,
+            post_mlp_norm=self.post_feedforward_layernorm.weight,
+        )  # fmt: skip
 
     def _ffn(self, h: mx.array) -> mx.array:
         return self.mlp(h, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
     def __call__(self, x: mx.array, cache: KVCache | RingKVCache | None) -> mx.array:
+        if self._fused is not None and cache is not None:
+            y = self._fused(x, cache)
+            if y is not None:
+                return y
         h = self.self_attn(x, cache, self.input_layernorm, self.post_attention_layernorm)
         return self._decode_ffn(h) if x.shape[1] == 1 else self._ffn(h)
 
@@ -284,6 +300,9 @@ class Model:
         # sqrt(hidden) as a float32 scalar, narrowed to the activations' dtype (as transformers does)
         self.embed_scale = mx.array(math.sqrt(args.hidden_size), mx.float32)
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        for block, following in zip(self.blocks, self.blocks[1:], strict=False):
+            if block._fused is not None:
+                block._fused.read_ahead(following._fused)
         self.norm = RMSNorm(w, "model.norm.weight", args.rms_norm_eps, args.norm_adds_one)
         # Tied head unless the install carries its own lm_head
         self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None

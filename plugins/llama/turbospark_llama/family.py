@@ -29,6 +29,7 @@ from turbospark_core.family import (
     cached_attention,
     float_problems,
     fuse_linears,
+    fused_layer,
     fused_parts,
     index_list_problem,
     int_problems,
@@ -380,6 +381,17 @@ class Block:
         self._decode_rest = mx.compile(self._rest)
         self._decode_route = mx.compile(self._route)
         self._decode_combine = mx.compile(self._combine)
+        # A dense layer with quantized matrices on the CPU: the whole step as one native op
+        self._fused = None
+        attn = self.self_attn
+        if isinstance(self.mlp, MLP) and attn.qk_norm != "full":
+            norms = None if attn.q_norm is None or attn.k_norm is None else (attn.q_norm, attn.k_norm)
+            self._fused = fused_layer(
+                input_norm=self.input_layernorm, qkv=attn.qkv, o_proj=attn.o_proj,
+                mlp_norm=self.post_attention_layernorm, gate_up=self.mlp.gate_up, down=self.mlp.down_proj,
+                heads=attn.n_heads, kv_heads=attn.n_kv_heads, rope=attn.rope, scale=attn.scale, eps=self.eps,
+                head_norms=norms,
+            )  # fmt: skip
 
     def _qkv(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(x, offset, norm=self.input_layernorm)
@@ -400,6 +412,10 @@ class Block:
     def __call__(
         self, x: mx.array, cache: KVCache | None, shift: int | mx.array = 0, positions: mx.array | None = None
     ) -> mx.array:
+        if self._fused is not None and cache is not None and positions is None and isinstance(shift, int) and not shift:
+            y = self._fused(x, cache)
+            if y is not None:
+                return y
         if x.shape[1] == 1 and cache is not None and positions is None:
             offset = mx.array(cache.offset)
             q, k, v = self._decode_qkv(x, offset if isinstance(shift, int) and not shift else offset + shift)
@@ -417,6 +433,9 @@ class Model:
         self.args = args
         self.embed_tokens = w.embedding("model.embed_tokens")
         self.blocks = [Block(args, w, i) for i in range(args.num_hidden_layers)]
+        for block, following in zip(self.blocks, self.blocks[1:], strict=False):
+            if block._fused is not None:
+                block._fused.read_ahead(following._fused)
         self.norm = w.tensor("model.norm.weight")
         # Tied head unless the install carries its own lm_head
         self.lm_head = w.linear("lm_head") if w.has("lm_head.weight") or w.has("lm_head") else None

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -26,6 +27,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 
 #include "kernels.h"
 #include "pool.h"
@@ -130,7 +132,30 @@ void add_columns(const float* r, float* y, int64_t M, int64_t N, int64_t n0, int
   }
 }
 
-void run_rows(const QMat& q, const float* x, int64_t M, float* y, const float* r = nullptr) {
+// Ask for the first rows of each chunk of `q`'s product with M rows of x (its weights and their
+// scales and biases) into the cache, the chunks j = c mod `of`: where a chunk of a product starts, its
+// data comes from memory before any prefetch of its own has run. Rows ahead within a chunk the row
+// kernels prefetch themselves.
+void prefetch_starts(const QMat& q, int64_t M, int64_t c, int64_t of) {
+  const int64_t step = chunk_rows(q.N, q.K, M, runtime().pool->threads());
+  const int64_t row_bytes = q.K * q.bits / 8, groups = q.K / q.group;
+  const int64_t esize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(step, 4096 / std::max<int64_t>(row_bytes, 1)));
+  auto fetch = [](const void* p, int64_t bytes) {
+    const char* b = static_cast<const char*>(p);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(b + i, 0, 2);  // into L2
+  };
+  for (int64_t j = c; j * step < q.N; j += of) {
+    const int64_t n0 = j * step, n = std::min(rows, q.N - n0), span = std::min<int64_t>(64, q.N - n0);
+    fetch(q.w + n0 * row_bytes, n * row_bytes);
+    fetch(static_cast<const char*>(q.scales) + n0 * groups * esize, span * groups * esize);
+    if (q.biases != nullptr) fetch(static_cast<const char*>(q.biases) + n0 * groups * esize, span * groups * esize);
+  }
+}
+
+// next: the product that follows (M rows of x too): each chunk, once done, prefetches some of its chunks' starts
+void run_rows(const QMat& q, const float* x, int64_t M, float* y, const float* r = nullptr,
+              const QMat* next = nullptr) {
   Runtime& rt = runtime();
   const int64_t step = chunk_rows(q.N, q.K, M, rt.pool->threads());
   const int64_t chunks = (q.N + step - 1) / step;
@@ -138,6 +163,7 @@ void run_rows(const QMat& q, const float* x, int64_t M, float* y, const float* r
     const int64_t n0 = c * step, n1 = std::min(q.N, n0 + step);
     rt.rows(q, x, M, y, q.N, n0, n1);
     add_columns(r, y, M, q.N, n0, n1);
+    if (next != nullptr) prefetch_starts(*next, M, c, chunks);
   });
 }
 
@@ -175,11 +201,11 @@ void run_gemm(const QMat& q, const float* x, int64_t M, float* y, const float* r
 }
 
 // y = x @ W.T (+ r, a residual of y's shape, when given)
-void compute(const QMat& q, const float* x, int64_t M, float* y, const float* r) {
+void compute(const QMat& q, const float* x, int64_t M, float* y, const float* r, const QMat* next = nullptr) {
   Runtime& rt = runtime();
   if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y, r);
   if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y, r);
-  run_rows(q, x, M, y, r);
+  run_rows(q, x, M, y, r, next);
 }
 
 int scale_type(mx::Dtype d) {
@@ -302,6 +328,35 @@ struct Extras {
   bool operator==(const Extras&) const = default;
 };
 
+// y = r + post(prologue(x) @ W.T) for M rows of x (see Extras; r, pre_w, post_w optional): a product
+// with the ops folded into it, as QuantizedMatmul and DecoderLayer run it.
+void run_product(const QMat& q, const float* xp, int64_t M, float* yp, const float* rp, const Extras& e,
+                 const float* pre_w, const float* post_w, const QMat* next = nullptr) {
+  std::optional<Scratch> pre;  // x after the prologue: the same kernels as the ops it stands for
+  if (e.prologue != kNoPrologue) {
+    const int64_t K = q.K;
+    pre.emplace((size_t)(M * K));
+    GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
+    over_rows(M, K, [&](int64_t r0, int64_t r1) {
+      if (e.prologue == kRmsNormed) {
+        runtime().rms_norm(xp + r0 * K, K, pre_w, pre->data() + r0 * K, r1 - r0, K, e.eps);
+      } else {
+        gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre->data() + r0 * K, r1 - r0, K);
+      }
+    });
+    xp = pre->data();
+  }
+  compute(q, xp, M, yp, e.post ? nullptr : rp, next);
+  if (e.post) {  // each row normalized (the same kernel as rms_norm()), then the residual added
+    const int64_t N = q.N;
+    Scratch normed((size_t)(M * N));
+    over_rows(M, N, [&](int64_t r0, int64_t r1) {
+      runtime().rms_norm(yp + r0 * N, N, post_w, normed.data() + r0 * N, r1 - r0, N, e.post_eps);
+      for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp ? rp[i] + normed.data()[i] : normed.data()[i];
+    });
+  }
+}
+
 class QuantizedMatmul : public QuantizedPrimitive {
  public:
   QuantizedMatmul(mx::Stream s, int group, int bits, bool fp4, Extras e)
@@ -325,33 +380,10 @@ class QuantizedMatmul : public QuantizedPrimitive {
       q.w = wd.get();
       q.scales = sd.get();
       q.biases = bd ? bd->get() : nullptr;
-      const auto* xp = reinterpret_cast<const float*>(xd.get());
-      std::optional<Scratch> pre;  // x after the prologue: the same kernels as the ops it stands for
-      if (e.prologue != kNoPrologue) {
-        const int64_t K = q.K;
-        pre.emplace((size_t)(M * K));
-        const float* wp = pw ? reinterpret_cast<const float*>(pw->get()) : nullptr;
-        GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
-        over_rows(M, K, [&](int64_t r0, int64_t r1) {
-          if (e.prologue == kRmsNormed) {
-            runtime().rms_norm(xp + r0 * K, K, wp, pre->data() + r0 * K, r1 - r0, K, e.eps);
-          } else {
-            gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre->data() + r0 * K, r1 - r0, K);
-          }
-        });
-        xp = pre->data();
-      }
+      const float* pre_w = pw ? reinterpret_cast<const float*>(pw->get()) : nullptr;
+      const float* post_w = qw ? reinterpret_cast<const float*>(qw->get()) : nullptr;
       const float* rp = rd ? reinterpret_cast<const float*>(rd->get()) : nullptr;
-      compute(q, xp, M, yp, e.post ? nullptr : rp);
-      if (e.post) {  // each row normalized (the same kernel as rms_norm()), then the residual added
-        const int64_t N = q.N;
-        const float* wp = qw ? reinterpret_cast<const float*>(qw->get()) : nullptr;
-        Scratch normed((size_t)(M * N));
-        over_rows(M, N, [&](int64_t r0, int64_t r1) {
-          runtime().rms_norm(yp + r0 * N, N, wp, normed.data() + r0 * N, r1 - r0, N, e.post_eps);
-          for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp ? rp[i] + normed.data()[i] : normed.data()[i];
-        });
-      }
+      run_product(q, reinterpret_cast<const float*>(xd.get()), M, yp, rp, e, pre_w, post_w);
     });
   }
 
@@ -864,6 +896,36 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 // and the attention of a layer's decode step with one node.
 std::atomic<int64_t> cache_copies{0};  // buffers copied because MLX could not hand them over (tests read it)
 
+// A cache buffer input taken over by `out`: its memory itself (written in place) where MLX can hand it
+// over, else fresh memory; then the buffer to copy from first is returned (and counted).
+std::optional<View> take_buffer(const mx::array& buf, mx::array& out) {
+  // A step evaluated while the previous one still runs finds the buffer also held by that step's
+  // pending task (MLX holds a task's inputs and outputs until it has run): wait for the stream to
+  // catch up first, as MLX's own throttle of tasks in flight would (without it, a generation's
+  // pipelined steps copied most buffers). A buffer held elsewhere (a checkpoint) is still held once
+  // the tasks in flight are done, and is copied; the wait is bounded if other streams keep busy.
+  for (int i = 0; i < 64 && !buf.is_donatable() && mx::scheduler::n_active_tasks() > 0; i++)
+    mx::scheduler::wait_for_one();
+  if (buf.is_donatable() && buf.flags().row_contiguous) {
+    out.copy_shared_buffer(buf);
+    return std::nullopt;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  cache_copies++;
+  return view_of(buf);
+}
+
+// Rows [0, n) of src [B, H, n, width] (any strides) into rows [at, at + n) of the row-contiguous dst [B, H, S, width].
+void copy_rows(const View& src, int64_t B, int64_t H, int64_t n, float* dst, int64_t S, int64_t at, int64_t width) {
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t t = 0; t < n; t++) {
+        float* row = dst + ((b * H + h) * S + at + t) * width;
+        const float* from = src.p + b * src.sb + h * src.sh + t * src.st;
+        for (int64_t d = 0; d < width; d++) row[d] = from[d * src.sd];
+      }
+}
+
 class CacheAttention : public mx::Primitive {
  public:
   CacheAttention(mx::Stream s, int64_t offset, float scale, bool merge)
@@ -879,18 +941,7 @@ class CacheAttention : public mx::Primitive {
     // go now (MLX drops them all once this returns), so is_donatable() sees only the one it passed.
     for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
-    // each buffer handed over (written in place) or, where something else still holds it, copied first
-    std::optional<View> copy_from[2];
-    for (int i = 1; i < 3; i++) {
-      const auto& buf = inputs[2 + i];
-      if (buf.is_donatable() && buf.flags().row_contiguous) {
-        outputs[i].copy_shared_buffer(buf);
-      } else {
-        outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-        copy_from[i - 1] = view_of(buf);
-        cache_copies++;
-      }
-    }
+    std::optional<View> copy_from[2] = {take_buffer(inputs[3], outputs[1]), take_buffer(inputs[4], outputs[2])};
     for (auto& o : outputs) enc.set_output_array(o);
     const auto& kn = inputs[1];
     const auto& vn = inputs[2];
@@ -899,20 +950,10 @@ class CacheAttention : public mx::Primitive {
                   L = q.shape(2), D = q.shape(3), Hkv = kn.shape(1), Dv = vn.shape(3), S = outputs[1].shape(2),
                   copy_from_k = copy_from[0], copy_from_v = copy_from[1], offset = offset_, scale = scale_,
                   merge = merge_]() {
-      // rows [0, n) of src (any strides) into rows [at, at + n) of the row-contiguous buffer dst
-      auto copy = [&](const View& src, int64_t n, float* dst, int64_t at, int64_t width) {
-        for (int64_t b = 0; b < B; b++)
-          for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t t = 0; t < n; t++) {
-              float* row = dst + ((b * Hkv + h) * S + at + t) * width;
-              const float* from = src.p + b * src.sb + h * src.sh + t * src.st;
-              for (int64_t d = 0; d < width; d++) row[d] = from[d * src.sd];
-            }
-      };
-      if (copy_from_k) copy(*copy_from_k, S, kb, 0, D);
-      if (copy_from_v) copy(*copy_from_v, S, vb, 0, Dv);
-      copy(knv, L, kb, offset, D);  // the new rows
-      copy(vnv, L, vb, offset, Dv);
+      if (copy_from_k) copy_rows(*copy_from_k, B, Hkv, S, kb, S, 0, D);
+      if (copy_from_v) copy_rows(*copy_from_v, B, Hkv, S, vb, S, 0, Dv);
+      copy_rows(knv, B, Hkv, L, kb, S, offset, D);  // the new rows
+      copy_rows(vnv, B, Hkv, L, vb, S, offset, Dv);
       const View kv{kb, Hkv * S * D, S * D, D, 1}, vv{vb, Hkv * S * Dv, S * Dv, Dv, 1};
       attention_rows(qv, kv, vv, MaskView{}, yp, B, Hq, L, D, Hkv, offset + L, Dv, true, scale, merge);
     });
@@ -1151,6 +1192,36 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps), std::move(inputs));
 }
 
+// Attention's heads from B * L token rows of its projections (src[i] + r * stride[i]: q's, k's and
+// v's parts of row r), as RopeHeads computes them: q into yq [B, hq, L, D]; k and v into rows
+// [at, at + L) of yk / yv [B, hkv, S, D or Dv] (a cache's buffers, or S = L and at = 0).
+void rope_heads_rows(const float* const src[3], const int64_t stride[3], const int32_t* op, int64_t n_off,
+                     const float* fp, const float* qw, const float* kw, float eps, float* yq, float* yk, float* yv,
+                     int64_t S, int64_t at_row, int64_t B, int64_t L, int64_t D, int64_t Dv, int64_t hq, int64_t hkv,
+                     int dims, float scale, float m) {
+  over_rows(B * L, (hq + 2 * hkv) * D, [&](int64_t r0, int64_t r1) {
+    Angles at(fp, dims, scale);
+    std::vector<float> normed(qw ? (size_t)(std::max(hq, hkv) * D) : 0);
+    // heads of one row (token): normalized into scratch first where asked, then rotated into place
+    auto heads = [&](const float* row, int64_t H, const float* w, float* out, int64_t rows, int64_t l) {
+      if (w != nullptr) {
+        runtime().rms_norm(row, D, w, normed.data(), H, D, eps);
+        row = normed.data();
+      }
+      for (int64_t h = 0; h < H; h++) at.rotate(row + h * D, 1, out + (h * rows + l) * D, D, m);
+    };
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t b = r / L, l = r % L;
+      at.set((int64_t)op[n_off == 1 ? 0 : b] + l);
+      heads(src[0] + r * stride[0], hq, qw, yq + b * hq * L * D, L, l);
+      heads(src[1] + r * stride[1], hkv, kw, yk + b * hkv * S * D, S, at_row + l);
+      for (int64_t h = 0; h < hkv; h++) {
+        std::memcpy(yv + ((b * hkv + h) * S + at_row + l) * Dv, src[2] + r * stride[2] + h * Dv, Dv * sizeof(float));
+      }
+    }
+  });
+}
+
 // Attention's heads from its projections, one op: q, k and v [B, H, L, D] (row-contiguous) from
 // the fused product [B, L, (Hq + 2 Hkv) * D] (or q, k, v [B, L, H * D] apart), q's and k's heads
 // optionally RMS-normalized with their own weight [D] first, then their first `dims` features
@@ -1191,31 +1262,11 @@ class RopeHeads : public mx::Primitive {
         src[2] = src[0] + (hq + hkv) * D;
         stride[1] = stride[2] = stride[0];
       }
-      const auto* op = reinterpret_cast<const int32_t*>(od.get());
-      const auto* fp = reinterpret_cast<const float*>(fd.get());
       const float* qw = qn ? reinterpret_cast<const float*>(qn->get()) : nullptr;
       const float* kw = kn ? reinterpret_cast<const float*>(kn->get()) : nullptr;
-      over_rows(B * L, (hq + 2 * hkv) * D, [&](int64_t r0, int64_t r1) {
-        Angles at(fp, dims, scale);
-        std::vector<float> normed(qw ? (size_t)(std::max(hq, hkv) * D) : 0);
-        // heads of one row (token): normalized into scratch first where asked, then rotated into place
-        auto heads = [&](const float* row, int64_t H, const float* w, float* out, int64_t b, int64_t l) {
-          if (w != nullptr) {
-            runtime().rms_norm(row, D, w, normed.data(), H, D, eps);
-            row = normed.data();
-          }
-          for (int64_t h = 0; h < H; h++) at.rotate(row + h * D, 1, out + ((b * H + h) * L + l) * D, D, m);
-        };
-        for (int64_t r = r0; r < r1; r++) {
-          const int64_t b = r / L, l = r % L;
-          at.set((int64_t)op[n_off == 1 ? 0 : b] + l);
-          heads(src[0] + r * stride[0], hq, qw, yq, b, l);
-          heads(src[1] + r * stride[1], hkv, kw, yk, b, l);
-          for (int64_t h = 0; h < hkv; h++) {
-            std::memcpy(yv + ((b * hkv + h) * L + l) * Dv, src[2] + r * stride[2] + h * Dv, Dv * sizeof(float));
-          }
-        }
-      });
+      rope_heads_rows(src, stride, reinterpret_cast<const int32_t*>(od.get()), n_off,
+                      reinterpret_cast<const float*>(fd.get()), qw, kw, eps, yq, yk, yv, L, 0, B, L, D, Dv, hq, hkv,
+                      dims, scale, m);
     });
   }
 
@@ -1294,6 +1345,285 @@ std::vector<mx::array> rope_heads(const std::vector<mx::array>& projections, int
   auto prim = std::make_shared<RopeHeads>(s, heads, kv_heads, dims, scale, mscale, q_norm.has_value(), eps);
   return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32}, prim, inputs);
 }
+
+// One pre-norm decoder layer's step as one op, where a layer's parts are ~6 ops:
+//   h = x + post_attn(o(attention(heads(qkv(rms_norm(x, in_norm))), cache)))
+//   y = h + post_mlp(down(act(gate_up(rms_norm(h, mlp_norm)))))
+// (post norms optional: Gemma's sandwich norms). The q/k/v projection is one fused matrix or three
+// (q, k and v of the normalized x). Every part runs the code of its own op: the products as
+// QuantizedMatmul with its prologue, residual and post norm (three projections: rms_norm once, then
+// plain products), the heads as RopeHeads (q/k head norms optional), the attention as
+// CacheAttention; so the result is theirs, bit for bit. The step's key and value rows go straight
+// into the cache's buffers at `offset` (taken over, or copied, as CacheAttention takes them). Each
+// product prefetches the starts of the next one's chunks; an optional last matrix (the next layer's
+// first) is only prefetched. Outputs: y, then the key and value buffers.
+struct MatLayout {
+  int group = 0, bits = 0;
+  bool fp4 = false, biases = false;
+  bool operator==(const MatLayout&) const = default;
+};
+
+constexpr int kMaxLayerMats = 7;  // q, k, v, o, gate_up, down, the next layer's first
+
+struct LayerConfig {
+  int hq = 0, hkv = 0, dims = 0;
+  float rope_scale = 1.0f, mscale = 1.0f, eps = 0.0f, scale = 1.0f;
+  int64_t offset = 0;
+  int activation = kSiluMul;
+  int projections = 1;  // the fused q/k/v matrix, or q, k and v
+  int mats = 4;         // projections + o, gate_up, down (+ 1: the next layer's first, prefetched)
+  bool post_attn = false, post_mlp = false, qk_norm = false;
+  MatLayout layout[kMaxLayerMats];
+  bool operator==(const LayerConfig&) const = default;
+};
+
+class DecoderLayer : public mx::Primitive {
+ public:
+  DecoderLayer(mx::Stream s, LayerConfig c) : mx::Primitive(s), c_(c) {}
+
+  // inputs: x, in_norm, mlp_norm, [post_attn weight], [post_mlp weight], [q_norm, k_norm], freqs,
+  // then each matrix's (w, scales, [biases]), then the key and value buffers
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    for (auto& o : outputs)  // as CacheAttention: only the evaluated output's list may hold the buffers
+      if (&o.inputs() != &inputs) o.inputs().clear();
+    const size_t nb = inputs.size() - 2;
+    std::optional<View> from[2] = {take_buffer(inputs[nb], outputs[1]), take_buffer(inputs[nb + 1], outputs[2])};
+    for (auto& o : outputs) enc.set_output_array(o);
+    std::vector<Dense> in;
+    for (size_t i = 0; i < nb; i++) in.emplace_back(inputs[i]);
+    std::array<QMat, kMaxLayerMats> mats{};
+    std::array<size_t, kMaxLayerMats> at{};  // each matrix's first input
+    for (size_t m = 0, i = first_mat(); m < (size_t)c_.mats; m++) {
+      const MatLayout& l = c_.layout[m];
+      const auto& w = inputs[i];
+      at[m] = i;
+      mats[m].scale_type = scale_type(inputs[i + 1].dtype());
+      mats[m].N = w.shape(0);
+      mats[m].K = (int64_t)w.shape(1) * 32 / l.bits;
+      mats[m].group = l.group;
+      mats[m].bits = l.bits;
+      mats[m].fp4 = l.fp4;
+      i += l.biases ? 3 : 2;
+    }
+    const auto& x = inputs[0];
+    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1],
+                  y = outputs[0].data<float>(), kb = outputs[1].data<float>(), vb = outputs[2].data<float>(),
+                  B = (int64_t)x.shape(0), L = (int64_t)x.shape(1), Dm = (int64_t)x.shape(2),
+                  S = (int64_t)outputs[1].shape(2), D = (int64_t)outputs[1].shape(3),
+                  Dv = (int64_t)outputs[2].shape(3)]() mutable {
+      auto f = [&](size_t i) { return reinterpret_cast<const float*>(in[i].get()); };
+      for (int m = 0; m < c.mats; m++) {
+        mats[m].w = in[at[m]].get();
+        mats[m].scales = in[at[m] + 1].get();
+        mats[m].biases = c.layout[m].biases ? in[at[m] + 2].get() : nullptr;
+      }
+      size_t i = 3;
+      const float* post_attn = c.post_attn ? f(i++) : nullptr;
+      const float* post_mlp = c.post_mlp ? f(i++) : nullptr;
+      const float* qn = c.qk_norm ? f(i++) : nullptr;
+      const float* kn = c.qk_norm ? f(i++) : nullptr;
+      const float* freqs = f(i);
+      const float* xp = f(0);
+      const int np = c.projections;
+      const QMat &o = mats[np], &gu = mats[np + 1], &down = mats[np + 2];
+      const QMat* next = c.mats > np + 3 ? &mats[np + 3] : nullptr;
+      const int64_t M = B * L, hq = c.hq, hkv = c.hkv;
+      Extras normed;
+      normed.prologue = kRmsNormed;
+      normed.weight = true;
+      normed.eps = c.eps;
+      // the heads' projections: rows of proj, q's, k's and v's parts at src[j] (row strides stride[j])
+      int64_t width = 0;
+      for (int j = 0; j < np; j++) width += mats[j].N;
+      Scratch proj((size_t)(M * width));
+      const float* src[3];
+      int64_t stride[3];
+      if (np == 1) {
+        run_product(mats[0], xp, M, proj.data(), nullptr, normed, f(1), nullptr, &o);
+        src[0] = proj.data(), src[1] = src[0] + hq * D, src[2] = src[0] + (hq + hkv) * D;
+        stride[0] = stride[1] = stride[2] = width;
+      } else {
+        Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
+        const float* w = f(1);
+        over_rows(M, Dm, [&](int64_t r0, int64_t r1) {
+          runtime().rms_norm(xp + r0 * Dm, Dm, w, xn.data() + r0 * Dm, r1 - r0, Dm, c.eps);
+        });
+        float* dst = proj.data();
+        for (int j = 0; j < 3; j++) {
+          run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
+          src[j] = dst;
+          stride[j] = mats[j].N;
+          dst += M * mats[j].N;
+        }
+      }
+      if (from_k) copy_rows(*from_k, B, hkv, S, kb, S, 0, D);
+      if (from_v) copy_rows(*from_v, B, hkv, S, vb, S, 0, Dv);
+      Scratch q((size_t)(M * hq * D)), att((size_t)(M * hq * Dv)), h((size_t)(M * Dm)), gate_up((size_t)(M * gu.N));
+      const int32_t pos = (int32_t)c.offset;
+      rope_heads_rows(src, stride, &pos, 1, freqs, qn, kn, c.eps, q.data(), kb, vb, S, c.offset, B, L, D, Dv, hq, hkv,
+                      c.dims, c.rope_scale, c.mscale);
+      const View qv{q.data(), hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1},
+          vv{vb, hkv * S * Dv, S * Dv, Dv, 1};
+      attention_rows(qv, kv, vv, MaskView{}, att.data(), B, hq, L, D, hkv, c.offset + L, Dv, true, c.scale, true);
+      Extras plus;
+      plus.residual = true;
+      plus.post = plus.post_weight = c.post_attn;
+      plus.post_eps = c.eps;
+      run_product(o, att.data(), M, h.data(), xp, plus, nullptr, post_attn, &gu);
+      run_product(gu, h.data(), M, gate_up.data(), nullptr, normed, f(2), nullptr, &down);
+      plus.prologue = c.activation;
+      plus.post = plus.post_weight = c.post_mlp;
+      run_product(down, gate_up.data(), M, y, h.data(), plus, nullptr, post_mlp, next);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("turbospark decoder_layer runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkDecoderLayer"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return c_ == static_cast<const DecoderLayer&>(other).c_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[inputs.size() - 2].shape(), inputs.back().shape()};
+  }
+
+ private:
+  // where the matrices' inputs start: after x, the two norms, the optional norms and freqs
+  size_t first_mat() const { return 4 + (c_.post_attn ? 1 : 0) + (c_.post_mlp ? 1 : 0) + (c_.qk_norm ? 2 : 0); }
+
+  LayerConfig c_;
+};
+
+// A layer's DecoderLayer steps: its weights and settings checked and held once, then each step made
+// from x, the cache's buffers and the offset (a decode step builds its graph with one call a layer).
+class DecoderLayerOp {
+ public:
+  DecoderLayerOp(const std::vector<std::optional<mx::array>>& norms, const std::vector<mx::array>& weights,
+                 const std::vector<mx::array>& scales, const std::vector<std::optional<mx::array>>& biases,
+                 const std::vector<int>& group_sizes, const std::vector<int>& bits,
+                 const std::vector<std::string>& modes, int projections, const mx::array& freqs, int heads,
+                 int kv_heads, int dims, float rope_scale, float mscale, float eps, float scale,
+                 const std::string& activation) {
+    check(projections == 1 || projections == 3, what_ + "projections must be 1 (a fused q/k/v matrix) or 3 (q, k, v)");
+    check(norms.size() == 6, what_ + "norms are [in, mlp, post_attn, post_mlp, q_norm, k_norm] (None where absent)");
+    const size_t nm = weights.size(), need = (size_t)projections + 3;
+    check((nm == need || nm == need + 1) && scales.size() == nm && biases.size() == nm && group_sizes.size() == nm &&
+              bits.size() == nm && modes.size() == nm,
+          what_ + "pass the q/k/v, o, gate_up and down matrices (and optionally the next layer's first) as weights, "
+                  "scales, biases, group sizes, bits and modes");
+    check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, what_ + "heads must be a positive multiple of kv_heads");
+    check(norms[0].has_value() && norms[1].has_value(), what_ + "the input and MLP norms need weights");
+    check(activation == "silu_mul" || activation == "gelu_tanh_mul",
+          what_ + "activation must be 'silu_mul' or 'gelu_tanh_mul'");
+    check(!norms[4] == !norms[5], what_ + "normalize both q and k heads or neither");
+    for (size_t m = 0; m < nm; m++)
+      check(weights[m].dtype() == mx::uint32 && weights[m].ndim() == 2 && bits[m] > 0,
+            what_ + "each matrix's weight must be a 2-D uint32 array");
+    // the sizes the matrices imply: hidden from the input norm, head sizes from o and the projections
+    auto cols = [&](size_t m) { return (int64_t)weights[m].shape(1) * 32 / bits[m]; };
+    Dm_ = norms[0]->ndim() == 1 ? norms[0]->shape(0) : 0;
+    Dv_ = cols(projections) / heads;
+    D_ = projections == 3 ? weights[0].shape(0) / heads
+                          : (weights[0].shape(0) - kv_heads * Dv_) / (heads + kv_heads);
+    check(Dv_ > 0 && D_ > 0, what_ + "o and the q/k/v projection do not give positive head sizes");
+    check(dims > 0 && dims % 2 == 0 && dims <= D_, what_ + "dims must be even and at most the head size");
+    check(freqs.dtype() == mx::float32 && freqs.size() == (size_t)(dims / 2), what_ + "freqs must be float32 [dims / 2]");
+    const int64_t widths[6] = {Dm_, Dm_, Dm_, Dm_, D_, D_};
+    for (int i = 0; i < 6; i++)
+      check(!norms[i] || (norms[i]->dtype() == mx::float32 && norms[i]->shape() == mx::Shape{(int)widths[i]}),
+            what_ + "a norm's weight must be float32 [its rows' width]");
+    c_.hq = heads;
+    c_.hkv = kv_heads;
+    c_.dims = dims;
+    c_.rope_scale = rope_scale;
+    c_.mscale = mscale;
+    c_.eps = eps;
+    c_.scale = scale;
+    c_.activation = activation == "silu_mul" ? kSiluMul : kGeluTanhMul;
+    c_.projections = projections;
+    c_.mats = (int)nm;
+    c_.post_attn = norms[2].has_value();
+    c_.post_mlp = norms[3].has_value();
+    c_.qk_norm = norms[4].has_value();
+    // each matrix's [rows, columns] (0: set from gate_up below; anything for the prefetched one)
+    std::vector<std::pair<int64_t, int64_t>> want;
+    std::vector<std::string> names;
+    if (projections == 1) {
+      want.push_back({heads * D_ + kv_heads * (D_ + Dv_), Dm_});
+      names.push_back("qkv");
+    } else {
+      want.insert(want.end(), {{heads * D_, Dm_}, {kv_heads * D_, Dm_}, {kv_heads * Dv_, Dm_}});
+      names.insert(names.end(), {"q", "k", "v"});
+    }
+    want.insert(want.end(), {{Dm_, heads * Dv_}, {0, Dm_}, {Dm_, 0}, {0, 0}});
+    names.insert(names.end(), {"o", "gate_up", "down", "the next layer's first matrix"});
+    for (size_t m = 0; m < nm; m++) {
+      c_.layout[m].fp4 = check_layout(scales[m], biases[m], group_sizes[m], bits[m], modes[m]);
+      c_.layout[m].group = group_sizes[m];
+      c_.layout[m].bits = bits[m];
+      c_.layout[m].biases = biases[m].has_value();
+      const int64_t N = weights[m].shape(0), K = cols(m);
+      if (m == (size_t)projections + 1) {  // gate_up [2 F, hidden]: down takes F columns
+        check(N % 2 == 0, what_ + "gate_up must have an even number of rows (gate's, then up's)");
+        want[m].first = N;
+        want[m + 1].second = N / 2;
+      }
+      check(m == need || (N == want[m].first && K == want[m].second),
+            what_ + names[m] + " has the wrong shape for these heads, kv_heads and head sizes");
+      check(K % group_sizes[m] == 0, what_ + names[m] + "'s columns must be a multiple of its group_size");
+      check_scales(scales[m], biases[m], {(int)N, (int)(K / group_sizes[m])}, "[N, K / group_size]");
+    }
+    held_ = {*norms[0], *norms[1]};
+    for (int i = 2; i < 6; i++)
+      if (norms[i]) held_.push_back(*norms[i]);
+    held_.push_back(freqs);
+    for (size_t m = 0; m < nm; m++) {
+      held_.push_back(weights[m]);
+      held_.push_back(scales[m]);
+      if (biases[m]) held_.push_back(*biases[m]);
+    }
+  }
+
+  // The step of x [B, L, hidden] with the cache's buffers [B, kv_heads, S, D], its rows going to `offset`
+  std::vector<mx::array> operator()(const mx::array& x, const mx::array& k_buf, const mx::array& v_buf,
+                                    int64_t offset) const {
+    check(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(2) == Dm_, what_ + "x must be float32 [B, L, hidden]");
+    const int64_t heads[2] = {D_, Dv_};
+    for (int i = 0; i < 2; i++) {
+      const auto& a = i == 0 ? k_buf : v_buf;
+      check(a.ndim() == 4 && a.dtype() == mx::float32 && a.shape(0) == x.shape(0) && a.shape(1) == c_.hkv &&
+                a.shape(3) == heads[i],
+            what_ + "the cache buffers must be float32 [B, kv_heads, S, head_dim]");
+    }
+    const int64_t L = x.shape(1);
+    check(L >= 1 && L <= 65536, what_ + "1 to 65536 tokens per row");
+    check(offset >= 0 && offset + L <= k_buf.shape(2) && k_buf.shape(2) == v_buf.shape(2),
+          what_ + "the buffers must have room for the new rows at offset");
+    LayerConfig c = c_;
+    c.offset = offset;
+    std::vector<mx::array> inputs;
+    inputs.reserve(held_.size() + 3);
+    inputs.push_back(x);
+    inputs.insert(inputs.end(), held_.begin(), held_.end());
+    inputs.push_back(k_buf);
+    inputs.push_back(v_buf);
+    return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
+                                  std::make_shared<DecoderLayer>(mx::default_stream(mx::Device::cpu), c), inputs);
+  }
+
+ private:
+  inline static const std::string what_ = "decoder_layer: ";
+  LayerConfig c_;
+  std::vector<mx::array> held_;  // the inputs after x: norms, freqs, matrices
+  int64_t Dm_ = 0, D_ = 0, Dv_ = 0;
+};
 
 // act(gate) * up for a gated MLP's activation: silu (SwiGLU) or the tanh GELU (GeGLU).
 class GatedActivation : public mx::UnaryPrimitive {
@@ -1421,6 +1751,23 @@ NB_MODULE(_qmm, m) {
         "q, k, v [B, H, L, D] from the fused q/k/v product [B, L, (heads + 2 kv_heads) * D] (or [q, k, v]): "
         "q's and k's heads RMS-normalized (weights given), their first dims features times mscale and rotated "
         "as rope(), as one op.");
+  nb::class_<tsq::DecoderLayerOp>(
+      m, "DecoderLayerOp",
+      "A pre-norm decoder layer's step as one op, its weights held: op(x, k_buf, v_buf, offset) -> (y, k_buf, "
+      "v_buf). norms: [in, mlp, post_attn, post_mlp, q_norm, k_norm] (None where absent); the q/k/v "
+      "(projections: 1 fused or 3), o, gate_up and down matrices as quantized_matmul takes them, then optionally "
+      "the next layer's first (only prefetched); the step's rows written into the buffers at offset, attended "
+      "causally; each part as its own op computes it.")
+      .def(nb::init<const std::vector<std::optional<mx::array>>&, const std::vector<mx::array>&,
+                    const std::vector<mx::array>&, const std::vector<std::optional<mx::array>>&,
+                    const std::vector<int>&, const std::vector<int>&, const std::vector<std::string>&, int,
+                    const mx::array&, int, int, int, float, float, float, float, const std::string&>(),
+           nb::arg("norms"), nb::arg("weights"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_sizes"),
+           nb::arg("bits"), nb::arg("modes"), nb::arg("projections"), nb::arg("freqs"), nb::kw_only(),
+           nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("rope_scale"), nb::arg("mscale"),
+           nb::arg("eps"), nb::arg("scale"), nb::arg("activation"))
+      .def("__call__", &tsq::DecoderLayerOp::operator(), nb::arg("x"), nb::arg("k_buf"), nb::arg("v_buf"),
+           nb::arg("offset"));
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
