@@ -356,22 +356,25 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
   s.scales.resize(SPAN * groups);
   s.biases.resize(SPAN * groups);
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
+  const int64_t srow = groups * (q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2);  // scale bytes a row
   for (int64_t base = n, converted = n; n + R <= n1; n += R) {
     // weights stream from memory: ask for the rows a few blocks ahead while these compute
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
       for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
-    if (n == converted) {
-      const int64_t count = std::min(SPAN, (n1 - n) / R * R) * groups;
-      // and the next span's scales and biases, which are read in one burst when it starts (their
-      // misses had cost as much as a quarter of a decode step's products)
-      const int64_t esize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
-      const int64_t next = std::min((n1 - n) / R * R - count / groups, SPAN) * groups * esize;
-      for (int64_t b = 0, first = (n * groups + count) * esize; b < next; b += 64) {
+    // and their scales and biases a span ahead, read in one burst when the span starts (their
+    // misses had cost as much as a quarter of a decode step's products); a few lines a block, as
+    // a burst of prefetches at the span's start is partly dropped
+    if (n + SPAN + R <= q.N) {
+      const int64_t first = (n + SPAN) * srow;
+      for (int64_t b = 0; b < R * srow; b += 64) {
         _mm_prefetch(static_cast<const char*>(q.scales) + first + b, _MM_HINT_T0);
         if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
+    }
+    if (n == converted) {
+      const int64_t count = std::min(SPAN, (n1 - n) / R * R) * groups;
       to_f32(q.scales, q.scale_type, n * groups, count, s.scales.data());
       if (q.fp4) {
         // no biases: the tables are e2m1 values times the scale
