@@ -6,7 +6,8 @@ The weight store hands them out; families never see how a matrix is held.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -337,6 +338,27 @@ def _fused(
     return y if residual is None else residual + y
 
 
+_FUSED = {"off": 0, "steps": 0}  # parts_only() depth; steps the fused layers have built
+
+
+@contextlib.contextmanager
+def parts_only() -> Iterator[None]:
+    """Fused layers decline inside (every :class:`FusedLayer` answers ``None``): the flows run their parts.
+
+    For checks that a fused step equals its parts (the conformance harness).
+    """
+    _FUSED["off"] += 1
+    try:
+        yield
+    finally:
+        _FUSED["off"] -= 1
+
+
+def fused_steps() -> int:
+    """How many layer steps :class:`FusedLayer` has built as one op so far (in this process)."""
+    return _FUSED["steps"]
+
+
 class FusedLayer:
     """A pre-norm decoder layer's step as one native op (CPU, float32 activations).
 
@@ -391,13 +413,14 @@ class FusedLayer:
         self._op = self._build()
 
     def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array | None:
-        if not isinstance(cache, (KVCache, RingKVCache)) or x.ndim != 3:
+        if _FUSED["off"] or not isinstance(cache, (KVCache, RingKVCache)) or x.ndim != 3:
             return None
         step = cache.step_buffers(x.shape[0], x.shape[1])
         if step is None or not native.decoder_layer_supported(x, step[0], step[1]):
             return None
         y, k_buf, v_buf = self._op(x, *step)
         cache.commit_step(k_buf, v_buf, x.shape[1])
+        _FUSED["steps"] += 1
         return y
 
 

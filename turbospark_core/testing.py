@@ -91,9 +91,10 @@ def turbospark_fixtures(request: pytest.FixtureRequest) -> Path:
 def turbospark_install(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
     """``make(fixture_name, variant, root=None)`` -> path of an install converted once per session.
 
-    ``variant`` is ``"float32"`` (the checkpoint as is) or ``"bf16"`` (its
-    ``bf16/`` copy). ``root`` defaults to the shared fixtures root; the
-    conformance tests pass their (overridable) ``turbospark_fixtures``.
+    ``variant`` is ``"float32"`` (the checkpoint as is), ``"bf16"`` (its
+    ``bf16/`` copy) or ``"q4"`` (the checkpoint with its matrices quantized to
+    4 bits). ``root`` defaults to the shared fixtures root; the conformance
+    tests pass their (overridable) ``turbospark_fixtures``.
     """
     from turbospark_core.convert import convert
 
@@ -105,7 +106,7 @@ def turbospark_install(tmp_path_factory: pytest.TempPathFactory, request: pytest
         if key not in made:
             src = key[0] / name / ("bf16" if variant == "bf16" else "")
             dst = tmp_path_factory.mktemp(f"{name}-{variant}") / "install"
-            convert(src, dst)
+            convert(src, dst, quantize="q4" if variant == "q4" else None)
             made[key] = dst
         return made[key]
 
@@ -508,6 +509,25 @@ class StructuralChecks(SteeringChecks):
         assert _close(_last_logits(runner, ids[kept:], parked), fresh)
         session.reset()
 
+    # ------------------------------------------------------------ fused layers
+    def test_fused_layer_steps_equal_their_parts(self, install: Callable[..., Path], prompt_ids: list[int]) -> None:
+        """On a q4 install, the layers a family runs as one native op (:func:`turbospark_core.family.fused_layer`)
+        give the bits of its parts: the prompt's steps and one-token steps after it. Skipped where the family
+        fuses no layer (on this machine, or at all)."""
+        import turbospark_core
+        from turbospark_core.layers import fused_steps, parts_only
+
+        runner = turbospark_core.open(install("q4"))
+        before = fused_steps()
+        fused = decode_steps(runner, [prompt_ids], DECODE_STEPS)
+        if fused_steps() == before:
+            pytest.skip("no layer of this family runs as one fused op here (dense matrices or no native kernels)")
+        after = fused_steps()
+        with parts_only():
+            parts = decode_steps(runner, [prompt_ids], DECODE_STEPS)
+        assert fused_steps() == after  # no layer ran fused inside parts_only()
+        assert np.array_equal(fused, parts)
+
     # ------------------------------------------------------------ compiled decode
     def test_compiled_decode_equals_uncompiled(self, runner: Any, prompt_ids: list[int]) -> None:
         """One-token steps (one row; two rows at their own positions in the core's batched caches) give the
@@ -515,9 +535,9 @@ class StructuralChecks(SteeringChecks):
         from turbospark_core.diagnostics import compile_off
 
         for prompts in _decode_prompts(prompt_ids):
-            compiled = _decode_steps(runner, prompts, DECODE_STEPS)
+            compiled = decode_steps(runner, prompts, DECODE_STEPS)
             with compile_off():
-                plain = _decode_steps(runner, prompts, DECODE_STEPS)
+                plain = decode_steps(runner, prompts, DECODE_STEPS)
             assert np.array_equal(compiled, plain), f"{len(prompts)} row(s)"
 
     def test_decode_steps_do_not_retrace(
@@ -540,9 +560,9 @@ class StructuralChecks(SteeringChecks):
         monkeypatch.setattr(mx, "compile", counted)
         runner = turbospark_core.open(install("float32"))
         for prompts in _decode_prompts(prompt_ids):
-            _decode_steps(runner, prompts, 1)
+            decode_steps(runner, prompts, 1)
             first = len(traces)
-            _decode_steps(runner, prompts, DECODE_STEPS)
+            decode_steps(runner, prompts, DECODE_STEPS)
             assert len(traces) == first, f"{len(prompts)} row(s): {len(traces) - first} traces after the first step"
         assert bool(traces) == (self.compiled_decode and not os.environ.get("MLX_DISABLE_COMPILE"))
 
@@ -584,8 +604,8 @@ def _decode_prompts(ids: list[int]) -> list[list[list[int]]]:
     return [[ids], [ids, ids[::-1][: max(2, len(ids) // 3)]]]
 
 
-def _decode_steps(runner: Any, prompts: list[list[int]], steps: int) -> np.ndarray:
-    """Logits ``[steps, rows, vocab]`` of greedy one-token steps after prefilling ``prompts``.
+def decode_steps(runner: Any, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """Logits ``[steps, rows, vocab]`` of greedy one-token steps after prefilling ``prompts`` (for checks).
 
     One prompt decodes in its own caches; several are each prefilled alone and
     then decode together in the core's batched caches (per-row positions).

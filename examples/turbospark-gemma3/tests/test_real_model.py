@@ -145,27 +145,14 @@ def test_fused_layers_step_as_the_parts(runner: turbospark_core.Runner) -> None:
     """Each layer's step is one native op (q, k and v apart where their GGUF types differ; sandwich norms,
     GeGLU, sliding-window rings below their window): the bits of the flow's parts, prompt and decoding."""
     from turbospark_core import native
+    from turbospark_core.layers import parts_only
+    from turbospark_core.testing import decode_steps
 
     if not native.available():
         pytest.skip(native.STATUS)
     blocks = runner.model.blocks
     assert all(b._fused is not None for b in blocks)
     assert {b._fused.projections for b in blocks} == {1, 3}  # some layers' q, k and v do not fuse
-
-    def logits(fused: bool) -> list[np.ndarray]:
-        saved = [b._fused for b in blocks]
-        try:
-            if not fused:
-                for b in blocks:
-                    b._fused = None
-            cache = runner.opened.new_cache()
-            out = [runner.model(mx.array([PROMPT_IDS]), cache)[0, -1]]
-            for _ in range(6):
-                out.append(runner.model(mx.argmax(out[-1])[None, None], cache)[0, -1])
-            return [np.array(o) for o in out]
-        finally:
-            for b, f in zip(blocks, saved, strict=True):
-                b._fused = f
-
-    for got, want in zip(logits(True), logits(False), strict=True):
-        np.testing.assert_array_equal(got, want)
+    fused = decode_steps(runner, [PROMPT_IDS], 6)
+    with parts_only():
+        np.testing.assert_array_equal(fused, decode_steps(runner, [PROMPT_IDS], 6))

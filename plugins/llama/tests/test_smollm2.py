@@ -120,31 +120,18 @@ def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_c
     """Each quantized layer's step is one native op: the bits of the flow's parts, prompt and decoding; a
     generation writes the caches in place (no buffer copied while the next step is built ahead)."""
     from turbospark_core import native
+    from turbospark_core.layers import parts_only
+    from turbospark_core.testing import decode_steps
 
-    blocks = runner.model.blocks
     if not native.available():
         pytest.skip(native.STATUS)
+    blocks = runner.model.blocks
     assert all(b._fused is not None for b in blocks)
     assert all(b._fused.next is not None for b in blocks[:-1]) and blocks[-1]._fused.next is None
     ids = runner.tokenizer.encode("The three primary colors are red, yellow and")
-
-    def logits(fused: bool) -> list[np.ndarray]:
-        saved = [b._fused for b in blocks]
-        try:
-            if not fused:
-                for b in blocks:
-                    b._fused = None
-            cache = runner.opened.new_cache()
-            out = [runner.model(mx.array([ids]), cache)[0, -1]]
-            for _ in range(6):
-                out.append(runner.model(mx.argmax(out[-1])[None, None], cache)[0, -1])
-            return [np.array(o) for o in out]
-        finally:
-            for b, f in zip(blocks, saved, strict=True):
-                b._fused = f
-
-    for got, want in zip(logits(True), logits(False), strict=True):
-        np.testing.assert_array_equal(got, want)
+    fused = decode_steps(runner, [ids], 6)
+    with parts_only():
+        np.testing.assert_array_equal(fused, decode_steps(runner, [ids], 6))
     runner.generate(ids, max_tokens=4)
     copies = native.cache_attention_copies()
     assert len(runner.generate(ids, max_tokens=24).tokens) > 4
