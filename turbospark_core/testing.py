@@ -162,20 +162,24 @@ def vision_messages(prompt: str, markup: str, images: Sequence[Any]) -> list[dic
 
 @pytest.fixture(scope="session")
 def turbospark_tiny_install(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``make(name, hf_config, tensors)`` -> path of a tiny random install, converted once per session.
+    """``make(name, hf_config, tensors, variant="float32")`` -> path of a tiny random install, converted once.
 
     ``tensors`` maps each Hugging Face tensor name to its shape (see
     :func:`llama_tensor_shapes`); see :func:`write_tiny_checkpoint`.
+    ``variant="q4"``: the same checkpoint with its matrices quantized to 4 bits.
     """
     from turbospark_core.convert import convert
 
     made: dict[str, Path] = {}
 
-    def make(name: str, hf_config: Mapping[str, Any], tensors: Mapping[str, Sequence[int]]) -> Path:
-        key = json.dumps([name, hf_config, {k: list(v) for k, v in tensors.items()}], sort_keys=True)
+    def make(
+        name: str, hf_config: Mapping[str, Any], tensors: Mapping[str, Sequence[int]], variant: str = "float32"
+    ) -> Path:
+        key = json.dumps([name, hf_config, {k: list(v) for k, v in tensors.items()}, variant], sort_keys=True)
         if key not in made:
-            work = tmp_path_factory.mktemp(f"tiny-{name}")
-            convert(write_tiny_checkpoint(work / "hf", hf_config, tensors), work / "install")
+            work = tmp_path_factory.mktemp(f"tiny-{name}-{variant}")
+            hf = write_tiny_checkpoint(work / "hf", hf_config, tensors)
+            convert(hf, work / "install", quantize="q4" if variant == "q4" else None)
             made[key] = work / "install"
         return made[key]
 
@@ -744,10 +748,10 @@ class TinyRandomConformance(StructuralChecks):
 
     @pytest.fixture
     def install(self, turbospark_tiny_install: Any, fixture_name: str) -> Callable[..., Path]:
-        """``install()`` -> the install of this config (one variant: float32 random weights)."""
+        """``install(variant="float32")`` -> the install of this config: float32 random weights, or ``"q4"``."""
         config = self.tiny_configs[fixture_name]
-        path = turbospark_tiny_install(fixture_name, config, self.tiny_tensors(config))
-        return lambda variant="float32": path
+        tensors = self.tiny_tensors(config)
+        return lambda variant="float32": turbospark_tiny_install(fixture_name, config, tensors, variant)
 
     @pytest.fixture
     def prompt_ids(self, fixture_name: str) -> list[int]:
