@@ -432,3 +432,50 @@ def test_fused_layer_declines_what_it_cannot_run() -> None:
     assert fused(x, quantized) is None and quantized.offset == 2  # quantized rows: the parts run
     float_cache = KVCache(spec, 100, mx.float32)
     assert fused(x.astype(mx.bfloat16), float_cache) is None and float_cache.offset == 0
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+def test_fused_layer_steps_a_lone_batched_row_as_its_parts() -> None:
+    """A batch of one row whose columns are its positions (a server's lone stream) steps through the fused op,
+    with the bits of the batched parts; a second row, or a rewound row's holes, send the step to the parts."""
+    from turbospark_core.batch_cache import BatchCaches
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import KVCache
+
+    p = _decoder_parts()
+    fused = layers.fused_layer(**p)
+    assert fused is not None
+    spec = CacheSpec(n_kv_heads=2, head_dim=16)
+    xs = _normal((1, 9, 64), 41)
+
+    def batch_of(*lengths: int) -> BatchCaches:
+        batch = BatchCaches([KVCache(spec, 100, mx.float32)])
+        for n in lengths:
+            single = KVCache(spec, 100, mx.float32)
+            mx.eval(_decoder_step_in_parts(p, xs[:, :n], single), single.state)
+            batch.add_row([single], n)
+        return batch
+
+    a, b = batch_of(4), batch_of(4)
+    copies = None
+    for t in range(4, 9):
+        x = xs[:, t : t + 1]
+        got = fused(x, a.caches[0])
+        assert got is not None
+        with layers.parts_only():
+            assert fused(x, b.caches[0]) is None
+        want = _decoder_step_in_parts(p, x, b.caches[0])
+        a.step_done(1)
+        b.step_done(1)
+        mx.eval(got, want, a.step_state, b.state)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+        if copies is None:
+            copies = native.cache_attention_copies()
+    assert native.cache_attention_copies() == copies  # written in place
+    assert a.caches[0].length == b.caches[0].length == 9
+    np.testing.assert_array_equal(np.array(a.caches[0].positions), np.array(b.caches[0].positions))
+    two = batch_of(4, 6)
+    assert fused(mx.concatenate([xs[:, 4:5], xs[:, 6:7]]), two.caches[0]) is None  # rows at two offsets
+    holed = batch_of(6)
+    holed.truncate(0, 5)  # a rewind leaves a hole: column 5 no longer holds position 5
+    assert fused(xs[:, 5:6], holed.caches[0]) is None

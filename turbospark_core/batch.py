@@ -695,7 +695,7 @@ class Batch:
         for b, seq in enumerate(rows):
             seq.pending = stacked[b : b + 1]
         # mlx's stub leaves async_eval unannotated
-        mx.async_eval(stacked, scores, self._caches.state)  # type: ignore[no-untyped-call]
+        mx.async_eval(stacked, scores, self._caches.step_state)  # type: ignore[no-untyped-call]
         self._caches.step_done(1)
         return _Launched(rows, first, stacked, scores, t0, c0)
 

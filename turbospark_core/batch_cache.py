@@ -169,6 +169,34 @@ class BatchKVCache:
         k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
         return k.decode(rot_k), v.decode(rot_v)
 
+    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+        """As :meth:`KVCache.step_buffers`, for a batch of one row whose column ``i`` holds position ``i``.
+
+        That is a lone row with as many columns as positions (no padding, no
+        rewind holes: rows keep their tokens in order), float rows, and every
+        key visible to the step's queries (a sliding layer within its window):
+        what a single-sequence cache holds, so a step may write and attend in
+        one op (a fused layer). ``None`` otherwise: then :meth:`update_and_fetch`
+        and :meth:`mask`.
+        """
+        if len(self.rows) != 1 or self.kv_bits is not None or self.rotation != (False, False):
+            return None
+        if self._k is None or self.length != self.rows.offsets[0]:
+            return None
+        if self.window is not None and self.length + n > self.window:
+            return None
+        self._grow(batch, self.length + n, self.spec.n_kv_heads)
+        assert self._k is not None and self._v is not None
+        return self._k.parts[0], self._v.parts[0], self.length
+
+    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
+        """Hold the buffers an op wrote ``n`` columns into (from :meth:`step_buffers`) and their positions."""
+        assert self._k is not None and self._v is not None and self.positions is not None
+        self._k, self._v = _Rows((k_buf,), None, self._k.dtype), _Rows((v_buf,), None, self._v.dtype)
+        start, end = self.length, self.length + n
+        self.positions[:, start:end] = self.rows.queries(n)
+        self.length = end
+
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""
         positions = self.positions
@@ -181,6 +209,19 @@ class BatchKVCache:
         if self._k is None or self._v is None or self.positions is None:
             return []
         return [*self._k.parts, *self._v.parts, self.positions]
+
+    @property
+    def step_state(self) -> list[mx.array]:
+        """What a pipelined decode step evaluates besides its output: float rows' positions only.
+
+        The next step's attention reads this layer's float key/value buffers
+        anyway, and an array handed to ``mx.async_eval`` stays held while the
+        next step is built, so a fused step (:meth:`step_buffers`) would have
+        to copy the buffers instead of writing them in place.
+        """
+        if self.kv_bits is None and self.rotation == (False, False):
+            return [] if self.positions is None else [self.positions]
+        return self.state
 
     # ------------------------------------------------------------ storage
     def _grow(self, batch: int, needed: int, heads: int) -> None:
@@ -373,6 +414,11 @@ class BatchExactRecentKVCache:
         """Arrays to evaluate together with the step's output."""
         return [*self.quantized.state, *self.exact.state]
 
+    @property
+    def step_state(self) -> list[mx.array]:
+        """As :attr:`BatchKVCache.step_state`."""
+        return [*self.quantized.step_state, *self.exact.step_state]
+
     def add_row(self, cache: Cache) -> None:
         """Append one sequence's :class:`ExactRecentKVCache`."""
         if not isinstance(cache, ExactRecentKVCache):
@@ -449,6 +495,11 @@ class BatchRecurrentState:
     def state(self) -> list[mx.array]:
         """Arrays to evaluate together with the step's output."""
         return list(self.arrays.values())
+
+    @property
+    def step_state(self) -> list[mx.array]:
+        """As :attr:`BatchKVCache.step_state`: every array."""
+        return self.state
 
     def add_row(self, cache: Cache) -> None:
         """Append one sequence's :class:`RecurrentState`."""
@@ -611,3 +662,8 @@ class BatchCaches:
     def state(self) -> list[mx.array]:
         """Every array to evaluate with a step's output."""
         return [a for c in self.caches for a in c.state]
+
+    @property
+    def step_state(self) -> list[mx.array]:
+        """The arrays a pipelined decode step evaluates with its output (see :attr:`BatchKVCache.step_state`)."""
+        return [a for c in self.caches for a in c.step_state]

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turbospark_core import dequant, native
+from turbospark_core.batch_cache import BatchKVCache
 from turbospark_core.kv_cache import AttentionCache, KVCache, RingKVCache
 from turbospark_core.rope import Rope
 from turbospark_core.tensor_index import QuantSpec
@@ -373,10 +374,12 @@ class FusedLayer:
     layer's cache. The result is the parts' bit for bit (the same kernels in
     the same order: :func:`linear_normed`, :func:`rope_heads`,
     :func:`cached_attention`, :func:`linear_plus`, :func:`linear_gated`), in
-    one graph node instead of about six. ``None`` (the cache untouched) where
-    the step cannot run so: activations not float32 on the CPU, or a cache
-    whose rows are quantized or rotated, or a ring past its window; the family
-    then runs its parts.
+    one graph node instead of about six. The cache: a full one, a ring below
+    its window, or a batch's lone row whose columns are its positions (the
+    server's single stream). ``None`` (the cache untouched) where the step
+    cannot run so: activations not float32 on the CPU, rows quantized or
+    rotated, a ring past its window, a batch of several rows (or a rewound
+    row's holes); the family then runs its parts.
     """
 
     def __init__(
@@ -413,7 +416,7 @@ class FusedLayer:
         self._op = self._build()
 
     def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array | None:
-        if _FUSED["off"] or not isinstance(cache, (KVCache, RingKVCache)) or x.ndim != 3:
+        if _FUSED["off"] or not isinstance(cache, (KVCache, RingKVCache, BatchKVCache)) or x.ndim != 3:
             return None
         step = cache.step_buffers(x.shape[0], x.shape[1])
         if step is None or not native.decoder_layer_supported(x, step[0], step[1]):

@@ -120,7 +120,7 @@ def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_c
     """Each quantized layer's step is one native op: the bits of the flow's parts, prompt and decoding; a
     generation writes the caches in place (no buffer copied while the next step is built ahead)."""
     from turbospark_core import native
-    from turbospark_core.layers import parts_only
+    from turbospark_core.layers import fused_steps, parts_only
     from turbospark_core.testing import decode_steps
 
     if not native.available():
@@ -134,5 +134,10 @@ def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_c
         np.testing.assert_array_equal(fused, decode_steps(runner, [ids], 6))
     runner.generate(ids, max_tokens=4)
     copies = native.cache_attention_copies()
-    assert len(runner.generate(ids, max_tokens=24).tokens) > 4
+    alone = runner.generate(ids, max_tokens=24)
+    assert len(alone.tokens) > 4
     assert native.cache_attention_copies() == copies
+    # the batch engine's lone row (a server's single stream) steps through the fused layers too
+    steps = fused_steps()
+    assert runner.generate_many([ids], max_tokens=24)[0].tokens == alone.tokens
+    assert fused_steps() > steps and native.cache_attention_copies() == copies
