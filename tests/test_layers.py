@@ -435,9 +435,10 @@ def test_fused_layer_declines_what_it_cannot_run() -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
-def test_fused_layer_steps_a_lone_batched_row_as_its_parts() -> None:
-    """A batch of one row whose columns are its positions (a server's lone stream) steps through the fused op,
-    with the bits of the batched parts; a second row, or a rewound row's holes, send the step to the parts."""
+@pytest.mark.parametrize("lengths", [(4,), (4, 6)], ids=["one-row", "two-rows"])
+def test_fused_layer_steps_batched_rows_as_their_parts(lengths: tuple[int, ...]) -> None:
+    """A batch's rows (each at its own position, the shorter one left-padded, then a rewind hole) step through
+    the fused op with the bits of the batched parts, the buffers written in place."""
     from turbospark_core.batch_cache import BatchCaches
     from turbospark_core.cache_spec import CacheSpec
     from turbospark_core.kv_cache import KVCache
@@ -446,20 +447,24 @@ def test_fused_layer_steps_a_lone_batched_row_as_its_parts() -> None:
     fused = layers.fused_layer(**p)
     assert fused is not None
     spec = CacheSpec(n_kv_heads=2, head_dim=16)
-    xs = _normal((1, 9, 64), 41)
+    xs = _normal((len(lengths), 12, 64), 41)
 
-    def batch_of(*lengths: int) -> BatchCaches:
-        batch = BatchCaches([KVCache(spec, 100, mx.float32)])
-        for n in lengths:
+    def batch() -> BatchCaches:
+        caches = BatchCaches([KVCache(spec, 100, mx.float32)])
+        for row, n in enumerate(lengths):
             single = KVCache(spec, 100, mx.float32)
-            mx.eval(_decoder_step_in_parts(p, xs[:, :n], single), single.state)
-            batch.add_row([single], n)
-        return batch
+            mx.eval(_decoder_step_in_parts(p, xs[row : row + 1, :n], single), single.state)
+            caches.add_row([single], n)
+        return caches
 
-    a, b = batch_of(4), batch_of(4)
+    a, b = batch(), batch()
     copies = None
-    for t in range(4, 9):
-        x = xs[:, t : t + 1]
+    for step in range(5):
+        if step == 3:  # each row forgets its last token: a hole in every row's columns
+            for caches in (a, b):
+                for row in range(len(lengths)):
+                    caches.truncate(row, caches.rows.offsets[row] - 1)
+        x = mx.concatenate([xs[row : row + 1, o : o + 1] for row, o in enumerate(a.rows.offsets)])
         got = fused(x, a.caches[0])
         assert got is not None
         with layers.parts_only():
@@ -472,10 +477,5 @@ def test_fused_layer_steps_a_lone_batched_row_as_its_parts() -> None:
         if copies is None:
             copies = native.cache_attention_copies()
     assert native.cache_attention_copies() == copies  # written in place
-    assert a.caches[0].length == b.caches[0].length == 9
+    assert a.caches[0].length == b.caches[0].length
     np.testing.assert_array_equal(np.array(a.caches[0].positions), np.array(b.caches[0].positions))
-    two = batch_of(4, 6)
-    assert fused(mx.concatenate([xs[:, 4:5], xs[:, 6:7]]), two.caches[0]) is None  # rows at two offsets
-    holed = batch_of(6)
-    holed.truncate(0, 5)  # a rewind leaves a hole: column 5 no longer holds position 5
-    assert fused(xs[:, 5:6], holed.caches[0]) is None

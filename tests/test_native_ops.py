@@ -489,15 +489,57 @@ def test_decoder_layer_equals_its_ops(length: int, variant: str) -> None:
     mx.eval(want)
     copies = native.cache_attention_copies()
     for extra in ([], [mats[0]]):
-        assert native.decoder_layer_supported(x, k_buf, v_buf)
+        assert native.decoder_layer_supported(x)
         op = native.decoder_layer_op(norms, [*mats, *extra], projections=projections, **args)  # type: ignore[arg-type]
-        got = op(x, k_buf, v_buf, offset)
+        got = op(x, k_buf, v_buf, offset, None, None)
         mx.eval(got)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.array(g), np.array(w))
     assert native.cache_attention_copies() == copies + 4  # both buffers, both calls: the test holds them
     np.testing.assert_array_equal(np.array(k_buf), k_before)
     np.testing.assert_array_equal(np.array(v_buf), v_before)
+
+
+@needs_native
+def test_decoder_layer_rows_at_their_own_positions_under_a_mask() -> None:
+    """A batch's rows: each rotated at its own positions, attending under the batch's mask (padding, holes),
+    with the bits of the ops one after another (rope_heads per row, the rows written, decode_attention)."""
+    from turbospark_core.rope import Rope
+
+    B, hidden, heads, kv_heads, D, F, S, column, L, eps = 2, 64, 4, 2, 16, 96, 16, 6, 2, 1e-5
+    shapes = [((heads + 2 * kv_heads) * D, hidden), (hidden, heads * D), (2 * F, hidden), (hidden, F)]
+    mats = [_matrix(r, c, 50 + i, 4, 32, False) for i, (r, c) in enumerate(shapes)]
+    norms: list[mx.array | None] = [_normal((hidden,), 60) + 1, _normal((hidden,), 61) + 1, None, None, None, None]
+    rope = Rope.from_config(dims=D, theta=10000.0, scaling=None, max_positions=4096)
+    x = _normal((B, L, hidden), 62)
+    k_buf, v_buf = _normal((B, kv_heads, S, D), 63), _normal((B, kv_heads, S, D), 64)
+    positions = mx.array([6, 3], dtype=mx.int32)  # row 1: three columns of left padding
+    cols = np.arange(column + L)
+    col_pos = np.stack([cols, cols - 3])  # each column's position (row 1's first three: padding)
+    col_pos[1, 4] = -1  # and a rewind hole
+    query_pos = np.array(positions)[:, None] + np.arange(L)[None, :]
+    visible = (col_pos[:, None, :] >= 0) & (col_pos[:, None, :] <= query_pos[:, :, None])
+    mask = mx.array(visible[:, None])  # [B, 1, L, T]
+    mx.eval(x, k_buf, v_buf, positions, mask)
+    args = dict(heads=heads, kv_heads=kv_heads, rope=rope, eps=eps, scale=D**-0.5, activation="silu_mul")
+    op = native.decoder_layer_op(norms, mats, **args)  # type: ignore[arg-type]
+    got = op(x, k_buf, v_buf, column, positions, mask)
+    # the ops one after another
+    proj = native.quantized_matmul(x, *mats[0], prologue="rms_norm", prologue_weight=norms[0], eps=eps)
+    q, k, v = native.rope_heads(
+        [proj], heads, kv_heads, dims=rope.dims, scale=rope.scale, mscale=rope.mscale, offset=positions,
+        freqs=rope.freqs,
+    )  # fmt: skip
+    k_all, v_all = np.array(k_buf), np.array(v_buf)
+    k_all[:, :, column : column + L], v_all[:, :, column : column + L] = np.array(k), np.array(v)
+    kk, vv = mx.array(k_all[:, :, : column + L]), mx.array(v_all[:, :, : column + L])
+    att = native.decode_attention(q, kk, vv, D**-0.5, mask, merge_heads=True)
+    h = native.quantized_matmul(att, *mats[1], x)
+    gu = native.quantized_matmul(h, *mats[2], prologue="rms_norm", prologue_weight=norms[1], eps=eps)
+    want = native.quantized_matmul(gu, *mats[3], h, prologue="silu_mul")
+    np.testing.assert_array_equal(np.array(got[0]), np.array(want))
+    np.testing.assert_array_equal(np.array(got[1]), k_all)
+    np.testing.assert_array_equal(np.array(got[2]), v_all)
 
 
 @needs_native
@@ -517,15 +559,15 @@ def test_decoder_layer_refusals() -> None:
         return native.decoder_layer_op(**kw)  # type: ignore[arg-type]
 
     op = make()  # the arguments below each change one thing
-    mx.eval(op(x, buf, buf, 7))
+    mx.eval(op(x, buf, buf, 7, None, None))
     with pytest.raises(ValueError, match="room for the new rows"):
-        op(x, buf, buf, 8)
+        op(x, buf, buf, 8, None, None)
     with pytest.raises(ValueError, match="x must be float32"):
-        op(x.astype(mx.float16), buf, buf, 0)
+        op(x.astype(mx.float16), buf, buf, 0, None, None)
     with pytest.raises(ValueError, match="x must be float32"):
-        op(mx.zeros((1, 1, 32)), buf, buf, 0)
+        op(mx.zeros((1, 1, 32)), buf, buf, 0, None, None)
     with pytest.raises(ValueError, match=r"cache buffers must be float32 \[B, kv_heads, S, head_dim\]"):
-        op(x, mx.zeros((1, kv_heads, 8, 8)), buf, 0)
+        op(x, mx.zeros((1, kv_heads, 8, 8)), buf, 0, None, None)
     with pytest.raises(ValueError, match="o has the wrong shape"):
         make(matrices=[mats[0], _matrix(2 * hidden, heads * D, 3, 4, 32, False), mats[2], mats[3]])
     with pytest.raises(ValueError, match="the input and MLP norms need weights"):
@@ -543,5 +585,11 @@ def test_decoder_layer_refusals() -> None:
     with pytest.raises(ValueError, match="k has the wrong shape"):
         q = _matrix(heads * D, hidden, 9, 4, 32, False)
         make(matrices=[q, q, q, *mats[1:]], projections=3)
-    assert not native.decoder_layer_supported(x.astype(mx.float16), buf, buf)
-    assert not native.decoder_layer_supported(mx.zeros((1, hidden)), buf, buf)
+    with pytest.raises(ValueError, match="positions and mask together"):
+        op(x, buf, buf, 0, mx.array([0], mx.int32), None)
+    with pytest.raises(ValueError, match="positions must be int32"):
+        op(x, buf, buf, 0, mx.array([0.0]), mx.ones((1, 1, 1, 1), mx.bool_))
+    with pytest.raises(ValueError, match="the mask must be boolean"):
+        op(x, buf, buf, 0, mx.array([0], mx.int32), mx.ones((1, 1, 1, 3), mx.bool_))
+    assert not native.decoder_layer_supported(x.astype(mx.float16))
+    assert not native.decoder_layer_supported(mx.zeros((1, hidden)))

@@ -43,6 +43,7 @@ from turbospark_core.kv_cache import (
     KVCache,
     RecurrentState,
     RingKVCache,
+    StepBuffers,
     _Rows,
     _wht,
     recent_split_mask,
@@ -169,33 +170,28 @@ class BatchKVCache:
         k, v = self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :])
         return k.decode(rot_k), v.decode(rot_v)
 
-    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
-        """As :meth:`KVCache.step_buffers`, for a batch of one row whose column ``i`` holds position ``i``.
+    def step_buffers(self, batch: int, n: int) -> StepBuffers | None:
+        """As :meth:`KVCache.step_buffers`, for every row at once: float32 rows only (else ``None``).
 
-        That is a lone row with as many columns as positions (no padding, no
-        rewind holes: rows keep their tokens in order), float rows, and every
-        key visible to the step's queries (a sliding layer within its window):
-        what a single-sequence cache holds, so a step may write and attend in
-        one op (a fused layer). ``None`` otherwise: then :meth:`update_and_fetch`
-        and :meth:`mask`.
+        The step's columns and their positions are taken here (as
+        :meth:`update_and_fetch` takes them), so the op must follow: the
+        answer carries each row's positions and the step's mask (padding,
+        rewind holes and the window are the mask's, as for the separate ops).
         """
-        if len(self.rows) != 1 or self.kv_bits is not None or self.rotation != (False, False):
+        if self.kv_bits is not None or self.rotation != (False, False) or self.dtype != mx.float32 or self._k is None:
             return None
-        if self._k is None or self.length != self.rows.offsets[0]:
-            return None
-        if self.window is not None and self.length + n > self.window:
-            return None
-        self._grow(batch, self.length + n, self.spec.n_kv_heads)
-        assert self._k is not None and self._v is not None
-        return self._k.parts[0], self._v.parts[0], self.length
-
-    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
-        """Hold the buffers an op wrote ``n`` columns into (from :meth:`step_buffers`) and their positions."""
-        assert self._k is not None and self._v is not None and self.positions is not None
-        self._k, self._v = _Rows((k_buf,), None, self._k.dtype), _Rows((v_buf,), None, self._v.dtype)
+        self._drop_unseen()
         start, end = self.length, self.length + n
+        self._grow(batch, end, self.spec.n_kv_heads)
+        assert self._k is not None and self._v is not None and self.positions is not None
         self.positions[:, start:end] = self.rows.queries(n)
         self.length = end
+        return StepBuffers(self._k.parts[0], self._v.parts[0], start, self.rows.offset, self.mask(n))
+
+    def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
+        """Hold the buffers an op wrote the step's columns into (from :meth:`step_buffers`)."""
+        assert self._k is not None and self._v is not None
+        self._k, self._v = _Rows((k_buf,), None, self._k.dtype), _Rows((v_buf,), None, self._v.dtype)
 
     def mask(self, n_queries: int) -> mx.array:
         """Boolean ``[B, 1, L, S]``: each row's keys at or before each query (and within the window)."""

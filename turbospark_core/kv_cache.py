@@ -113,6 +113,25 @@ class _Rows:
         return self.parts[0].shape[2]
 
 
+@attrs.frozen
+class StepBuffers:
+    """Where an op writes a step's keys and values itself (a cache's :meth:`step_buffers`).
+
+    ``keys``/``values``: the float buffers ``[B, H, S, D]``; ``column``: where
+    the step's rows go. A single sequence's column is its position and its
+    queries attend causally to the first ``column + L`` columns. A batch's
+    rows (each at its own position) give ``positions`` (each row's first new
+    token's, int32 ``[B]``) and ``mask`` (which of the ``column + L`` columns
+    each query sees, boolean ``[B, 1, L, column + L]``).
+    """
+
+    keys: mx.array
+    values: mx.array
+    column: int
+    positions: mx.array | None = None
+    mask: mx.array | None = None
+
+
 class _KVBuffers:
     """The key/value row buffers shared by the full and the ring cache.
 
@@ -139,7 +158,7 @@ class _KVBuffers:
         """Fetched rows as the family reads them: floats, rotated back."""
         return keys.decode(self.rotate_keys), values.decode(self.rotate_values)
 
-    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+    def step_buffers(self, batch: int, n: int) -> StepBuffers | None:
         """The float key/value buffers ready for ``n`` new rows per sequence, and the row they go to.
 
         For ops that write a step's rows into the buffers themselves (:func:`native.cache_attention`,
@@ -171,9 +190,11 @@ class _KVBuffers:
         """
         n = keys.shape[2]
         step = self.step_buffers(keys.shape[0], n)
-        if step is None or not native.cache_attention_supported(q, keys, values, step[0], step[1]):
+        if step is None or not native.cache_attention_supported(q, keys, values, step.keys, step.values):
             return None
-        out, k_buf, v_buf = native.cache_attention(q, keys, values, *step, scale, merge_heads)
+        out, k_buf, v_buf = native.cache_attention(
+            q, keys, values, step.keys, step.values, step.column, scale, merge_heads
+        )
         self.commit_step(k_buf, v_buf, n)
         return out
 
@@ -232,12 +253,12 @@ class KVCache(_KVBuffers):
         self.offset = end
         return self._fetch(self._k.map(lambda a: a[..., :end, :]), self._v.map(lambda a: a[..., :end, :]))
 
-    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+    def step_buffers(self, batch: int, n: int) -> StepBuffers | None:
         end = self.offset + n
         _refuse_overflow(end, self.max_context)
         self._grow(batch, end)
         held = self._float_buffers()
-        return None if held is None else (*held, self.offset)
+        return None if held is None else StepBuffers(*held, self.offset)
 
     def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
         self._hold(k_buf, v_buf)
@@ -376,13 +397,13 @@ class RingKVCache(_KVBuffers):
         self._keep_last(k_all, v_all, p_all)
         return self._fetch(k_all, v_all)
 
-    def step_buffers(self, batch: int, n: int) -> tuple[mx.array, mx.array, int] | None:
+    def step_buffers(self, batch: int, n: int) -> StepBuffers | None:
         """As :meth:`KVCache.step_buffers`, for one token joining the prefix (else ``None``)."""
         if n != 1 or not self._joins_prefix():
             return None
         _refuse_overflow(self.offset + 1, self.max_context)
         held = self._float_buffers()
-        return None if held is None else (*held, self.offset)
+        return None if held is None else StepBuffers(*held, self.offset)
 
     def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
         self._hold(k_buf, v_buf)

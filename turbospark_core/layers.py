@@ -375,11 +375,11 @@ class FusedLayer:
     the same order: :func:`linear_normed`, :func:`rope_heads`,
     :func:`cached_attention`, :func:`linear_plus`, :func:`linear_gated`), in
     one graph node instead of about six. The cache: a full one, a ring below
-    its window, or a batch's lone row whose columns are its positions (the
-    server's single stream). ``None`` (the cache untouched) where the step
-    cannot run so: activations not float32 on the CPU, rows quantized or
-    rotated, a ring past its window, a batch of several rows (or a rewound
-    row's holes); the family then runs its parts.
+    its window, or a batch's (each row rotated at its own positions and
+    attending under the batch's mask, as the batched parts do). ``None`` (the
+    cache untouched) where the step cannot run so: activations not float32 on
+    the CPU, rows quantized or rotated, a ring past its window; the family
+    then runs its parts.
     """
 
     def __init__(
@@ -416,12 +416,14 @@ class FusedLayer:
         self._op = self._build()
 
     def __call__(self, x: mx.array, cache: AttentionCache) -> mx.array | None:
-        if _FUSED["off"] or not isinstance(cache, (KVCache, RingKVCache, BatchKVCache)) or x.ndim != 3:
+        if _FUSED["off"] or not isinstance(cache, (KVCache, RingKVCache, BatchKVCache)):
             return None
-        step = cache.step_buffers(x.shape[0], x.shape[1])
-        if step is None or not native.decoder_layer_supported(x, step[0], step[1]):
+        if not native.decoder_layer_supported(x):
             return None
-        y, k_buf, v_buf = self._op(x, *step)
+        step = cache.step_buffers(x.shape[0], x.shape[1])  # a batch takes its step's columns here
+        if step is None or step.keys.dtype != mx.float32 or step.values.dtype != mx.float32:
+            return None
+        y, k_buf, v_buf = self._op(x, step.keys, step.values, step.column, step.positions, step.mask)
         cache.commit_step(k_buf, v_buf, x.shape[1])
         _FUSED["steps"] += 1
         return y

@@ -274,16 +274,18 @@ def cache_attention_copies() -> int:
 QuantizedMatrix = tuple[mx.array, mx.array, mx.array | None, QuantSpec]
 """A matrix as :func:`quantized_matmul` takes it: ``(w, scales, biases, quant)``."""
 
-LayerStep = Callable[[mx.array, mx.array, mx.array, int], tuple[mx.array, mx.array, mx.array]]
-"""A layer's step: ``(x, k_buf, v_buf, offset) -> (y, k_buf, v_buf)`` (see :func:`decoder_layer_op`)."""
+LayerStep = Callable[
+    [mx.array, mx.array, mx.array, int, mx.array | None, mx.array | None], tuple[mx.array, mx.array, mx.array]
+]
+"""A layer's step: ``(x, k_buf, v_buf, column, positions, mask) -> (y, k_buf, v_buf)`` (:func:`decoder_layer_op`)."""
 
 
-def decoder_layer_supported(x: mx.array, k_buf: mx.array, v_buf: mx.array) -> bool:
-    """Whether :func:`decoder_layer` takes this step: float32 ``x`` ``[B, L, hidden]`` and buffers on the CPU."""
-    f32 = mx.float32
-    if _MODULE is None or x.dtype != f32 or k_buf.dtype != f32 or v_buf.dtype != f32 or mx.default_device() != mx.cpu:
+def decoder_layer_supported(x: mx.array) -> bool:
+    """Whether :func:`decoder_layer_op` takes this step: float32 ``x`` ``[B, L, hidden]`` on the CPU
+    (float32 buffers too)."""
+    if _MODULE is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
         return False
-    return x.ndim == 3 and k_buf.ndim == 4 and v_buf.ndim == 4 and 1 <= x.shape[1] <= MAX_ATTENTION_QUERIES
+    return x.ndim == 3 and 1 <= x.shape[1] <= MAX_ATTENTION_QUERIES
 
 
 def decoder_layer_op(
@@ -298,7 +300,7 @@ def decoder_layer_op(
     activation: str,
     projections: int = 1,
 ) -> LayerStep:
-    """A pre-norm decoder layer's step as one op: ``op(x, k_buf, v_buf, offset) -> (y, k_buf, v_buf)``.
+    """A pre-norm decoder layer's step as one op: ``op(x, k_buf, v_buf, column, positions, mask) -> (y, k_buf, v_buf)``.
 
     The layer's weights are checked and held once; a step then takes one
     call. ``norms``: the RMSNorm weights ``[input, mlp, post_attention,
@@ -308,8 +310,12 @@ def decoder_layer_op(
     fused gate/up and down projections, each held natively; one more,
     optional: the next layer's first matrix, whose first rows are
     prefetched as this layer ends. A step writes its key and value rows into
-    rows ``offset..`` of the buffers (in place when nothing else holds them),
-    as :func:`cache_attention` writes them. Each part is computed by the code
+    columns ``column..`` of the buffers (in place when nothing else holds
+    them), as :func:`cache_attention` writes them, and attends causally to the
+    first ``column + L`` columns; or, given ``positions`` (each row's first new
+    token's, int32 ``[B]``) and ``mask`` (boolean ``[B, 1, L, column + L]``),
+    rotates each row at its positions and attends under the mask (a batch's
+    rows, as :func:`decode_attention` with the mask would). Each part is computed by the code
     of its own op (:func:`quantized_matmul` with its prologue, residual and
     post norm, :func:`rope_heads`, :func:`cache_attention`), so ``y`` is
     theirs bit for bit. Check :func:`decoder_layer_supported` for each step.

@@ -516,21 +516,23 @@ class StructuralChecks(SteeringChecks):
     # ------------------------------------------------------------ fused layers
     def test_fused_layer_steps_equal_their_parts(self, install: Callable[..., Path], prompt_ids: list[int]) -> None:
         """On a q4 install, the layers a family runs as one native op (:func:`turbospark_core.family.fused_layer`)
-        give the bits of its parts: the prompt's steps and one-token steps after it. Skipped where the family
-        fuses no layer (on this machine, or at all)."""
+        give the bits of its parts: the prompt's steps and one-token steps after it, for one row and for two
+        rows at their own positions in the core's batched caches. Skipped where the family fuses no layer (on
+        this machine, or at all)."""
         import turbospark_core
         from turbospark_core.layers import fused_steps, parts_only
 
         runner = turbospark_core.open(install("q4"))
-        before = fused_steps()
-        fused = decode_steps(runner, [prompt_ids], DECODE_STEPS)
-        if fused_steps() == before:
-            pytest.skip("no layer of this family runs as one fused op here (dense matrices or no native kernels)")
-        after = fused_steps()
-        with parts_only():
-            parts = decode_steps(runner, [prompt_ids], DECODE_STEPS)
-        assert fused_steps() == after  # no layer ran fused inside parts_only()
-        assert np.array_equal(fused, parts)
+        for prompts in _decode_prompts(prompt_ids):  # one row, then two rows at their own positions in a batch
+            before = fused_steps()
+            fused = decode_steps(runner, prompts, DECODE_STEPS)
+            if fused_steps() == before:
+                pytest.skip("no layer of this family runs as one fused op here (dense matrices or no native kernels)")
+            after = fused_steps()
+            with parts_only():
+                parts = decode_steps(runner, prompts, DECODE_STEPS)
+            assert fused_steps() == after  # no layer ran fused inside parts_only()
+            assert np.array_equal(fused, parts), f"{len(prompts)} row(s)"
 
     # ------------------------------------------------------------ compiled decode
     def test_compiled_decode_equals_uncompiled(self, runner: Any, prompt_ids: list[int]) -> None:

@@ -1373,6 +1373,7 @@ struct LayerConfig {
   int projections = 1;  // the fused q/k/v matrix, or q, k and v
   int mats = 4;         // projections + o, gate_up, down (+ 1: the next layer's first, prefetched)
   bool post_attn = false, post_mlp = false, qk_norm = false;
+  bool rows = false;  // per-row positions and a mask (a batch's rows): inputs before the buffers
   MatLayout layout[kMaxLayerMats];
   bool operator==(const LayerConfig&) const = default;
 };
@@ -1382,7 +1383,8 @@ class DecoderLayer : public mx::Primitive {
   DecoderLayer(mx::Stream s, LayerConfig c) : mx::Primitive(s), c_(c) {}
 
   // inputs: x, in_norm, mlp_norm, [post_attn weight], [post_mlp weight], [q_norm, k_norm], freqs,
-  // then each matrix's (w, scales, [biases]), then the key and value buffers
+  // then each matrix's (w, scales, [biases]), [each row's position int32 [B] and the mask bool
+  // [B, Hq, L, T]], then the key and value buffers
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
@@ -1393,7 +1395,12 @@ class DecoderLayer : public mx::Primitive {
     std::optional<View> from[2] = {take_buffer(inputs[nb], outputs[1]), take_buffer(inputs[nb + 1], outputs[2])};
     for (auto& o : outputs) enc.set_output_array(o);
     std::vector<Dense> in;
-    for (size_t i = 0; i < nb; i++) in.emplace_back(inputs[i]);
+    for (size_t i = 0; i < nb - (c_.rows ? 1 : 0); i++) in.emplace_back(inputs[i]);
+    MaskView mask;  // read through its (broadcast) strides
+    if (c_.rows) {
+      const auto& a = inputs[nb - 1];
+      mask = MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+    }
     std::array<QMat, kMaxLayerMats> mats{};
     std::array<size_t, kMaxLayerMats> at{};  // each matrix's first input
     for (size_t m = 0, i = first_mat(); m < (size_t)c_.mats; m++) {
@@ -1409,7 +1416,7 @@ class DecoderLayer : public mx::Primitive {
       i += l.biases ? 3 : 2;
     }
     const auto& x = inputs[0];
-    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1],
+    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1], mask, rows_at = first_row_input(),
                   y = outputs[0].data<float>(), kb = outputs[1].data<float>(), vb = outputs[2].data<float>(),
                   B = (int64_t)x.shape(0), L = (int64_t)x.shape(1), Dm = (int64_t)x.shape(2),
                   S = (int64_t)outputs[1].shape(2), D = (int64_t)outputs[1].shape(3),
@@ -1462,12 +1469,14 @@ class DecoderLayer : public mx::Primitive {
       if (from_k) copy_rows(*from_k, B, hkv, S, kb, S, 0, D);
       if (from_v) copy_rows(*from_v, B, hkv, S, vb, S, 0, Dv);
       Scratch q((size_t)(M * hq * D)), att((size_t)(M * hq * Dv)), h((size_t)(M * Dm)), gate_up((size_t)(M * gu.N));
-      const int32_t pos = (int32_t)c.offset;
-      rope_heads_rows(src, stride, &pos, 1, freqs, qn, kn, c.eps, q.data(), kb, vb, S, c.offset, B, L, D, Dv, hq, hkv,
-                      c.dims, c.rope_scale, c.mscale);
+      // positions: the column written (a single sequence's), or each row's own (a batch's, then masked)
+      const int32_t column = (int32_t)c.offset;
+      const int32_t* pos = c.rows ? reinterpret_cast<const int32_t*>(in[rows_at].get()) : &column;
+      rope_heads_rows(src, stride, pos, c.rows ? B : 1, freqs, qn, kn, c.eps, q.data(), kb, vb, S, c.offset, B, L, D,
+                      Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
       const View qv{q.data(), hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1},
           vv{vb, hkv * S * Dv, S * Dv, Dv, 1};
-      attention_rows(qv, kv, vv, MaskView{}, att.data(), B, hq, L, D, hkv, c.offset + L, Dv, true, c.scale, true);
+      attention_rows(qv, kv, vv, mask, att.data(), B, hq, L, D, hkv, c.offset + L, Dv, !c.rows, c.scale, true);
       Extras plus;
       plus.residual = true;
       plus.post = plus.post_weight = c.post_attn;
@@ -1497,6 +1506,12 @@ class DecoderLayer : public mx::Primitive {
  private:
   // where the matrices' inputs start: after x, the two norms, the optional norms and freqs
   size_t first_mat() const { return 4 + (c_.post_attn ? 1 : 0) + (c_.post_mlp ? 1 : 0) + (c_.qk_norm ? 2 : 0); }
+  // the rows' positions: after the matrices
+  size_t first_row_input() const {
+    size_t i = first_mat();
+    for (int m = 0; m < c_.mats; m++) i += c_.layout[m].biases ? 3 : 2;
+    return i;
+  }
 
   LayerConfig c_;
 };
@@ -1591,9 +1606,13 @@ class DecoderLayerOp {
     }
   }
 
-  // The step of x [B, L, hidden] with the cache's buffers [B, kv_heads, S, D], its rows going to `offset`
+  // The step of x [B, L, hidden] with the cache's buffers [B, kv_heads, S, D], its rows going to column
+  // `offset`: causal over the first offset + L columns; or, given `positions` (each row's first new
+  // token's, int32 [B]) and `mask` (bool, broadcastable to [B, heads, L, offset + L]), RoPE at each
+  // row's positions and attention under the mask (a batch's rows)
   std::vector<mx::array> operator()(const mx::array& x, const mx::array& k_buf, const mx::array& v_buf,
-                                    int64_t offset) const {
+                                    int64_t offset, const std::optional<mx::array>& positions,
+                                    const std::optional<mx::array>& mask) const {
     check(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(2) == Dm_, what_ + "x must be float32 [B, L, hidden]");
     const int64_t heads[2] = {D_, Dv_};
     for (int i = 0; i < 2; i++) {
@@ -1606,12 +1625,24 @@ class DecoderLayerOp {
     check(L >= 1 && L <= 65536, what_ + "1 to 65536 tokens per row");
     check(offset >= 0 && offset + L <= k_buf.shape(2) && k_buf.shape(2) == v_buf.shape(2),
           what_ + "the buffers must have room for the new rows at offset");
+    check(!positions == !mask, what_ + "pass a batch's positions and mask together, or neither");
     LayerConfig c = c_;
     c.offset = offset;
+    c.rows = positions.has_value();
     std::vector<mx::array> inputs;
-    inputs.reserve(held_.size() + 3);
+    inputs.reserve(held_.size() + 5);
     inputs.push_back(x);
     inputs.insert(inputs.end(), held_.begin(), held_.end());
+    if (positions) {
+      auto s = mx::default_stream(mx::Device::cpu);
+      const int B = x.shape(0), T = (int)(offset + L);
+      check(positions->dtype() == mx::int32 && positions->ndim() == 1 && positions->shape(0) == B,
+            what_ + "positions must be int32 [B]");
+      check(mask->dtype() == mx::bool_ && mask->ndim() == 4 && mask->shape(-1) == T && mask->shape(-2) == L,
+            what_ + "the mask must be boolean [B, 1 or heads, L, offset + L]");
+      inputs.push_back(*positions);
+      inputs.push_back(mx::broadcast_to(*mask, {B, c.hq, (int)L, T}, s));
+    }
     inputs.push_back(k_buf);
     inputs.push_back(v_buf);
     return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
@@ -1767,7 +1798,7 @@ NB_MODULE(_qmm, m) {
            nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("rope_scale"), nb::arg("mscale"),
            nb::arg("eps"), nb::arg("scale"), nb::arg("activation"))
       .def("__call__", &tsq::DecoderLayerOp::operator(), nb::arg("x"), nb::arg("k_buf"), nb::arg("v_buf"),
-           nb::arg("offset"));
+           nb::arg("offset"), nb::arg("positions") = nb::none(), nb::arg("mask") = nb::none());
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
