@@ -150,14 +150,8 @@ class BatchKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``keys``/``values`` ``[B, H, L, D]`` as the next columns; return every column."""
-        n = keys.shape[2]
-        self._drop_unseen()
-        end = self.length + n
-        self._grow(keys.shape[0], end, keys.shape[1])
-        assert self._k is not None and self._v is not None and self.positions is not None
-        start = self.length
-        self.positions[:, start:end] = self.rows.queries(n)
-        self.length = end
+        start, end = self._take_columns(keys.shape[0], keys.shape[2], keys.shape[1])
+        assert self._k is not None and self._v is not None
         if self.kv_bits is None and self.rotation == (False, False):  # plain float rows: no _Rows wrapping per layer
             k_all, v_all = self._k.parts[0], self._v.parts[0]
             k_all[..., start:end, :] = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
@@ -180,13 +174,19 @@ class BatchKVCache:
         """
         if self.kv_bits is not None or self.rotation != (False, False) or self.dtype != mx.float32 or self._k is None:
             return None
+        start, _ = self._take_columns(batch, n, self.spec.n_kv_heads)
+        assert self._k is not None and self._v is not None
+        return StepBuffers(self._k.parts[0], self._v.parts[0], start, self.rows.offset, self.mask(n))
+
+    def _take_columns(self, batch: int, n: int, heads: int) -> tuple[int, int]:
+        """The step's ``n`` next columns ``[start, end)``, room made and their positions written."""
         self._drop_unseen()
         start, end = self.length, self.length + n
-        self._grow(batch, end, self.spec.n_kv_heads)
-        assert self._k is not None and self._v is not None and self.positions is not None
+        self._grow(batch, end, heads)
+        assert self.positions is not None
         self.positions[:, start:end] = self.rows.queries(n)
         self.length = end
-        return StepBuffers(self._k.parts[0], self._v.parts[0], start, self.rows.offset, self.mask(n))
+        return start, end
 
     def commit_step(self, k_buf: mx.array, v_buf: mx.array, n: int) -> None:
         """Hold the buffers an op wrote the step's columns into (from :meth:`step_buffers`)."""

@@ -459,13 +459,13 @@ def fused_layer(
     if not native.available() or activation not in GATED or any(w is not None and w.dtype != mx.float32 for w in norms):
         return None
     projections = [qkv] if qkv is None or isinstance(qkv, Linear) else list(qkv)
+    if len(projections) not in (1, 3):
+        return None
     matrices: list[native.QuantizedMatrix] = []
     for p in (*projections, o_proj, gate_up, down):
         if p is None or not _held_natively(p) or p.quant is None or p.scales is None or not native.keeps(p.quant):
             return None
         matrices.append((p.weight, p.scales, p.biases, p.quant))
-    if len(projections) not in (1, 3):
-        return None
     return FusedLayer(
         norms, matrices, heads=heads, kv_heads=kv_heads, rope=rope, scale=scale, eps=eps, activation=activation,
         projections=len(projections),

@@ -112,6 +112,8 @@ void kv_row_avx512(const uint8_t*, const void*, const void*, int, int64_t, int, 
 void kv_row_neon(const uint8_t*, const void*, const void*, int, int64_t, int, int, bool, float*);
 #endif
 
+// Bytes of one scale (or bias) of this ScaleType.
+inline int64_t scale_bytes(int type) { return type == kF32 ? 4 : type == kE8M0 ? 1 : 2; }
 float half_to_float(uint16_t h);
 float e8m0_to_float(uint8_t e);
 float load_scale(const void* p, int type, int64_t i);

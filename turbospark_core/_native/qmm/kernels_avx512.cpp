@@ -356,7 +356,7 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
   s.scales.resize(SPAN * groups);
   s.biases.resize(SPAN * groups);
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
-  const int64_t srow = groups * (q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2);  // scale bytes a row
+  const int64_t srow = groups * scale_bytes(q.scale_type);  // scale bytes a row
   for (int64_t base = n, converted = n; n + R <= n1; n += R) {
     // weights stream from memory: ask for the rows a few blocks ahead while these compute
     if (n + ahead + R <= q.N) {

@@ -139,7 +139,7 @@ void add_columns(const float* r, float* y, int64_t M, int64_t N, int64_t n0, int
 void prefetch_starts(const QMat& q, int64_t M, int64_t c, int64_t of) {
   const int64_t step = chunk_rows(q.N, q.K, M, runtime().pool->threads());
   const int64_t row_bytes = q.K * q.bits / 8, groups = q.K / q.group;
-  const int64_t esize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
+  const int64_t esize = scale_bytes(q.scale_type);
   const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(step, 4096 / std::max<int64_t>(row_bytes, 1)));
   auto fetch = [](const void* p, int64_t bytes) {
     const char* b = static_cast<const char*>(p);
@@ -309,6 +309,13 @@ class QuantizedPrimitive : public mx::UnaryPrimitive {
 
 void over_rows(int64_t rows, int64_t n, const std::function<void(int64_t, int64_t)>& body);
 
+// rms_norm() of `rows` rows of n values (x's rows xs floats apart) into y [rows, n], spread over the pool.
+void normalize_rows(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t r0, int64_t r1) {
+    runtime().rms_norm(x + r0 * xs, xs, w, y + r0 * n, r1 - r0, n, eps);
+  });
+}
+
 // What a product does to its rows of x first (the op that would feed it, folded in):
 // RMS-normalize them (weight optional), or the gated activation of a fused gate/up row [2K].
 enum Prologue : int { kNoPrologue = 0, kRmsNormed = 1, kSiluMul = 2, kGeluTanhMul = 3 };
@@ -336,14 +343,14 @@ void run_product(const QMat& q, const float* xp, int64_t M, float* yp, const flo
   if (e.prologue != kNoPrologue) {
     const int64_t K = q.K;
     pre.emplace((size_t)(M * K));
-    GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
-    over_rows(M, K, [&](int64_t r0, int64_t r1) {
-      if (e.prologue == kRmsNormed) {
-        runtime().rms_norm(xp + r0 * K, K, pre_w, pre->data() + r0 * K, r1 - r0, K, e.eps);
-      } else {
+    if (e.prologue == kRmsNormed) {
+      normalize_rows(xp, K, pre_w, pre->data(), M, K, e.eps);
+    } else {
+      GatedFn gated = e.prologue == kSiluMul ? runtime().silu_mul : runtime().gelu_tanh_mul;
+      over_rows(M, K, [&](int64_t r0, int64_t r1) {
         gated(xp + r0 * 2 * K, 2 * K, xp + r0 * 2 * K + K, 2 * K, pre->data() + r0 * K, r1 - r0, K);
-      }
-    });
+      });
+    }
     xp = pre->data();
   }
   compute(q, xp, M, yp, e.post ? nullptr : rp, next);
@@ -542,7 +549,7 @@ class GatherQuantizedMatmul : public QuantizedPrimitive {
       const uint8_t* bp = bd ? bd->get() : nullptr;
       const uint8_t* ip = id.get();
       const int64_t groups = q.K / q.group, row_bytes = q.K * q.bits / 8;
-      const int64_t ssize = q.scale_type == kF32 ? 4 : q.scale_type == kE8M0 ? 1 : 2;
+      const int64_t ssize = scale_bytes(q.scale_type);
       auto locate = [&](int64_t b, int64_t& xi, int64_t& ii) {
         xi = ii = 0;
         for (int d = (int)bshape.size() - 1; d >= 0; d--) {
@@ -759,6 +766,9 @@ struct MaskView {
   const bool* p = nullptr;
   int64_t sb = 0, sh = 0, sl = 0, st = 0;
 };
+MaskView mask_of(const mx::array& a) {
+  return MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+}
 
 // softmax(scale * q . k) v for every query l of head h in row b over the first T keys,
 // grouped-query heads sharing keys; causal: query l sees keys t <= T - L + l. k/v are read
@@ -829,11 +839,7 @@ class DecodeAttention : public mx::UnaryPrimitive {
     const auto& k = inputs[1];
     const auto& v = inputs[2];
     auto& enc = encoder_for(stream(), inputs, out);
-    MaskView m;
-    if (inputs.size() > 3) {
-      const auto& a = inputs[3];
-      m = MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
-    }
+    const MaskView m = inputs.size() > 3 ? mask_of(inputs[3]) : MaskView{};
     enc.dispatch([qv = view_of(q), kv = view_of(k), vv = view_of(v), yp = out.data<float>(), m, B = q.shape(0),
                   Hq = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = k.shape(1), T = k.shape(2), Dv = v.shape(3),
                   causal = causal_, scale = scale_, merge = merge_]() {
@@ -1054,10 +1060,7 @@ class RmsNorm : public mx::UnaryPrimitive {
     enc.dispatch([x = Rows(inputs[0]), w, yp = out.data<float>(), eps = eps_]() mutable {
       auto [xp, xs] = x.get();
       const float* wp = w ? reinterpret_cast<const float*>(w->get()) : nullptr;
-      const int64_t D = x.n();
-      over_rows(x.rows(), D, [&](int64_t r0, int64_t r1) {
-        runtime().rms_norm(xp + r0 * xs, xs, wp, yp + r0 * D, r1 - r0, D, eps);
-      });
+      normalize_rows(xp, xs, wp, yp, x.rows(), x.n(), eps);
     });
   }
 
@@ -1396,11 +1399,7 @@ class DecoderLayer : public mx::Primitive {
     for (auto& o : outputs) enc.set_output_array(o);
     std::vector<Dense> in;
     for (size_t i = 0; i < nb - (c_.rows ? 1 : 0); i++) in.emplace_back(inputs[i]);
-    MaskView mask;  // read through its (broadcast) strides
-    if (c_.rows) {
-      const auto& a = inputs[nb - 1];
-      mask = MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
-    }
+    const MaskView mask = c_.rows ? mask_of(inputs[nb - 1]) : MaskView{};  // read through its (broadcast) strides
     std::array<QMat, kMaxLayerMats> mats{};
     std::array<size_t, kMaxLayerMats> at{};  // each matrix's first input
     for (size_t m = 0, i = first_mat(); m < (size_t)c_.mats; m++) {
@@ -1454,10 +1453,7 @@ class DecoderLayer : public mx::Primitive {
         stride[0] = stride[1] = stride[2] = width;
       } else {
         Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
-        const float* w = f(1);
-        over_rows(M, Dm, [&](int64_t r0, int64_t r1) {
-          runtime().rms_norm(xp + r0 * Dm, Dm, w, xn.data() + r0 * Dm, r1 - r0, Dm, c.eps);
-        });
+        normalize_rows(xp, Dm, f(1), xn.data(), M, Dm, c.eps);
         float* dst = proj.data();
         for (int j = 0; j < 3; j++) {
           run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
