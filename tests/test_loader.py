@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from turbospark_core.errors import (
     InstallError,
     NotAnInstallError,
     OptionError,
+    TokenizerError,
     UnknownFamilyError,
 )
 from turbospark_core.manifest import HADAMARD
+from turbospark_core.options import OpenOptions
 from turbospark_core.sessions import SessionPool
 from turbospark_core.stats import PHASES
 
@@ -72,6 +75,45 @@ def test_the_open_sequence_builds_and_times_the_session_pool(f32_install: Path, 
     assert runner.startup_stats.session_state >= 20.0
     assert runner.sessions.slots == 3 and len(runner.sessions) == 0
     assert len(runner.sessions.acquire("a").caches) == len(runner.opened.cache_layout)
+
+
+def test_the_tokenizer_is_read_before_the_weights_are_held(f32_install: Path, monkeypatch) -> None:
+    # the open's peak is then the larger of the two, not their sum (a tokenizer's parse peaks high)
+    order: list[str] = []
+    read = loader.Tokenizer.from_install
+
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        order.append("tokenizer")
+        return read(*args, **kwargs)
+
+    class Store(loader.WeightStore):
+        def __init__(self, *args: Any) -> None:
+            order.append("weights")
+            super().__init__(*args)
+
+    monkeypatch.setattr(loader.Tokenizer, "from_install", reading)
+    monkeypatch.setattr(loader, "WeightStore", Store)
+    runner = turbospark_core.open(f32_install)
+    assert order == ["tokenizer", "weights"]
+    assert runner.tokenizer is runner.opened.tokenizer
+    assert runner.startup_stats.tokenizer > 0
+
+
+def test_open_install_reads_no_tokenizer_unless_asked(f32_install: Path) -> None:
+    # a draft model's open (the drafter factory) needs none
+    assert loader.open_install(f32_install, OpenOptions()).tokenizer is None
+
+
+def test_a_broken_tokenizer_is_refused_before_the_weights_are_read(f32_install: Path, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    install = tmp_path / "broken-tokenizer.turbospark"
+    shutil.copytree(f32_install, install)
+    tokenizer = install / "tokenizer.json"
+    tokenizer.write_bytes(b"{" * tokenizer.stat().st_size)  # the size the manifest records: unreadable, not short
+    monkeypatch.setattr(loader, "WeightStore", lambda *a: pytest.fail("the weights were read"))
+    with pytest.raises(TokenizerError) as e:
+        turbospark_core.open(install)
+    assert "tokenizer.json" in str(e.value) and "turbospark convert" in str(e.value)
 
 
 # ------------------------------------------------------------------ step 1: not an install

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import turbospark_core
-from turbospark_core import loader
+from turbospark_core import loader, memory
 from turbospark_core.errors import MemoryBudgetError, OptionError
-from turbospark_core.memory import DEFAULT_FRACTION, MemoryEstimate, available_bytes, parse_budget
+from turbospark_core.memory import (
+    DEFAULT_FRACTION,
+    MemoryEstimate,
+    available_bytes,
+    parse_budget,
+    release_freed_heap,
+)
 
 
 @pytest.mark.parametrize(
@@ -114,3 +123,45 @@ def test_estimate_counts_the_exact_recent_tokens(turbospark_install) -> None:
     q8 = [turbospark_core.open(path, max_context=100, kv_quant="q8", kv_recent=r).opened.estimate.kv for r in (None, 0)]
     assert q8[0] == q8[1]  # q8's default keeps none exact
     assert drafting - plain == (8 + 3 + 1) * per_token  # ngram=3 verifies trim up to 4 tokens
+
+
+# run in a child: the heap's thresholds are set there, not in the test process
+_HEAP_CHILD = """
+import ctypes, ctypes.util
+from turbospark_core.memory import release_freed_heap
+
+def resident_kb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 64 KB blocks come from the heap
+libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: free() does not shrink the heap by itself
+blocks = [libc.malloc(65536) for _ in range(2048)]  # 128 MB
+for b in blocks:
+    ctypes.memset(b, 1, 65536)
+for b in blocks:
+    libc.free(b)
+before = resident_kb()
+print(release_freed_heap(), before, resident_kb())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or platform.libc_ver()[0] != "glibc",
+                    reason="malloc_trim is glibc's; residency is read from /proc")
+def test_release_freed_heap_hands_freed_pages_back() -> None:
+    out = subprocess.run([sys.executable, "-c", _HEAP_CHILD], capture_output=True, text=True, check=True).stdout
+    released, before, after = out.split()
+    assert released == "True"
+    assert int(after) < int(before) - 100_000  # most of the 128 MB freed left the process
+
+
+def test_release_freed_heap_without_glibc_does_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(memory.ctypes.util, "find_library", lambda name: None)  # no C library to ask
+    memory._malloc_trim.cache_clear()
+    try:
+        assert release_freed_heap() is False
+    finally:
+        memory._malloc_trim.cache_clear()

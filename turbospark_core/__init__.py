@@ -176,7 +176,6 @@ def open(  # noqa: A001 - the API's name
     """
     from turbospark_core.loader import open_install, refuse_non_install
     from turbospark_core.options import OpenOptions
-    from turbospark_core.tokenizer import Tokenizer
 
     refuse_non_install(Path(path))  # step 1 first: a sidecar is refused as one, whatever the options
     options = OpenOptions.from_kwargs(  # step 2
@@ -205,13 +204,9 @@ def open(  # noqa: A001 - the API's name
             "distributed": distributed,
         }
     )
-    opened = open_install(path, options)  # steps 3-15
-    tokenizer = Tokenizer.from_install(
-        opened.manifest.root,
-        opened.generation_config,
-        lambda: opened.hooks.default_chat_template(opened.manifest.arch),
-    )
-    runner = Runner(opened, tokenizer)
+    opened = open_install(path, options, tokenizer=True)  # steps 3-15, the tokenizer before the weights
+    assert opened.tokenizer is not None
+    runner = Runner(opened, opened.tokenizer)
     if options.vision is not None:
         runner.attach_vision(options.vision)
     return runner

@@ -59,6 +59,7 @@ from turbospark_core.speculative.factory import DrafterSetup, draft_length, make
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.steering import DirectionSet
 from turbospark_core.tensor_index import TensorIndex, build_index
+from turbospark_core.tokenizer import Tokenizer
 from turbospark_core.weights import WeightStore
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -74,6 +75,7 @@ class OpenedModel:
         steering: The direction set of open step 14 (``None``: unsteered),
             applied to every request that names none.
         distributed: This rank's mode and share (``None``: one process).
+        tokenizer: The install's tokenizer, when the open was asked to read it.
     """
 
     manifest: Manifest
@@ -96,6 +98,7 @@ class OpenedModel:
     weights: WeightStore | None = attrs.field(default=None, eq=False, repr=False)
     drafter: DrafterSetup | None = attrs.field(default=None, eq=False)
     distributed: DistributedInfo | None = None
+    tokenizer: Tokenizer | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def refuse_non_install(path: Path) -> None:
@@ -252,6 +255,7 @@ def open_install(
     *,
     ring_slack: int | None = None,
     store: Callable[[Path, TensorIndex, ComputePolicy], WeightStore] | None = None,
+    tokenizer: bool = False,
 ) -> OpenedModel:
     """Open an install: the design's open sequence, each step a named refusal.
 
@@ -269,6 +273,10 @@ def open_install(
     7. read the tensor index and the family's cache layout; read the experts
        section (10's layout); estimate memory (weights + KV at max_context x
        session_slots + expert slots) and refuse an over-budget open;
+    then, with ``tokenizer``, read the tokenizer (:class:`~turbospark_core.tokenizer.Tokenizer`,
+    into ``OpenedModel.tokenizer``): before the weights are held, so the open's peak
+    memory is the larger of the two rather than their sum (its parse peaks at about
+    three times what it keeps, and hands the rest back);
     8. map the weights;
     9. KV cache and scratch: nothing is allocated at open (caches grow per
        sequence, see ``OpenedModel.new_cache``), so no phase times it;
@@ -302,7 +310,7 @@ def open_install(
     process none of this happens.
 
     Timed into :class:`StartupStats`: manifest_index (5, 3, 4, 6, 7 but the
-    estimate), expert_setup (the experts section, 10), weights_mapping (8, and
+    estimate), tokenizer, expert_setup (the experts section, 10), weights_mapping (8, and
     materializing after 11), family_state (11), session_state (13), steering
     (14, when asked), warmup (15), drafter (12), and total_open (all of this function).
 
@@ -347,6 +355,13 @@ def open_install(
     slack = draft_length(options) + 1 if ring_slack is None and options.drafters_named() else ring_slack or 0
     policy, plan, estimate = _plan_memory(held_index, held_experts, held_layout, options, max_context, dist, slack)
     diagnostics = Diagnostics.from_options(options)  # None unless asked for: then nothing is wrapped
+    generation_config = _generation_config(root, manifest)
+    read_tokenizer: Tokenizer | None = None
+    if tokenizer:
+        with timer.phase("tokenizer"):
+            read_tokenizer = Tokenizer.from_install(
+                root, generation_config, lambda: hooks.default_chat_template(manifest.arch)
+            )
     with timer.phase("weights_mapping"):
         if dist is not None:
             weights = dist.weights(policy)  # 8: only this rank's byte ranges are read
@@ -397,7 +412,8 @@ def open_install(
         max_context=max_context,
         estimate=estimate,
         startup_stats=timer.finish(),
-        generation_config=_generation_config(root, manifest),
+        generation_config=generation_config,
+        tokenizer=read_tokenizer,
         experts=experts,
         diagnostics=diagnostics,
         steering=steering,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import os
 import re
+from collections.abc import Callable
 
 import attrs
 
@@ -25,6 +29,31 @@ def available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim  # glibc only
+    except (OSError, AttributeError):  # not loadable, or a C library without it (musl, macOS)
+        return None
+    return trim
+
+
+def release_freed_heap() -> bool:
+    """Hand the C heap's freed pages back to the system (glibc's ``malloc_trim``); ``False`` where there is none.
+
+    A parse that frees most of what it allocated (a large ``tokenizer.json``)
+    leaves those pages resident in the heap otherwise.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def parse_budget(value: int | float | str | None) -> int:

@@ -10,6 +10,7 @@ import attrs
 
 PHASES = (
     "manifest_index",
+    "tokenizer",
     "weights_mapping",
     "expert_setup",
     "family_state",
@@ -29,6 +30,7 @@ class StartupStats:
     """
 
     manifest_index: float = 0.0
+    tokenizer: float = 0.0
     weights_mapping: float = 0.0
     expert_setup: float = 0.0
     family_state: float = 0.0
