@@ -8,9 +8,11 @@ which is the GGUF's own vocabulary) and generate ``--gen-tokens`` greedy tokens.
 Each run is its own child process (imports, BLAS, threads, peak RSS not
 shared); the runtimes alternate over ``--trials`` trials and the table shows
 medians: prefill tok/s, decode tok/s, peak RSS, the ratios, whether the first
-greedy tokens agree, and decode as a share of the bandwidth limit (weight
-bytes one decode step reads, as each runtime holds them, over the measured
-read bandwidth).
+greedy tokens agree, and decode as a share of the bandwidth limit: the bytes
+one decode step reads, as each runtime holds them (the weights, and the KV
+cache's rows attended at the decode's mean context: float32 in turbospark,
+float16 in llama.cpp, its default), over the measured read bandwidth. The
+share of the weights alone is shown beside it.
 
 Models:
 
@@ -147,6 +149,15 @@ def decode_bytes_turbospark(opened: Any) -> int:
     return total
 
 
+def kv_elements_per_token(opened: Any, n_prompt: int, gen: int) -> float:
+    """KV cache elements (keys and values) a decode step attends over, averaged over the decode's steps."""
+    from turbospark_core.cache_spec import CacheSpec
+
+    specs = [s for s in opened.cache_layout if isinstance(s, CacheSpec)]
+    steps = range(n_prompt + 1, n_prompt + gen)  # the first token comes from the prefill
+    return statistics.fmean(sum(s.bytes_at(t, 1) for s in specs) for t in steps)
+
+
 def bench_turbospark(install: Path, ids: list[int], gen: int, threads: int) -> dict[str, Any]:
     import turbospark_core
     from turbospark_core import blas, native
@@ -160,6 +171,8 @@ def bench_turbospark(install: Path, ids: list[int], gen: int, threads: int) -> d
         "tokens": list(g.tokens),
         "peak_rss": peak_rss(),
         "bytes_per_token": decode_bytes_turbospark(runner.opened),
+        "kv_elements": kv_elements_per_token(runner.opened, len(ids), gen),
+        "kv_itemsize": runner.opened.policy.compute_dtype.size,  # the cache is not quantized here
         "note": f"{runner.opened.policy.reason}; matmul: {blas.STATUS}; native: {native.STATUS}",
     }
 
@@ -190,6 +203,7 @@ def bench_llama_cpp(gguf: Path, ids: list[int], gen: int, threads: int) -> dict[
         "tokens": tokens,
         "peak_rss": peak_rss(),
         "bytes_per_token": gguf_bytes,  # approximately: the file is the weights, read whole (tied heads)
+        "kv_itemsize": 2,  # llama.cpp's default KV type is float16
         "note": f"llama-cpp-python {importlib.import_module('llama_cpp').__version__}, {threads} threads",
     }
 
@@ -239,16 +253,23 @@ def median_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def share(r: dict[str, Any], kv_elements: float, bandwidth: float) -> str:
+    """Decode tok/s as a share of the bandwidth limit of the weights and KV rows a step reads, then of the weights."""
+    weights, kv = r["bytes_per_token"], kv_elements * r["kv_itemsize"]
+    limit = bandwidth / (weights + kv)
+    return (f"{r['decode_tps'] / limit:.0%} of {limit:.0f} ({weights / 1e6:.0f} MB weights + {kv / 1e6:.1f} MB KV); "
+            f"weights alone {r['decode_tps'] * weights / bandwidth:.0%}")
+
+
 def report(results: list[dict[str, Any]], bandwidth: float, neighbour: bool) -> str:
     rows = [["model", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)", "decode / BW limit"]]
     notes = []
     for res in results:
+        kv_elements = res["turbospark"]["kv_elements"]  # the same model's layers in both runtimes
         for name in ("turbospark", "llama.cpp"):
             r = res[name]
-            limit = bandwidth / r["bytes_per_token"]
             rows.append([res["label"], name, f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.1f}",
-                         f"{r['peak_rss'] / 1e9:.3f}",
-                         f"{r['decode_tps'] / limit:.0%} of {limit:.0f} ({r['bytes_per_token'] / 1e6:.0f} MB/token)"])
+                         f"{r['peak_rss'] / 1e9:.3f}", share(r, kv_elements, bandwidth)])
         ts, lc = res["turbospark"], res["llama.cpp"]
         rows.append([res["label"], "ratio ts/llama.cpp", f"{ts['prefill_tps'] / lc['prefill_tps']:.2f}x",
                      f"{ts['decode_tps'] / lc['decode_tps']:.2f}x", f"{ts['peak_rss'] / lc['peak_rss']:.2f}x", ""])
