@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import subprocess
+import sys
+import weakref
 from pathlib import Path
 
 import attrs
@@ -14,7 +18,7 @@ import pytest
 from turbospark_core import native
 from turbospark_core.compute import ComputePolicy
 from turbospark_core.convert import convert
-from turbospark_core.layers import Activation, ExpertBank, Experts
+from turbospark_core.layers import Activation, ExpertBank, Experts, fuse_linears
 from turbospark_core.manifest import MANIFEST, WEIGHTS, load_manifest
 from turbospark_core.tensor_index import build_index
 from turbospark_core.weights import ExpertSource, WeightStore
@@ -80,6 +84,60 @@ def test_materialize_reads_every_handed_out_tensor_once(q4_dir: Path, unpack: bo
     store.materialize()
     graph = (linear(x), embedding(mx.array([[1, 2]])), norm * 2, dense + 1)
     assert not _reads_the_file(*graph)
+
+
+@pytest.mark.parametrize("unpack", [False, True], ids=["stored", "unpacked"])
+def test_a_dropped_linear_is_not_held_until_materialize(q4_dir: Path, unpack: bool) -> None:
+    # a family that fuses q/k/v drops the parts: their arrays leave with them, not with materialize
+    store = _store(q4_dir, unpack=unpack, native_kernels=not unpack)
+    parts = [store.linear(f"model.layers.0.self_attn.{p}_proj") for p in "qkv"]
+    fused = fuse_linears(parts)
+    assert fused is not None
+    dropped = [weakref.ref(a) for p in parts for a in (p.weight, p.scales, p.biases) if a is not None]
+    del parts
+    gc.collect()
+    assert all(r() is None for r in dropped)
+    store.materialize()
+    assert not _reads_the_file(fused(_normal((1, 1, 64), 5)))
+
+
+_HELD_CHILD = """
+import gc, sys
+from pathlib import Path
+import mlx.core as mx
+from turbospark_core.compute import ComputePolicy
+from turbospark_core.manifest import WEIGHTS, load_manifest
+from turbospark_core.tensor_index import build_index
+from turbospark_core.weights import WeightStore
+
+manifest = load_manifest(Path(sys.argv[1]))
+index = build_index(manifest.path(WEIGHTS), manifest.files[WEIGHTS].size, manifest.quantization)
+policy = ComputePolicy(unpack=True, compute_dtype=mx.float32, reason="test", native=False)
+store = WeightStore(manifest.path(WEIGHTS), index, policy)
+linears = [store.linear(base) for base in sorted(index.quantization) if ".layers." in base]
+gc.collect()
+before = mx.get_active_memory()  # the linears are lazy reads so far
+store.materialize()
+gc.collect()
+print(sum(lin.weight.nbytes for lin in linears), mx.get_active_memory() - before)
+"""
+
+
+def test_an_unpacked_matrix_is_held_without_its_stored_bytes(q4_dir: Path) -> None:
+    # the store lets go of what it read: the packed bytes do not stay resident beside the float copy
+    # (in a child: the process's other arrays would move its active memory)
+    out = subprocess.run([sys.executable, "-c", _HELD_CHILD, str(q4_dir)], capture_output=True, text=True, check=True)
+    held, grew = map(int, out.stdout.split())
+    assert held > 0 and grew < held * 1.02, (held, grew)  # packed copies would add about 1/7
+
+
+def test_a_tensor_stays_held_for_what_is_computed_from_it(q4_dir: Path) -> None:
+    # a family may keep only a value computed from a tensor: the tensor is still read once, at materialize
+    store = _store(q4_dir, unpack=True)
+    scaled = store.tensor("model.norm.weight") * 2
+    gc.collect()
+    store.materialize()
+    assert not _reads_the_file(scaled)
 
 
 @pytest.mark.parametrize(

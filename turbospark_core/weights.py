@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -44,45 +45,60 @@ class WeightStore:
     def __init__(self, path: Path, index: TensorIndex, policy: ComputePolicy) -> None:
         self.index = index
         self.policy = policy
-        self._raw = cast(dict[str, mx.array], mx.load(str(path)))  # a safetensors file loads as a dict
+        self._path = path
+        self._raw = self._load()
+        self._names = frozenset(self._raw)
         self._used: set[str] = set()
-        self._pending: list[mx.array] = []
+        self._pending: list[mx.array | weakref.ref[mx.array]] = []
         self._experts: ExpertSource | None = None
 
     def use_experts(self, store: ExpertSource | None) -> None:
         """Serve routed experts from ``experts.bin`` (open step 10) instead of this container."""
         self._experts = store
 
+    def _load(self) -> dict[str, mx.array]:
+        return cast(dict[str, mx.array], mx.load(str(self._path)))  # lazily: a safetensors file loads as a dict
+
     def has(self, name: str) -> bool:
         """Whether tensor (or quantized matrix base) ``name`` exists."""
-        return name in self._raw or name in self.index.quantization
+        return name in self._names or name in self.index.quantization
 
     def _take(self, name: str) -> mx.array:
-        try:
-            arr = self._raw[name]
-        except KeyError:
+        """Tensor ``name`` as a lazy read of the file.
+
+        The store lets go of it: a read it kept would keep its bytes once evaluated
+        (a bfloat16 matrix beside its float32 copy); a tensor taken twice is read
+        lazily again.
+        """
+        if name not in self._names:
             msg = (
                 f"the install has no tensor {name!r}, which the family's flow needs; "
                 f"the install is incomplete or was made for another config, re-run "
                 f"`turbospark convert`"
             )
-            raise InstallError(msg) from None
+            raise InstallError(msg)
         self._used.add(name)
-        return arr
+        arr = self._raw.pop(name, None)
+        return self._load()[name] if arr is None else arr
 
-    def _held(self, arr: mx.array) -> mx.array:
+    def _held(self, arr: mx.array, *, weak: bool = False) -> mx.array:
         """``arr``, read (or computed) once at :meth:`materialize`.
 
         A tensor left lazy would be read from the file again by every compiled
-        step that captured it before its first evaluation.
+        step that captured it before its first evaluation. ``weak``: only while
+        something else still holds it (a :class:`Linear`'s arrays: a family that
+        fuses matrices drops the parts, whose copies would otherwise stay
+        resident until :meth:`materialize`, beside the fused one); a tensor
+        handed out bare stays held, as a family may keep only what it computes
+        from it.
         """
-        self._pending.append(arr)
+        self._pending.append(weakref.ref(arr) if weak else arr)
         return arr
 
-    def _float(self, arr: mx.array) -> mx.array:
+    def _float(self, arr: mx.array, *, weak: bool = False) -> mx.array:
         if self.policy.unpack and arr.dtype != self.policy.compute_dtype:
             arr = arr.astype(self.policy.compute_dtype)
-        return self._held(arr)
+        return self._held(arr, weak=weak)
 
     def tensor(self, name: str) -> mx.array:
         """A float tensor (norm weights, biases, router matrices)."""
@@ -97,7 +113,7 @@ class WeightStore:
     def _dequantized(self, base: str) -> mx.array:
         # Affine scales/biases are widened first: exact, and float32 dequantization
         # is both more accurate and faster on the CPU than half precision.
-        biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
+        biases = self._take(f"{base}.biases") if f"{base}.biases" in self._names else None
         return dequant.dequantize(
             self._take(f"{base}.weight"),
             self._take(f"{base}.scales"),
@@ -115,21 +131,22 @@ class WeightStore:
         do not multiply them, whatever the policy.
         """
         bias_name = f"{base}.bias"
-        bias = self._float(self._take(bias_name)) if bias_name in self._raw else None
+        bias = self._float(self._take(bias_name), weak=True) if bias_name in self._names else None
         quant = self.index.quantization.get(base)
         if quant is None:
-            return Linear(self._float(self._take(f"{base}.weight")), bias)
+            return Linear(self._float(self._take(f"{base}.weight"), weak=True), bias)
         takes = kernel_speed.stays_quantized(quant) if self.policy.unpack else native.supports(quant)
         native_here = native_ok and self.policy.native and takes
         if not native_here and (self.policy.unpack or not quant.mlx_kernels):
-            return Linear(self._held(self._dequantized(base)), bias)
+            return Linear(self._held(self._dequantized(base), weak=True), bias)
         scales = self._take(f"{base}.scales")
-        biases = self._take(f"{base}.biases") if f"{base}.biases" in self._raw else None
+        biases = self._take(f"{base}.biases") if f"{base}.biases" in self._names else None
         affine = native_here and biases is not None and quant.mode == "affine"
         if affine and dequant.is_symmetric(scales, biases, quant.bits):  # type: ignore[arg-type]  # not None
             biases = None  # the kernels derive them: a symmetric matrix's biases are never read per token
-        weight, scales = self._held(self._take(f"{base}.weight")), self._held(scales)
-        return Linear(weight, bias, quant=quant, scales=scales, biases=None if biases is None else self._held(biases))
+        weight, scales = self._held(self._take(f"{base}.weight"), weak=True), self._held(scales, weak=True)
+        held_biases = None if biases is None else self._held(biases, weak=True)
+        return Linear(weight, bias, quant=quant, scales=scales, biases=held_biases)
 
     def embedding(self, base: str) -> Embedding:
         """The embedding table ``<base>.weight``."""
@@ -149,13 +166,14 @@ class WeightStore:
 
     def materialize(self) -> None:
         """Evaluate every unpacked weight once, so no forward pass redoes it."""
-        if self._pending:
-            mx.eval(self._pending)
-            self._pending.clear()
+        held = [a() if isinstance(a, weakref.ref) else a for a in self._pending]
+        self._pending.clear()
+        if alive := [a for a in held if a is not None]:
+            mx.eval(alive)
         if self._experts is not None:
             self._experts.materialize()
 
     def unused(self) -> list[str]:
         """Tensors the family never asked for (a sign of a mismatched install)."""
         layers = [] if self._experts is None else [f"{p} (experts.bin)" for p in self._experts.unused()]
-        return sorted(set(self._raw) - self._used) + layers
+        return sorted(self._names - self._used) + layers

@@ -131,7 +131,7 @@ class StageWeightStore(WeightStore):
         return self.reader.read(self.index.tensors[name])
 
     def _remote(self, names: list[str]) -> None:
-        self._used.update(n for n in names if n in self._raw)
+        self._used.update(n for n in names if n in self._names)
 
     def tensor(self, name: str) -> mx.array:
         """As :meth:`WeightStore.tensor`; another rank's layer gets a placeholder of its shape."""
