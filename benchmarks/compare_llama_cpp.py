@@ -77,8 +77,17 @@ def threads_available() -> int:
 
 
 def peak_rss() -> int:
-    """Peak resident set of this process, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set of this process, bytes: ``VmHWM`` where Linux reports it.
+
+    Not ``ru_maxrss``: it survives exec, so a child started by this script would
+    report at least the script's own peak (its bandwidth probe holds 512 MB).
+    """
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------- models
