@@ -26,6 +26,7 @@ from turbospark_core.steering import (
     Edit,
     SteeringError,
     applying,
+    fingerprint,
     parse_layers,
     steer,
 )
@@ -325,7 +326,10 @@ def test_a_parked_session_is_not_reused_under_other_steering(runner, prompt) -> 
     session.reset()
     steered = session.generate(prompt, max_tokens=4, temperature=0.0, steering=add)
     assert steered.tokens == runner.generate(prompt, max_tokens=4, temperature=0.0, steering=add).tokens
+    state = runner.sessions.acquire("steer")
+    assert runner.cached_steering(state) == fingerprint(add) is not None  # what its caches were filled under
     plain = session.generate(prompt, max_tokens=4, temperature=0.0)
+    assert runner.cached_steering(state) is None
     assert plain.stats.reused_tokens == 0  # the parked caches hold steered residuals
     assert plain.tokens == runner.generate(prompt, max_tokens=4, temperature=0.0).tokens
     assert session.generate(prompt, max_tokens=4, temperature=0.0).stats.reused_tokens > 0

@@ -256,7 +256,7 @@ class Batch:
             key = fingerprint(chosen)
             self.runner._match_cache_steering(state, key)
             if donors and self.runner.opened.drafter is None and not isinstance(prompt, VisionPrompt):
-                same = [d for d in donors if _steering_key(self.runner, d) == key]
+                same = [d for d in donors if self.runner.cached_steering(d) == key]
                 state.share_prefix(ids, same, at_least=SHARED_PREFIX_MIN)
         row = BatchRow(id=self._next_id, prompt_tokens=len(ids))
         self._next_id += 1
@@ -1005,12 +1005,6 @@ def _token_logprob(tok: int, scores: list[mx.array]) -> TokenLogprob:
         pairs = zip(ids.tolist(), values.tolist(), strict=True)
         top = tuple(sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0])))
     return TokenLogprob(token=tok, logprob=float(np.array(scores[0]).reshape(-1)[0]), top=top)
-
-
-def _steering_key(runner: Runner, state: SequenceState) -> str | None:
-    """The steering fingerprint ``state``'s caches were filled under (as ``Runner._match_cache_steering`` keeps it)."""
-    entry = runner._cache_steering.get(id(state))
-    return entry[1] if entry is not None and entry[0]() is state else None
 
 
 def _token_id(token: mx.array) -> int:

@@ -619,14 +619,17 @@ class Runner:
         """The runtime edit of :meth:`steering_set` (empty when unsteered)."""
         return Edit.of_rows([self.steering_set(steering)])
 
+    def cached_steering(self, state: SequenceState) -> str | None:
+        """The steering fingerprint ``state``'s caches were filled under (``None``: unsteered, or not run here)."""
+        entry = self._cache_steering.get(id(state))
+        return entry[1] if entry is not None and entry[0]() is state else None
+
     def _match_cache_steering(self, state: SequenceState, key: str | None) -> None:
         """A parked state filled under other steering is not reused: its caches hold other residuals.
 
         A state this runner has not run yet counts as unsteered.
         """
-        entry = self._cache_steering.get(id(state))
-        held = entry[1] if entry is not None and entry[0]() is state else None
-        if held != key and state.tokens:
+        if self.cached_steering(state) != key and state.tokens:
             state.reset()
         self._cache_steering = {k: v for k, v in self._cache_steering.items() if v[0]() is not None}
         self._cache_steering[id(state)] = (weakref.ref(state), key)
