@@ -572,6 +572,22 @@ class StructuralChecks(SteeringChecks):
             assert len(traces) == first, f"{len(prompts)} row(s): {len(traces) - first} traces after the first step"
         assert bool(traces) == (self.compiled_decode and not os.environ.get("MLX_DISABLE_COMPILE"))
 
+    @pytest.mark.parametrize("variant", ["float32", "q4"])
+    def test_a_forward_reads_nothing_from_the_install(
+        self, install: Callable[..., Path], prompt_ids: list[int], variant: str
+    ) -> None:
+        """After the open, every weight the flow uses is in memory: a forward's graph has no lazy read of
+        the install's files (one left lazy would be read again by every step, and by every call of a
+        compiled step that captured it)."""
+        import io
+
+        import turbospark_core
+
+        runner = turbospark_core.open(install(variant))
+        dot = io.StringIO()
+        mx.export_to_dot(dot, runner.model(mx.array([prompt_ids]), runner.opened.new_cache()))
+        assert 'label ="Load"' not in dot.getvalue()
+
     def test_layer_count(self, runner: Any) -> None:
         assert len(runner.model.layers) == runner.manifest.arch["num_hidden_layers"]
 
