@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
 import os
@@ -33,12 +32,9 @@ def available_bytes() -> int:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim  # glibc only
-    except (OSError, AttributeError):  # not loadable, or a C library without it (musl, macOS)
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim  # the process's own symbols: glibc's
+    except (OSError, AttributeError):  # a C library without it (musl, macOS)
         return None
     return trim
 

@@ -63,13 +63,8 @@ class WeightStore:
         """Whether tensor (or quantized matrix base) ``name`` exists."""
         return name in self._names or name in self.index.quantization
 
-    def _take(self, name: str) -> mx.array:
-        """Tensor ``name`` as a lazy read of the file.
-
-        The store lets go of it: a read it kept would keep its bytes once evaluated
-        (a bfloat16 matrix beside its float32 copy); a tensor taken twice is read
-        lazily again.
-        """
+    def _claim(self, name: str) -> None:
+        """Mark tensor ``name`` used; refuse it by name where the install has none."""
         if name not in self._names:
             msg = (
                 f"the install has no tensor {name!r}, which the family's flow needs; "
@@ -78,6 +73,15 @@ class WeightStore:
             )
             raise InstallError(msg)
         self._used.add(name)
+
+    def _take(self, name: str) -> mx.array:
+        """Tensor ``name`` as a lazy read of the file, once :meth:`_claim` has marked it.
+
+        The store lets go of it: a read it kept would keep its bytes once evaluated
+        (a bfloat16 matrix beside its float32 copy); a tensor taken twice is read
+        lazily again.
+        """
+        self._claim(name)
         arr = self._raw.pop(name, None)
         return self._load()[name] if arr is None else arr
 

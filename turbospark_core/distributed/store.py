@@ -36,7 +36,7 @@ class ShardedWeightStore(WeightStore):
         self.share, self.reader, self.group = share, reader, group
 
     def _take(self, name: str) -> mx.array:
-        super()._take(name)  # refuses a missing tensor, marks it used; its lazy whole-tensor load is dropped
+        self._claim(name)  # refuses a missing tensor, marks it used; the rank reads only its share
         info = self.index.tensors[name]
         part = self.share.slice_of(name)
         return self.reader.read(info) if part is None else self.reader.read(info, part.axis, list(part.ranges))
@@ -127,7 +127,7 @@ class StageWeightStore(WeightStore):
         self.share, self.reader, self.expert_counts = share, reader, expert_counts
 
     def _take(self, name: str) -> mx.array:
-        super()._take(name)
+        self._claim(name)
         return self.reader.read(self.index.tensors[name])
 
     def _remote(self, names: list[str]) -> None:
