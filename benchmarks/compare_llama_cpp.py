@@ -77,17 +77,12 @@ def threads_available() -> int:
 
 
 def peak_rss() -> int:
-    """Peak resident set of this process, bytes: ``VmHWM`` where Linux reports it.
+    """Peak resident set of this process, bytes: ``VmHWM`` where Linux reports it, else ``ru_maxrss`` (KiB on Linux).
 
     Not ``ru_maxrss``: it survives exec, so a child started by this script would
     report at least the script's own peak (its bandwidth probe holds 512 MB).
     """
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return (base.proc_status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # ---------------------------------------------------------------- models

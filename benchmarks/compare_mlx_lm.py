@@ -390,6 +390,15 @@ def run_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], n: int) -> tuple[l
     return toks, last
 
 
+def proc_status_kb(key: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (``VmHWM``: this process's peak resident set); 0 where there is none."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else ():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def measure_bandwidth() -> float:
     """Rough streaming-read bandwidth (bytes/s) of a 512 MB float32 array (numpy, all cores).
 

@@ -26,6 +26,9 @@ from typing import Any
 
 import turbospark_core  # first: the BLAS shim binds before MLX loads
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_mlx_lm as base  # (the sibling benchmark's measurement helpers)
+
 HERE = Path(__file__).resolve()
 DEFAULT_FIXTURES = HERE.parents[2] / "shared" / "fixtures"
 
@@ -112,13 +115,6 @@ def build(args: argparse.Namespace, dst: Path) -> None:
 
 
 # ------------------------------------------------------------------ one measured configuration (child process)
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def _drop_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -158,7 +154,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     runner = turbospark_core.open(root, max_context=512, **options)
     open_s = time.perf_counter() - t0
-    rss_open = _status_kb("VmHWM")
+    rss_open = base.proc_status_kb("VmHWM")
     read_open = read_s[0]
     prompt = list(range(3, 3 + spec["prompt"]))
     gen = runner.generate(prompt, max_tokens=spec["tokens"], temperature=0.0)
@@ -180,7 +176,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         "load_ms_per_token": ex.load_ms_per_token,
         "read_ms_per_token": (read_s[0] - read_open) * 1e3 / max(ex.tokens, 1),
         "tokens_routed": ex.tokens,
-        "peak_rss_gb": _status_kb("VmHWM") * 1024 / 1e9,
+        "peak_rss_gb": base.proc_status_kb("VmHWM") * 1024 / 1e9,
         "rss_after_open_gb": rss_open * 1024 / 1e9,
         "memory_budget_gb": runner.opened.options.memory_budget / 1e9,
         "decode_tokens": st.generation_tokens,
