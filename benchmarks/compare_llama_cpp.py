@@ -30,7 +30,9 @@ Where the CPU reports AMX but the hypervisor does not enable it (seen here: a
 Firecracker VM on a Xeon with AMX), that build crashes on its first forward
 (SIGSEGV); build for the vector units instead with ``CMAKE_ARGS="-DGGML_NATIVE=OFF
 -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
--DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"``.
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"``. That build is for
+that Xeon only: on an AMD EPYC (Zen 4, no AVX-VNNI) it dies of SIGILL, and
+``-DGGML_NATIVE=ON`` is right there. The script names the signal when a llama.cpp run dies of one.
 
 Usage::
 
@@ -48,6 +50,7 @@ import math
 import multiprocessing
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -245,8 +248,22 @@ def run_child(
             p.terminate()
             p.join()
     if proc.returncode != 0 or not out_file.exists():
-        raise SystemExit(f"the {runtime} run failed (exit status {proc.returncode}); see its messages above")
+        hint = _failure_hint(runtime, proc.returncode)
+        raise SystemExit(f"the {runtime} run failed (exit status {proc.returncode}); {hint}")
     return json.loads(out_file.read_text())
+
+
+def _failure_hint(runtime: str, status: int) -> str:
+    """What a failed child's exit status points at (a llama.cpp built for another CPU dies of SIGILL or SIGSEGV)."""
+    if runtime == "llama.cpp" and status in (-signal.SIGILL, -signal.SIGSEGV):
+        name = signal.Signals(-status).name
+        return (
+            f"{name}: llama-cpp-python was built for instructions this CPU lacks or its hypervisor disables "
+            f"(e.g. AVX-VNNI on AMD, AMX in a VM); rebuild it for this machine: "
+            f"CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python "
+            f"(where AMX crashes, the vector-unit flags in this script's docstring)"
+        )
+    return "see its messages above"
 
 
 # ---------------------------------------------------------------- report

@@ -372,6 +372,29 @@ void quantized(const std::vector<Set>& sets, bool quick) {
               if (set.gemm != nullptr) check_gemm(set, b);
           }
         }
+#if defined(__x86_64__)
+  // AVX-512's two paths for 5/6-bit weights in groups of 32k (lookup tables, convert and FMA; the
+  // faster is measured at first use): the same bits, in every tile
+  for (const Set& set : sets) {
+    if (std::string(set.name) != "avx512") continue;
+    Tally& t = report.at("avx512 rows: tables = converting");
+    for (int bits : {5, 6})
+      for (int group : {32, 64, 128})
+        for (bool sym : {false, true}) {
+          Matrix a(heights[group % 5], 3 * group, group, bits, kF16, sym);
+          constexpr int64_t M = 9;
+          Guarded<float> x((size_t)(M * a.K));
+          random_fill(x.data(), x.size());
+          std::vector<float> tables(M * a.N, NAN), converted(M * a.N, NAN);
+          avx512_force_path(0);
+          set.rows(a.q(!sym), x.data(), M, tables.data(), a.N, 0, a.N);
+          avx512_force_path(1);
+          set.rows(a.q(!sym), x.data(), M, converted.data(), a.N, 0, a.N);
+          avx512_force_path(-1);
+          same_bits(t, "avx512 paths " + a.name(), tables.data(), converted.data(), M * a.N);
+        }
+  }
+#endif
   for (int i = 0; i < (quick ? 2 : 6); i++) {  // mxfp4: groups of 32
     Matrix a(heights[i % 5], 32 * widths[i % 3], 32, 4, kE8M0, false);
     for (const Set& set : sets) {

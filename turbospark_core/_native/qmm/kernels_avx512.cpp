@@ -7,9 +7,9 @@
 // registers (a lookup table), so a weight is one permute away from its float
 // value: no integer-to-float conversion, no separate scale or bias term, and
 // the sum is the plain dot product of the dequantized row with x (4-bit reads
-// bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit: integer
-// values times x per group, scaled once per group; the bias enters as
-// bias . sum(x). R weight rows and MT rows of x are computed together
+// bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit (and
+// 5/6-bit where converting measured faster, or in groups of sixteen): each
+// sixteen integers converted and dequantized with one FMA. R weight rows and MT rows of x are computed together
 // (R * MT <= 16), so each weight is decoded once for all MT rows and 4+ FMA
 // chains hide the latency. Every tile sums a row's products in the same order,
 // so a row of x gets the same result whatever rows share its product (a batched
@@ -17,6 +17,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -284,11 +286,10 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
   store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
-// 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
-// 5/6-bit weights in groups of sixteen (GGUF's Q6_K): a group is one chunk, so its
-// lookup tables would be rebuilt for every sixteen weights; instead each chunk's
-// integers are converted and dequantized with one FMA (scale * q + bias), once for
-// all MT rows of x.
+// 5/6-bit weights converted: each chunk's integers are converted and dequantized with one FMA
+// (scale * q + bias), once for all MT rows of x. Groups of sixteen (GGUF's Q6_K) always come here
+// (a group is one chunk, so its lookup tables would be rebuilt for every sixteen weights); groups
+// of 32k where this measured faster than the tables (converts_faster).
 template <int BITS, int R, int MT>
 void narrow_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
                   int64_t n) {
@@ -296,16 +297,23 @@ void narrow_block(const QMat& q, const float* x, const float* sf, const float* b
   const int64_t row_bytes = q.K * BITS / 8;
   const uint8_t* end = q.w + q.N * row_bytes;
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
-  __m512 acc[R][MT];
+  __m512 acc[R][MT], scale[R], bias[R];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  const int64_t groups = q.K / 16;
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t k = g * 16;
+  const int64_t groups = q.K / q.group;
+  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 16) {
+    if (k == next) {
+      g++;
+      next += q.group;
+      for (int r = 0; r < R; r++) {
+        scale[r] = _mm512_set1_ps(sf[r * groups + g]);
+        bias[r] = _mm512_set1_ps(bf[r * groups + g]);
+      }
+    }
     __m512 w[R];
     for (int r = 0; r < R; r++) {
       const __m512i v = _mm512_and_si512(unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end), mask);
-      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(sf[r * groups + g]), _mm512_set1_ps(bf[r * groups + g]));
+      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale[r], bias[r]);
     }
     for (int t = 0; t < MT; t++) {
       const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
@@ -315,6 +323,7 @@ void narrow_block(const QMat& q, const float* x, const float* sf, const float* b
   store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
+// 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
 template <int R, int MT>
 void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
               int64_t n) {
@@ -342,6 +351,48 @@ void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, i
     }
   }
   store_sums<R, MT>(acc, m0, y, ldy, n);
+}
+
+// 5/6-bit weights in groups of 32k have two paths with the same results bit for bit (a table's
+// entry is the same FMA, scale * q + bias, that the convert path runs): lookup tables (lut_block)
+// or convert and FMA (narrow_block). Which is faster depends on the CPU's 512-bit permutes (Zen 4:
+// converting measured 1.3-1.4x the tables at 6 bits, about equal at 5), so the first product of a
+// width times both on a block of weights in the core's cache and keeps the faster.
+std::atomic<int> forced_path{-1};
+
+template <int BITS>
+bool measure_converts_faster() {
+  constexpr int64_t N = 64, K = 1024, group = 64, groups = K / group;
+  static_assert(N % 4 == 0);
+  std::vector<uint8_t> w(N * K * BITS / 8);
+  for (size_t i = 0; i < w.size(); i++) w[i] = (uint8_t)(i * 2654435761u >> 13);
+  std::vector<float> sf(N * groups, 0.01f), bf(N * groups, -0.1f);
+  std::vector<float, Aligned64<float>> x(K, 0.5f);
+  float y[N];
+  const QMat q{w.data(), nullptr, nullptr, kF32, N, K, (int)group, BITS};
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 16; rep++) {
+    for (int path = 0; path < 2; path++) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t n = 0; n < N; n += 4) {
+        const float *s = sf.data() + n * groups, *b = bf.data() + n * groups;
+        if (path == 1) {
+          narrow_block<BITS, 4, 1>(q, x.data(), s, b, 0, y, N, n);
+        } else {
+          lut_block<BITS, 4, 1>(q, x.data(), s, b, 0, y, N, n);
+        }
+      }
+      best[path] = std::min(best[path], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  return best[1] < best[0];
+}
+
+template <int BITS>
+bool converts_faster() {
+  static const bool measured = measure_converts_faster<BITS>();
+  const int forced = forced_path.load(std::memory_order_relaxed);
+  return forced >= 0 ? forced == 1 : measured;
 }
 
 // Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
@@ -400,7 +451,7 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
         } else if constexpr (BITS == 8) {
           q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS >= 5) {
-          if (q.group == 16) {
+          if (q.group == 16 || converts_faster<BITS>()) {
             narrow_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
           } else {
             lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
@@ -530,8 +581,7 @@ void gemm_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
   }
 }
 
-namespace {
-}  // namespace
+void avx512_force_path(int path) { forced_path.store(path, std::memory_order_relaxed); }
 
 void rows_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   if (q.bits == 4 && q.group % 32 == 0) return rows_bits<4>(q, x, M, y, ldy, n0, n1);
