@@ -409,10 +409,12 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
   const int64_t srow = groups * scale_bytes(q.scale_type);  // scale bytes a row
   for (int64_t base = n, converted = n; n + R <= n1; n += R) {
-    // weights stream from memory: ask for the rows a few blocks ahead while these compute
+    // weights stream from memory: ask for the rows a few blocks ahead while these compute, into L2
+    // (prefetcht1): on Zen 4, decode measured 12-24% faster than prefetching into L1, where the
+    // prefetches had competed with the kernel's own loads for L1's miss buffers
     if (n + ahead + R <= q.N) {
       const char* p = reinterpret_cast<const char*>(q.w + (n + ahead) * row_bytes);
-      for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
     // and their scales and biases a span ahead, read in one burst when the span starts (their
     // misses had cost as much as a quarter of a decode step's products); a few lines a block, as
