@@ -28,6 +28,39 @@ inline float scale_at(const void* p, int type, int64_t i) {
   return f;
 }
 
+// Row n's group scales and biases as float32, into sf and bf (groups each). Taken before a row's
+// vector loops, never inside them: scale_at may call out of line (e8m0_to_float), and such a call
+// inside made the compiler keep the accumulators on the stack across it (half the speed, measured).
+inline void to_float(const void* p, int type, int64_t first, int64_t n, float* out) {
+  int64_t i = 0;
+  if (type == kF16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + first;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  } else if (type == kF32) {
+    std::memcpy(out, static_cast<const float*>(p) + first, sizeof(float) * n);
+    return;
+  }
+  for (; i < n; i++) out[i] = scale_at(p, type, first + i);
+}
+
+inline void row_scales(const QMat& q, int64_t n, float* sf, float* bf) {
+  const int64_t groups = q.K / q.group;
+  to_float(q.scales, q.scale_type, n * groups, groups, sf);
+  if (q.biases != nullptr) {
+    to_float(q.biases, q.scale_type, n * groups, groups, bf);
+  } else {
+    for (int64_t g = 0; g < groups; g++) bf[g] = symmetric_bias(q, sf[g]);
+  }
+}
+
+// Per-thread room for one row's scales and biases (2 * groups floats).
+inline float* scale_room(int64_t groups) {
+  thread_local std::vector<float> room;
+  if ((int64_t)room.size() < 2 * groups) room.resize(2 * groups);
+  return room.data();
+}
+
 // Eight consecutive values starting at p (BITS bytes hold exactly eight); end
 // is the end of the weight buffer (an 8-byte load must not pass it).
 template <int BITS>
@@ -102,7 +135,8 @@ inline __m256 exp_ps(__m256 x) {
 
 // y[m0..m0+MT, n] = sum_g scale_g * (q_g . x_g) + bias_g * sum(x_g)
 template <int BITS, int MT>
-void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, float* y, int64_t ldy, int64_t n) {
+void row_tile(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
+              int64_t ldy, int64_t n) {
   const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
   const uint8_t* row = q.w + n * row_bytes;
   const uint8_t* end = q.w + q.N * row_bytes;
@@ -113,8 +147,8 @@ void row_tile(const QMat& q, const float* x, const float* xsum, int64_t m0, floa
     bsum[t] = 0.0f;
   }
   for (int64_t g = 0; g < groups; g++) {
-    const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-    const float b = bias_at(q, n * groups + g);
+    const __m256 s = _mm256_set1_ps(sf[g]);
+    const float b = bf[g];
     const int64_t k0 = g * q.group;
     for (int j = 0; j < q.group; j += 8) {
       const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
@@ -174,8 +208,11 @@ template <int BITS, int MT>
 void small_tile(const QMat& q, const float* xp, const float* xsum, int64_t m0, float* y, int64_t ldy, int64_t n0,
                 int64_t n1) {
   const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
+  float* sf = scale_room(groups);
+  float* bf = sf + groups;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = q.w + n * row_bytes;
+    row_scales(q, n, sf, bf);
     __m256 acc[MT];
     float bsum[MT];
     for (int t = 0; t < MT; t++) {
@@ -198,8 +235,8 @@ void small_tile(const QMat& q, const float* xp, const float* xsum, int64_t m0, f
           gb[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), gb[t]);
         }
       }
-      const __m256 s = _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g));
-      const float b = bias_at(q, n * groups + g);
+      const __m256 s = _mm256_set1_ps(sf[g]);
+      const float b = bf[g];
       for (int t = 0; t < MT; t++) {
         acc[t] = _mm256_fmadd_ps(_mm256_add_ps(ga[t], gb[t]), s, acc[t]);
         bsum[t] += b * xsum[(m0 + t) * groups + g];
@@ -246,8 +283,11 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
     xsum[g] = hsum(a);
   }
   const __m256i low = _mm256_set1_epi32(0xf);
+  float* sf = scale_room(groups);
+  float* bf = sf + groups;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = q.w + n * row_bytes;
+    row_scales(q, n, sf, bf);
     __m256 acc = _mm256_setzero_ps();
     float bsum = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
@@ -258,8 +298,8 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), _mm256_loadu_ps(xp.data() + k0 + j), a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), _mm256_loadu_ps(xp.data() + k0 + j + 8), a1);
       }
-      acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale_at(q.scales, q.scale_type, n * groups + g)), acc);
-      bsum += bias_at(q, n * groups + g) * xsum[g];
+      acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sf[g]), acc);
+      bsum += bf[g] * xsum[g];
     }
     y[n] = hsum(acc) + bsum;
   }
@@ -283,18 +323,21 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
       xsum[m * groups + g] = hsum(a);
     }
   }
+  float* sf = scale_room(groups);
+  float* bf = sf + groups;
   for (int64_t n = n0; n < n1; n++) {
+    row_scales(q, n, sf, bf);
     int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_tile<BITS, 8>(q, x, xsum.data(), m, y, ldy, n);
+    for (; m + 8 <= M; m += 8) row_tile<BITS, 8>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
     if (M - m >= 4) {
-      row_tile<BITS, 4>(q, x, xsum.data(), m, y, ldy, n);
+      row_tile<BITS, 4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
       m += 4;
     }
     if (M - m >= 2) {
-      row_tile<BITS, 2>(q, x, xsum.data(), m, y, ldy, n);
+      row_tile<BITS, 2>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
       m += 2;
     }
-    if (M - m >= 1) row_tile<BITS, 1>(q, x, xsum.data(), m, y, ldy, n);
+    if (M - m >= 1) row_tile<BITS, 1>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
   }
 }
 
