@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -61,6 +62,24 @@ inline float* scale_room(int64_t groups) {
   return room.data();
 }
 
+// unpack8's constants for 2/3/5/6 bits: per value (a 32-bit lane; lanes 0-3 in the low 128 bits,
+// 4-7 in the high, each half shuffling the same 16 bytes) the bytes to gather and the shift.
+// Constant data (a function-local static's guard was checked on every call).
+template <int BITS>
+struct Spread {
+  static constexpr std::array<int8_t, 32> shuf = [] {
+    std::array<int8_t, 32> a{};
+    for (int i = 0; i < 8; i++)
+      for (int j = 0; j < 4; j++) a[4 * i + j] = (int8_t)std::min(15, BITS * i / 8 + j);
+    return a;
+  }();
+  static constexpr std::array<int32_t, 8> shift = [] {
+    std::array<int32_t, 8> a{};
+    for (int i = 0; i < 8; i++) a[i] = BITS * i % 8;
+    return a;
+  }();
+};
+
 // Eight consecutive values starting at p (BITS bytes hold exactly eight); end
 // is the end of the weight buffer (an 8-byte load must not pass it).
 template <int BITS>
@@ -74,16 +93,21 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
     v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
                          _mm256_set1_epi32(0xf));
   } else {
-    uint64_t w = 0;
-    if (p + 8 <= end) {
-      std::memcpy(&w, p, 8);  // one load; the bits past these 8 values are shifted out
+    // value i takes the 4 bytes from byte BITS * i / 8 and shifts them by BITS * i % 8: one 16-byte
+    // load (both lanes), a byte shuffle, a variable shift and a mask (the last bytes of the buffer
+    // through a copy, so no load passes its end)
+    const __m256i shuf = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS>::shuf.data()));
+    const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS>::shift.data()));
+    __m128i raw;
+    if (p + 16 <= end) [[likely]] {
+      raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     } else {
-      std::memcpy(&w, p, BITS);
+      alignas(16) uint8_t tail[16] = {};
+      std::memcpy(tail, p, (size_t)BITS);  // eight values are BITS bytes
+      raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
     }
-    const uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> (4 * BITS));
-    const __m256i both = _mm256_set_m128i(_mm_set1_epi32((int)hi), _mm_set1_epi32((int)lo));
-    const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 0, BITS, 2 * BITS, 3 * BITS);
-    v = _mm256_and_si256(_mm256_srlv_epi32(both, shifts), _mm256_set1_epi32((1 << BITS) - 1));
+    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), shuf), shift),
+                         _mm256_set1_epi32((1 << BITS) - 1));
   }
   return _mm256_cvtepi32_ps(v);
 }
@@ -133,13 +157,19 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
 }
 
-// y[m0..m0+MT, n] = sum_g scale_g * (q_g . x_g) + bias_g * sum(x_g)
+// y[m0..m0+MT, n] = sum_g scale_g * (q_g . x_g) + bias_g * sum(x_g): per group the integer values
+// times x in two chains (alternate eights), then scaled once; one long chain of dependent FMAs
+// along the row (as a multiply by the scale per eight values then an FMA had it) ran at a quarter
+// of the FMA units' rate.
 template <int BITS, int MT>
 void row_tile(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
               int64_t ldy, int64_t n) {
-  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
-  const uint8_t* row = q.w + n * row_bytes;
+  // the matrix's sizes as locals, the weights as a pointer that moves along the row (the compiler
+  // reloaded q's fields and redid the divisions in the loop)
+  const int64_t K = q.K, group = q.group, groups = K / group, row_bytes = K * BITS / 8;
+  const uint8_t* wp = q.w + n * row_bytes;
   const uint8_t* end = q.w + q.N * row_bytes;
+  const float* xm = x + m0 * K;
   __m256 acc[MT];
   float bsum[MT];
   for (int t = 0; t < MT; t++) {
@@ -147,14 +177,27 @@ void row_tile(const QMat& q, const float* x, const float* xsum, const float* sf,
     bsum[t] = 0.0f;
   }
   for (int64_t g = 0; g < groups; g++) {
-    const __m256 s = _mm256_set1_ps(sf[g]);
-    const float b = bf[g];
-    const int64_t k0 = g * q.group;
-    for (int j = 0; j < q.group; j += 8) {
-      const __m256 w = _mm256_mul_ps(unpack8<BITS>(row + (k0 + j) * BITS / 8, end), s);
-      for (int t = 0; t < MT; t++) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + t) * q.K + k0 + j), acc[t]);
+    const float* xg = xm + g * group;
+    __m256 ga[MT], gb[MT];
+    for (int t = 0; t < MT; t++) ga[t] = gb[t] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= group; j += 16, wp += 2 * BITS) {
+      const __m256 lo = unpack8<BITS>(wp, end), hi = unpack8<BITS>(wp + BITS, end);
+      for (int t = 0; t < MT; t++) {
+        ga[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + t * K + j), ga[t]);
+        gb[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + t * K + j + 8), gb[t]);
+      }
     }
-    for (int t = 0; t < MT; t++) bsum[t] += b * xsum[(m0 + t) * groups + g];
+    if (j < group) {  // groups of 8 (or 16k + 8): the last eight
+      const __m256 lo = unpack8<BITS>(wp, end);
+      wp += BITS;
+      for (int t = 0; t < MT; t++) ga[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + t * K + j), ga[t]);
+    }
+    const __m256 s = _mm256_set1_ps(sf[g]);
+    for (int t = 0; t < MT; t++) {
+      acc[t] = _mm256_fmadd_ps(_mm256_add_ps(ga[t], gb[t]), s, acc[t]);
+      bsum[t] += bf[g] * xsum[(m0 + t) * groups + g];
+    }
   }
   for (int t = 0; t < MT; t++) y[(m0 + t) * ldy + n] = hsum(acc[t]) + bsum[t];
 }
@@ -328,11 +371,7 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   for (int64_t n = n0; n < n1; n++) {
     row_scales(q, n, sf, bf);
     int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_tile<BITS, 8>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
-    if (M - m >= 4) {
-      row_tile<BITS, 4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
-      m += 4;
-    }
+    for (; m + 4 <= M; m += 4) row_tile<BITS, 4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
     if (M - m >= 2) {
       row_tile<BITS, 2>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
       m += 2;
