@@ -80,6 +80,31 @@ def test_the_first_measurement_is_saved_and_later_ones_read_it(
 
 
 @needs_native
+def test_timings_of_another_build_of_the_kernels_are_measured_over(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fake_measure(monkeypatch, native_ms=5.0, float_ms=1.0)
+    assert not kernel_speed.stays_quantized(Q4)
+    monkeypatch.setattr(native, "BUILD", native.BUILD + "-rebuilt")  # a reinstall: the extension file changed
+    kernel_speed._SPEEDS.clear()
+    calls = _fake_measure(monkeypatch, native_ms=1.0, float_ms=5.0)
+    assert kernel_speed.stays_quantized(Q4)
+    assert calls == [Q4]
+    assert len(json.loads(measuring.read_text())) == 2  # each build's timings under its own key
+
+
+def test_the_build_id_is_the_extension_files_size_and_time(tmp_path: Path) -> None:
+    assert native._build_id(None) == "none"
+    fake = tmp_path / "_qmm.so"
+    fake.write_bytes(b"x" * 7)
+    module = type(native)("fake")
+    module.__file__ = str(fake)
+    assert native._build_id(module) == f"7-{fake.stat().st_mtime_ns}"
+    fake.unlink()
+    assert native._build_id(module) == "none"
+
+
+@needs_native
 @pytest.mark.parametrize(
     "content",
     [

@@ -158,8 +158,12 @@ def cache_path() -> Path:
 
 
 def machine_key() -> str:
-    """What the timings depend on: the kernel set and threads, MLX's version, the CPU."""
-    return f"{native.STATUS}; mlx {native.MLX_VERSION}; {_cpu_name()}"
+    """What the timings depend on: the kernel set and threads, this build of them, MLX's version, the CPU.
+
+    The build (the extension file's size and time) makes a reinstall measure afresh: its kernels may be
+    faster or slower than the ones the cached timings were taken with.
+    """
+    return f"{native.STATUS}; build {native.BUILD}; mlx {native.MLX_VERSION}; {_cpu_name()}"
 
 
 def _cpu_name() -> str:

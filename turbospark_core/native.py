@@ -65,6 +65,18 @@ def _bind_blas(module: ModuleType) -> bool:
 _MODULE, STATUS = _load()
 
 
+def _build_id(module: ModuleType | None) -> str:
+    """Which build of the extension loaded (its file's size and modification time): a rebuild changes it."""
+    try:
+        st = os.stat(module.__file__) if module is not None and module.__file__ else None
+    except OSError:
+        st = None
+    return "none" if st is None else f"{st.st_size}-{st.st_mtime_ns}"
+
+
+BUILD = _build_id(_MODULE)
+
+
 def available() -> bool:
     """Whether the native kernels loaded."""
     return _MODULE is not None
