@@ -286,17 +286,15 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
   store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
-// 5/6-bit weights converted: each chunk's integers are converted and dequantized with one FMA
-// (scale * q + bias), once for all MT rows of x. Groups of sixteen (GGUF's Q6_K) always come here
-// (a group is one chunk, so its lookup tables would be rebuilt for every sixteen weights); groups
-// of 32k where this measured faster than the tables (converts_faster).
+// Weights converted: each sixteen integers are converted and dequantized with one FMA (scale * q +
+// bias), once for all MT rows of x. 8-bit always; 5/6-bit in groups of sixteen (GGUF's Q6_K: a
+// group is one chunk, so its lookup tables would be rebuilt for every sixteen weights), and in
+// groups of 32k where this measured faster than the tables (converts_faster).
 template <int BITS, int R, int MT>
 void narrow_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
                   int64_t n) {
-  static const Unpack<BITS> unpack;
   const int64_t row_bytes = q.K * BITS / 8;
   const uint8_t* end = q.w + q.N * row_bytes;
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __m512 acc[R][MT], scale[R], bias[R];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -312,38 +310,15 @@ void narrow_block(const QMat& q, const float* x, const float* sf, const float* b
     }
     __m512 w[R];
     for (int r = 0; r < R; r++) {
-      const __m512i v = _mm512_and_si512(unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end), mask);
+      const uint8_t* p = q.w + (n + r) * row_bytes + k * BITS / 8;
+      __m512i v;
+      if constexpr (BITS == 8) {
+        v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      } else {
+        static const Unpack<BITS> unpack;
+        v = _mm512_and_si512(unpack(p, end), _mm512_set1_epi32((1 << BITS) - 1));
+      }
       w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale[r], bias[r]);
-    }
-    for (int t = 0; t < MT; t++) {
-      const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
-      for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
-    }
-  }
-  store_sums<R, MT>(acc, m0, y, ldy, n);
-}
-
-// 8-bit: each sixteen weights dequantized once (scale * q + bias, one FMA) for all MT rows of x
-template <int R, int MT>
-void q8_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
-              int64_t n) {
-  const int64_t groups = q.K / q.group;
-  __m512 acc[R][MT], scale[R], bias[R];
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t k = 0, g = -1, next = 0; k < q.K; k += 16) {
-    if (k == next) {
-      g++;
-      next += q.group;
-      for (int r = 0; r < R; r++) {
-        scale[r] = _mm512_set1_ps(sf[r * groups + g]);
-        bias[r] = _mm512_set1_ps(bf[r * groups + g]);
-      }
-    }
-    __m512 w[R];
-    for (int r = 0; r < R; r++) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.w + (n + r) * q.K + k)));
-      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), scale[r], bias[r]);
     }
     for (int t = 0; t < MT; t++) {
       const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
@@ -451,7 +426,7 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
             q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
           }
         } else if constexpr (BITS == 8) {
-          q8_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
+          narrow_block<8, R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS >= 5) {
           if (q.group == 16 || converts_faster<BITS>()) {
             narrow_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
