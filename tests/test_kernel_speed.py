@@ -83,7 +83,7 @@ def test_the_first_measurement_is_saved_and_later_ones_read_it(
 def test_timings_of_another_build_of_the_kernels_are_measured_over(
     measuring: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _fake_measure(monkeypatch, native_ms=5.0, float_ms=1.0)
+    _fake_measure(monkeypatch, native_ms=5.0, float_ms=1.0)
     assert not kernel_speed.stays_quantized(Q4)
     monkeypatch.setattr(native, "BUILD", native.BUILD + "-rebuilt")  # a reinstall: the extension file changed
     kernel_speed._SPEEDS.clear()
