@@ -29,9 +29,7 @@ inline float scale_at(const void* p, int type, int64_t i) {
   return f;
 }
 
-// Row n's group scales and biases as float32, into sf and bf (groups each). Taken before a row's
-// vector loops, never inside them: scale_at may call out of line (e8m0_to_float), and such a call
-// inside made the compiler keep the accumulators on the stack across it (half the speed, measured).
+// Scales (or biases) [first, first + n) as float32 into out.
 inline void to_float(const void* p, int type, int64_t first, int64_t n, float* out) {
   int64_t i = 0;
   if (type == kF16) {
@@ -45,6 +43,9 @@ inline void to_float(const void* p, int type, int64_t first, int64_t n, float* o
   for (; i < n; i++) out[i] = scale_at(p, type, first + i);
 }
 
+// Row n's group scales and biases as float32, into sf and bf (groups each). Taken before a row's
+// vector loops, never inside them: scale_at may call out of line (e8m0_to_float), and such a call
+// inside made the compiler keep the accumulators on the stack across it (half the speed, measured).
 inline void row_scales(const QMat& q, int64_t n, float* sf, float* bf) {
   const int64_t groups = q.K / q.group;
   to_float(q.scales, q.scale_type, n * groups, groups, sf);
@@ -81,7 +82,7 @@ struct Spread {
 };
 
 // Eight consecutive values starting at p (BITS bytes hold exactly eight); end
-// is the end of the weight buffer (an 8-byte load must not pass it).
+// is the end of the weight buffer (no load may pass it).
 template <int BITS>
 inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
   __m256i v;

@@ -9,11 +9,11 @@
 // the sum is the plain dot product of the dequantized row with x (4-bit reads
 // bytes as even/odd nibbles, other widths a shuffle per sixteen). 8-bit (and
 // 5/6-bit where converting measured faster, or in groups of sixteen): each
-// sixteen integers converted and dequantized with one FMA. R weight rows and MT rows of x are computed together
-// (R * MT <= 16), so each weight is decoded once for all MT rows and 4+ FMA
-// chains hide the latency. Every tile sums a row's products in the same order,
-// so a row of x gets the same result whatever rows share its product (a batched
-// row equals the row alone, bit for bit).
+// sixteen integers converted and dequantized with one FMA. R weight rows and
+// MT rows of x are computed together (R * MT <= 16), so each weight is decoded
+// once for all MT rows and 4+ FMA chains hide the latency. Every tile sums a
+// row's products in the same order, so a row of x gets the same result whatever
+// rows share its product (a batched row equals the row alone, bit for bit).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -291,7 +291,7 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
 // group is one chunk, so its lookup tables would be rebuilt for every sixteen weights), and in
 // groups of 32k where this measured faster than the tables (converts_faster).
 template <int BITS, int R, int MT>
-void narrow_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
+void convert_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
                   int64_t n) {
   const int64_t row_bytes = q.K * BITS / 8;
   const uint8_t* end = q.w + q.N * row_bytes;
@@ -330,7 +330,7 @@ void narrow_block(const QMat& q, const float* x, const float* sf, const float* b
 
 // 5/6-bit weights in groups of 32k have two paths with the same results bit for bit (a table's
 // entry is the same FMA, scale * q + bias, that the convert path runs): lookup tables (lut_block)
-// or convert and FMA (narrow_block). Which is faster depends on the CPU's 512-bit permutes (Zen 4:
+// or convert and FMA (convert_block). Which is faster depends on the CPU's 512-bit permutes (Zen 4:
 // converting measured 1.3-1.4x the tables at 6 bits, about equal at 5), so the first product of a
 // width times both on a block of weights in the core's cache and keeps the faster.
 std::atomic<int> forced_path{-1};
@@ -352,7 +352,7 @@ bool measure_converts_faster() {
       for (int64_t n = 0; n < N; n += 4) {
         const float *s = sf.data() + n * groups, *b = bf.data() + n * groups;
         if (path == 1) {
-          narrow_block<BITS, 4, 1>(q, x.data(), s, b, 0, y, N, n);
+          convert_block<BITS, 4, 1>(q, x.data(), s, b, 0, y, N, n);
         } else {
           lut_block<BITS, 4, 1>(q, x.data(), s, b, 0, y, N, n);
         }
@@ -426,10 +426,10 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
             q4_block<R, MT>(q, x, sf, bf, m, y, ldy, n);
           }
         } else if constexpr (BITS == 8) {
-          narrow_block<8, R, MT>(q, x, sf, bf, m, y, ldy, n);
+          convert_block<8, R, MT>(q, x, sf, bf, m, y, ldy, n);
         } else if constexpr (BITS >= 5) {
           if (q.group == 16 || converts_faster<BITS>()) {
-            narrow_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
+            convert_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
           } else {
             lut_block<BITS, R, MT>(q, x, sf, bf, m, y, ldy, n);
           }
