@@ -107,8 +107,8 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
       std::memcpy(tail, p, (size_t)BITS);  // eight values are BITS bytes
       raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
     }
-    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), shuf), shift),
-                         _mm256_set1_epi32((1 << BITS) - 1));
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), shuf);
+    v = _mm256_and_si256(_mm256_srlv_epi32(spread, shift), _mm256_set1_epi32((1 << BITS) - 1));
   }
   return _mm256_cvtepi32_ps(v);
 }
