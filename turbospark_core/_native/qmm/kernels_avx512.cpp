@@ -731,7 +731,7 @@ struct Sums {
 // scores sixteen keys per reduction): key by key.
 template <int C, bool EXACT>
 void attend_chunks(const AttnRow& a, float* p, float* y) {
-  static_assert(C > 8);
+  static_assert(C > 8 && C % 4 == 0);
   const Query<C, EXACT> q(a);
   const int64_t end = key_end(a);
   float m = -INFINITY;
@@ -741,10 +741,11 @@ void attend_chunks(const AttnRow& a, float* p, float* y) {
       continue;
     }
     const float* kr = a.k + t * a.ks;
-    __m512 acc = _mm512_setzero_ps();
+    // four chains of C / 4 FMAs (one chain of C had bound a key's score to C FMA latencies)
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 32
-    for (int c = 0; c < C; c++) acc = _mm512_fmadd_ps(q.qv[c], _mm512_maskz_loadu_ps(q.qm[c], kr + c * 16), acc);
-    const float s = _mm512_reduce_add_ps(acc);
+    for (int c = 0; c < C; c++) acc[c % 4] = _mm512_fmadd_ps(q.qv[c], _mm512_maskz_loadu_ps(q.qm[c], kr + c * 16), acc[c % 4]);
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     p[t] = s;
     m = std::max(m, s);
   }
