@@ -49,7 +49,9 @@ inline void to_float(const void* p, int type, int64_t first, int64_t n, float* o
 inline void row_scales(const QMat& q, int64_t n, float* sf, float* bf) {
   const int64_t groups = q.K / q.group;
   to_float(q.scales, q.scale_type, n * groups, groups, sf);
-  if (q.biases != nullptr) {
+  if (q.fp4) {
+    std::fill(bf, bf + groups, 0.0f);  // e2m1 values times the scale, no bias
+  } else if (q.biases != nullptr) {
     to_float(q.biases, q.scale_type, n * groups, groups, bf);
   } else {
     for (int64_t g = 0; g < groups; g++) bf[g] = symmetric_bias(q, sf[g]);
@@ -113,6 +115,26 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
   return _mm256_cvtepi32_ps(v);
 }
 
+// Eight mxfp4 values (e2m1 codes, 4 bytes, value 2t in the low nibble) as floats: the magnitude
+// from an eight-entry table by the code's low 3 bits, the sign from its bit 3 (kFp4's order).
+inline __m256 unpack8_fp4(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), codes);
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+template <int BITS, bool FP4>
+inline __m256 values8(const uint8_t* p, const uint8_t* end) {
+  if constexpr (FP4) {
+    return unpack8_fp4(p);
+  } else {
+    return unpack8<BITS>(p, end);
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -162,7 +184,7 @@ inline __m256 exp_ps(__m256 x) {
 // times x in two chains (alternate eights), then scaled once; one long chain of dependent FMAs
 // along the row (as a multiply by the scale per eight values then an FMA had it) ran at a quarter
 // of the FMA units' rate.
-template <int BITS, int MT>
+template <int BITS, int MT, bool FP4 = false>
 void row_tile(const QMat& q, const float* x, const float* xsum, const float* sf, const float* bf, int64_t m0, float* y,
               int64_t ldy, int64_t n) {
   // the matrix's sizes as locals, the weights as a pointer that moves along the row (the compiler
@@ -183,14 +205,14 @@ void row_tile(const QMat& q, const float* x, const float* xsum, const float* sf,
     for (int t = 0; t < MT; t++) ga[t] = gb[t] = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= group; j += 16, wp += 2 * BITS) {
-      const __m256 lo = unpack8<BITS>(wp, end), hi = unpack8<BITS>(wp + BITS, end);
+      const __m256 lo = values8<BITS, FP4>(wp, end), hi = values8<BITS, FP4>(wp + BITS, end);
       for (int t = 0; t < MT; t++) {
         ga[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + t * K + j), ga[t]);
         gb[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + t * K + j + 8), gb[t]);
       }
     }
     if (j < group) {  // groups of 8 (or 16k + 8): the last eight
-      const __m256 lo = unpack8<BITS>(wp, end);
+      const __m256 lo = values8<BITS, FP4>(wp, end);
       wp += BITS;
       for (int t = 0; t < MT; t++) ga[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + t * K + j), ga[t]);
     }
@@ -349,14 +371,9 @@ void gemv4(const QMat& q, const float* x, float* y, int64_t n0, int64_t n1) {
   }
 }
 
-template <int BITS>
-void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if constexpr (BITS == 4) {
-    if (M == 1 && q.group % 16 == 0) return gemv4(q, x, y, n0, n1);
-  }
-  if constexpr (BITS == 4 || BITS == 8) {
-    if (q.group % 16 == 0) return small_rows<BITS>(q, x, M, y, ldy, n0, n1);
-  }
+// Rows [n0, n1) by row_tile: tiles of 4, 2 and 1 rows of x over each weight row.
+template <int BITS, bool FP4 = false>
+void tile_rows(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t groups = q.K / q.group;
   std::vector<float> xsum(M * groups);
   for (int64_t m = 0; m < M; m++) {
@@ -372,13 +389,25 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   for (int64_t n = n0; n < n1; n++) {
     row_scales(q, n, sf, bf);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) row_tile<BITS, 4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
+    for (; m + 4 <= M; m += 4) row_tile<BITS, 4, FP4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
     if (M - m >= 2) {
-      row_tile<BITS, 2>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
+      row_tile<BITS, 2, FP4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
       m += 2;
     }
-    if (M - m >= 1) row_tile<BITS, 1>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
+    if (M - m >= 1) row_tile<BITS, 1, FP4>(q, x, xsum.data(), sf, bf, m, y, ldy, n);
   }
+}
+
+template <int BITS>
+void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 4) {
+    if (q.fp4) return tile_rows<4, true>(q, x, M, y, ldy, n0, n1);
+    if (M == 1 && q.group % 16 == 0) return gemv4(q, x, y, n0, n1);
+  }
+  if constexpr (BITS == 4 || BITS == 8) {
+    if (q.group % 16 == 0) return small_rows<BITS>(q, x, M, y, ldy, n0, n1);
+  }
+  tile_rows<BITS>(q, x, M, y, ldy, n0, n1);
 }
 
 template <int BITS>
@@ -401,7 +430,7 @@ void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
 }  // namespace
 
 void rows_avx2(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if (q.fp4) return rows_scalar(q, x, M, y, ldy, n0, n1);  // mxfp4 on AVX2: the portable kernel
+  if (q.fp4) return rows_bits<4>(q, x, M, y, ldy, n0, n1);  // mxfp4: e2m1 codes, 4 bits each
   switch (q.bits) {
     case 2: return rows_bits<2>(q, x, M, y, ldy, n0, n1);
     case 3: return rows_bits<3>(q, x, M, y, ldy, n0, n1);
