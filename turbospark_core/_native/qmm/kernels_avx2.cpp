@@ -83,6 +83,14 @@ struct Spread {
   }();
 };
 
+// Eight 4-bit codes from 4 bytes at p (value 2t in the low nibble) in the low 4 bits of 32-bit
+// lanes (higher bits: the following codes).
+inline __m256i nibbles8(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+}
+
 // Eight consecutive values starting at p (BITS bytes hold exactly eight); end
 // is the end of the weight buffer (no load may pass it).
 template <int BITS>
@@ -91,10 +99,7 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
   if constexpr (BITS == 8) {
     v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   } else if constexpr (BITS == 4) {
-    uint32_t w;
-    std::memcpy(&w, p, 4);
-    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                         _mm256_set1_epi32(0xf));
+    v = _mm256_and_si256(nibbles8(p), _mm256_set1_epi32(0xf));
   } else {
     // value i takes the 4 bytes from byte BITS * i / 8 and shifts them by BITS * i % 8: one 16-byte
     // load (both lanes), a byte shuffle, a variable shift and a mask (the last bytes of the buffer
@@ -118,9 +123,7 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
 // Eight mxfp4 values (e2m1 codes, 4 bytes, value 2t in the low nibble) as floats: the magnitude
 // from an eight-entry table by the code's low 3 bits, the sign from its bit 3 (kFp4's order).
 inline __m256 unpack8_fp4(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256i codes = nibbles8(p);
   const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), codes);
   const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
   return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
