@@ -5,6 +5,8 @@
 // one entry per group of `group` values; w = q * scale + bias.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -15,6 +17,26 @@ enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };  // kE8M0: ui
 // mxfp4's e2m1 values by code (sign bit 3); a weight is kFp4[code] times its group's scale.
 inline constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Constant tables of the x86 unpacks of 2/3/5/6-bit values into LANES 32-bit lanes (8: AVX2, 16:
+// AVX-512): lane i takes the 4 bytes from byte BITS * i / 8 of a 16-byte load broadcast to every
+// 128-bit lane (a byte shuffle) and shifts them right by BITS * i % 8, leaving value i in its low
+// BITS bits. Constant data, not a function-local static: a static's guard inside a kernel's loop
+// is a possible call, and made the compiler keep the accumulators on the stack.
+template <int BITS, int LANES>
+struct Spread {
+  static constexpr std::array<int8_t, 4 * LANES> shuf = [] {
+    std::array<int8_t, 4 * LANES> a{};
+    for (int i = 0; i < LANES; i++)
+      for (int j = 0; j < 4; j++) a[4 * i + j] = (int8_t)std::min(15, BITS * i / 8 + j);
+    return a;
+  }();
+  static constexpr std::array<int32_t, LANES> shift = [] {
+    std::array<int32_t, LANES> a{};
+    for (int i = 0; i < LANES; i++) a[i] = BITS * i % 8;
+    return a;
+  }();
+};
 
 struct QMat {
   const uint8_t* w;      // [N, K * bits / 8] bytes

@@ -65,24 +65,6 @@ inline float* scale_room(int64_t groups) {
   return room.data();
 }
 
-// unpack8's constants for 2/3/5/6 bits: per value (a 32-bit lane; lanes 0-3 in the low 128 bits,
-// 4-7 in the high, each half shuffling the same 16 bytes) the bytes to gather and the shift.
-// Constant data (a function-local static's guard was checked on every call).
-template <int BITS>
-struct Spread {
-  static constexpr std::array<int8_t, 32> shuf = [] {
-    std::array<int8_t, 32> a{};
-    for (int i = 0; i < 8; i++)
-      for (int j = 0; j < 4; j++) a[4 * i + j] = (int8_t)std::min(15, BITS * i / 8 + j);
-    return a;
-  }();
-  static constexpr std::array<int32_t, 8> shift = [] {
-    std::array<int32_t, 8> a{};
-    for (int i = 0; i < 8; i++) a[i] = BITS * i % 8;
-    return a;
-  }();
-};
-
 // Eight 4-bit codes from 4 bytes at p (value 2t in the low nibble) in the low 4 bits of 32-bit
 // lanes (higher bits: the following codes).
 inline __m256i nibbles8(const uint8_t* p) {
@@ -104,8 +86,8 @@ inline __m256 unpack8(const uint8_t* p, const uint8_t* end) {
     // value i takes the 4 bytes from byte BITS * i / 8 and shifts them by BITS * i % 8: one 16-byte
     // load (both lanes), a byte shuffle, a variable shift and a mask (the last bytes of the buffer
     // through a copy, so no load passes its end)
-    const __m256i shuf = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS>::shuf.data()));
-    const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS>::shift.data()));
+    const __m256i shuf = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS, 8>::shuf.data()));
+    const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Spread<BITS, 8>::shift.data()));
     __m128i raw;
     if (p + 16 <= end) [[likely]] {
       raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -202,49 +202,35 @@ void q4_block(const QMat& q, const float* xp, const float* sf, const float* bf, 
   store_sums<R, MT>(acc, m0, y, ldy, n);
 }
 
-// Constant tables of the BITS-bit kernels: lane i of sixteen values takes the
-// 4 bytes from byte (BITS * i) / 8 and shifts them by (BITS * i) % 8; iota[k]
-// holds the values 16 k .. 16 k + 15 (repeated below sixteen values).
+// Sixteen values from p (2 * BITS bytes) in the low BITS bits of 32-bit lanes (higher bits:
+// neighbours); no load passes end, the end of the weight buffer.
 template <int BITS>
-struct Unpack {
-  static constexpr int TABLES = BITS <= 4 ? 1 : 1 << (BITS - 4);
-  __m512i shuf, shift;
-  __m512 iota[TABLES];
-  Unpack() {
-    alignas(64) int8_t sh[64];
-    alignas(64) int32_t sf[16];
-    alignas(64) float io[16];
-    for (int i = 0; i < 16; i++) {
-      for (int j = 0; j < 4; j++) sh[4 * i + j] = (int8_t)std::min(15, BITS * i / 8 + j);
-      sf[i] = BITS * i % 8;
-    }
-    shuf = _mm512_load_si512(sh);
-    shift = _mm512_load_si512(sf);
-    for (int k = 0; k < TABLES; k++) {
-      for (int j = 0; j < 16; j++) io[j] = (float)((16 * k + j) % (1 << BITS));
-      iota[k] = _mm512_load_ps(io);
-    }
+inline __m512i unpack16(const uint8_t* p, const uint8_t* end) {
+  const __m512i shuf = _mm512_loadu_si512(Spread<BITS, 16>::shuf.data());
+  const __m512i shift = _mm512_loadu_si512(Spread<BITS, 16>::shift.data());
+  if (p + 16 <= end) [[likely]] {  // one broadcast load (no shuffle-port work)
+    return _mm512_srlv_epi32(
+        _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), shuf),
+        shift);
   }
-  // sixteen values from p (2 * BITS bytes) in the low BITS bits of 32-bit lanes (higher bits: neighbours)
-  __m512i operator()(const uint8_t* p, const uint8_t* end) const {
-    if (p + 16 <= end) [[likely]] {  // one broadcast load (no shuffle-port work)
-      return _mm512_srlv_epi32(
-          _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), shuf),
-          shift);
-    }
-    const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), p);
-    return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), shuf), shift);
-  }
-};
+  const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), p);
+  return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), shuf), shift);
+}
 
 // One group's 2^BITS dequantized values scale * q + bias, as one to four tables of sixteen.
 template <int BITS>
 struct Lut {
-  static constexpr int TABLES = Unpack<BITS>::TABLES;
+  static constexpr int TABLES = BITS <= 4 ? 1 : 1 << (BITS - 4);
+  // table k's codes: 16 k .. 16 k + 15 (repeated below sixteen values)
+  static constexpr std::array<float, 16 * TABLES> iota = [] {
+    std::array<float, 16 * TABLES> a{};
+    for (int i = 0; i < 16 * TABLES; i++) a[i] = (float)(i % (1 << BITS));
+    return a;
+  }();
   __m512 t[TABLES];
-  void set(const Unpack<BITS>& u, float scale, float bias) {
+  void set(float scale, float bias) {
     const __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
-    for (int k = 0; k < TABLES; k++) t[k] = _mm512_fmadd_ps(u.iota[k], s, b);
+    for (int k = 0; k < TABLES; k++) t[k] = _mm512_fmadd_ps(_mm512_loadu_ps(iota.data() + 16 * k), s, b);
   }
   __m512 operator()(__m512i idx) const {
     if constexpr (TABLES == 1) {
@@ -261,7 +247,6 @@ struct Lut {
 template <int BITS, int R, int MT>
 void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, int64_t m0, float* y, int64_t ldy,
                int64_t n) {
-  static const Unpack<BITS> unpack;  // constants, built once
   const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8;
   const uint8_t* end = q.w + q.N * row_bytes;
   __m512 acc[R][MT];
@@ -274,10 +259,10 @@ void lut_block(const QMat& q, const float* x, const float* sf, const float* bf, 
     if (k == next) {
       g++;
       next += q.group;
-      for (int r = 0; r < R; r++) lut[r].set(unpack, sf[r * groups + g], bf[r * groups + g]);
+      for (int r = 0; r < R; r++) lut[r].set(sf[r * groups + g], bf[r * groups + g]);
     }
     __m512 w[R];
-    for (int r = 0; r < R; r++) w[r] = lut[r](unpack(q.w + (n + r) * row_bytes + k * BITS / 8, end));
+    for (int r = 0; r < R; r++) w[r] = lut[r](unpack16<BITS>(q.w + (n + r) * row_bytes + k * BITS / 8, end));
     for (int t = 0; t < MT; t++) {
       const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
       for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
@@ -315,8 +300,7 @@ void convert_block(const QMat& q, const float* x, const float* sf, const float* 
       if constexpr (BITS == 8) {
         v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       } else {
-        static const Unpack<BITS> unpack;
-        v = _mm512_and_si512(unpack(p, end), _mm512_set1_epi32((1 << BITS) - 1));
+        v = _mm512_and_si512(unpack16<BITS>(p, end), _mm512_set1_epi32((1 << BITS) - 1));
       }
       w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale[r], bias[r]);
     }
@@ -383,6 +367,7 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
   s.biases.resize(SPAN * groups);
   const int64_t row_bytes = q.K * BITS / 8, ahead = std::max<int64_t>(PREFETCH_BYTES / row_bytes, R);
   const int64_t srow = groups * scale_bytes(q.scale_type);  // scale bytes a row
+  const bool direct = q.scale_type == kF32 && q.biases != nullptr;
   for (int64_t base = n, converted = n; n + R <= n1; n += R) {
     // weights stream from memory: ask for the rows a few blocks ahead while these compute, into L2
     // (prefetcht1): on Zen 4, decode measured 12-24% faster than prefetching into L1, where the
@@ -401,7 +386,10 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
         if (q.biases != nullptr) _mm_prefetch(static_cast<const char*>(q.biases) + first + b, _MM_HINT_T0);
       }
     }
-    if (n == converted) {
+    if (direct) {
+      // float32 scales and biases (GGUF's K-quants) are read where they are: copying them had cost
+      // about 1% of a decode step
+    } else if (n == converted) {
       const int64_t count = std::min(SPAN, (n1 - n) / R * R) * groups;
       to_f32(q.scales, q.scale_type, n * groups, count, s.scales.data());
       if (q.fp4) {
@@ -414,7 +402,8 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
       base = n;
       converted = n + count / groups;
     }
-    const float *sf = s.scales.data() + (n - base) * groups, *bf = s.biases.data() + (n - base) * groups;
+    const float* sf = direct ? static_cast<const float*>(q.scales) + n * groups : s.scales.data() + (n - base) * groups;
+    const float* bf = direct ? static_cast<const float*>(q.biases) + n * groups : s.biases.data() + (n - base) * groups;
     int64_t m = 0;
     auto tile = [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
@@ -448,14 +437,18 @@ void row_blocks(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy,
 template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   Scratch& s = scratch();
-  const int64_t groups = q.K / q.group;
-  s.xp.resize(M * q.K);
-  if constexpr (BITS == 4) {
-    split_even_odd(x, M, q.K, s.xp.data());
-  } else {
-    std::memcpy(s.xp.data(), x, sizeof(float) * M * q.K);
+  // the kernels' loads of x are aligned: x as given where it starts on a cache line (a copy a chunk
+  // had cost about 1% of a decode step), else copied
+  const float* xk = x;
+  if (BITS == 4 || reinterpret_cast<uintptr_t>(x) % 64 != 0) {
+    s.xp.resize(M * q.K);
+    if constexpr (BITS == 4) {
+      split_even_odd(x, M, q.K, s.xp.data());
+    } else {
+      std::memcpy(s.xp.data(), x, sizeof(float) * M * q.K);
+    }
+    xk = s.xp.data();
   }
-  const float* xk = s.xp.data();
   int64_t n = n0;
   // 1-3 x rows: four weight rows at once; more: two weight rows under tiles of up to eight x rows (measured best)
   if (M <= 3) row_blocks<BITS, 4>(q, xk, M, y, ldy, n1, n);
@@ -874,8 +867,7 @@ inline __m512 codes16(const uint8_t* p, const uint8_t* end) {
   if constexpr (BITS == 8) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   } else {
-    static const Unpack<BITS> unpack;
-    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack16<BITS>(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
   }
 }
 

@@ -226,14 +226,18 @@ mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>&
 }
 
 // Floats of scratch from MLX's allocator (its cache of freed buffers: no fresh pages to fault in
-// and zero on every call, as a large std::vector would cost), handed back when done.
+// and zero on every call, as a large std::vector would cost), handed back when done. It starts on
+// a cache line, where the row kernels read x as it is (elsewhere they copy it first).
 class Scratch {
  public:
-  explicit Scratch(size_t floats) : buf_(mx::allocator::allocator().malloc(floats * sizeof(float))) {}
+  explicit Scratch(size_t floats) : buf_(mx::allocator::allocator().malloc(floats * sizeof(float) + 64)) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() { mx::allocator::allocator().free(buf_); }
-  float* data() { return static_cast<float*>(buf_.raw_ptr()); }
+  float* data() {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.raw_ptr());
+    return reinterpret_cast<float*>((p + 63) / 64 * 64);
+  }
 
  private:
   mx::allocator::Buffer buf_;
