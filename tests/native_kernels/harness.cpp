@@ -373,8 +373,26 @@ void quantized(const std::vector<Set>& sets, bool quick) {
           }
         }
 #if defined(__x86_64__)
-  // AVX-512's two paths for 5/6-bit weights in groups of 32k (lookup tables, convert and FMA; the
-  // faster is measured at first use): the same bits, in every tile
+  // AVX-512's 5/6-bit paths against the exact products: the multishift kernel (by default on a CPU
+  // with AVX512-VBMI, rows of a multiple of 64 values) and, forced, lookup tables and converting
+  for (const Set& set : sets) {
+    if (std::string(set.name) != "avx512") continue;
+    for (int path : {-1, 0, 1}) {
+      avx512_force_path(path);
+      for (int bits : {5, 6})
+        for (int group : {16, 32, 64, 128})
+          for (int st : {kF32, kF16})
+            for (bool sym : {false, true}) {
+              combo++;
+              if (quick && combo % 3 != 0) continue;
+              Matrix a(heights[combo % 5], 64 * (1 + combo % 3 * 2) * (group > 64 ? 2 : 1), group, bits, st, sym);
+              check_rows(set, a);
+            }
+    }
+    avx512_force_path(-1);
+  }
+  // and the two forced paths for groups of 32k (the faster is measured at first use where there is
+  // no multishift): the same bits, in every tile
   for (const Set& set : sets) {
     if (std::string(set.name) != "avx512") continue;
     Tally& t = report.at("avx512 rows: tables = converting");

@@ -104,8 +104,9 @@ void silu_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64
 void gelu_tanh_mul_avx512(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 // AVX-512: 4-bit weights in groups of 32k, 2/3/5/6/8-bit in groups of 16k; other layouts go to rows_avx2.
 void rows_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
-// AVX-512, 5/6-bit weights in groups of 32k: lookup tables or convert-and-FMA, equal results bit for
-// bit; the faster on this CPU is measured at first use. path: -1 measure (default), 0 tables, 1 convert.
+// AVX-512, 5/6-bit weights: rows of a multiple of 64 values by multishift where the CPU has
+// AVX512-VBMI; else, in groups of 32k, lookup tables or convert-and-FMA (equal results bit for bit),
+// the faster on this CPU measured at first use. path: -1 that choice (default), 0 tables, 1 convert.
 void avx512_force_path(int path);
 // AVX-512: many rows of x (K a multiple of 16): panels of 64 weight rows dequantized and
 // transposed once, a 6 x 64 register tile per six rows of x.
