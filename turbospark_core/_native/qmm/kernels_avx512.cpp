@@ -483,10 +483,9 @@ __attribute__((target("avx512vbmi"))) void multishift_block(const QMat& q, const
 // Weight rows [n0, n1) in blocks of R: scales/biases converted once per block,
 // then every tile of MT x rows passes over the block.
 template <int BITS, int R>
-void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy, int64_t n1,
-                int64_t& n) {
+void row_blocks(Scratch& s, const QMat& q, const float* x, const float* xsum, int64_t M, float* y, int64_t ldy,
+                int64_t n1, int64_t& n) {
   const int64_t groups = q.K / q.group;
-  Scratch& s = scratch();
   // scales and biases are converted for SPAN rows at a time (a call per block of R rows cost
   // several percent of a decode step)
   constexpr int64_t SPAN = 64 / R * R;
@@ -565,7 +564,7 @@ void row_blocks(const QMat& q, const float* x, const float* xsum, int64_t M, flo
 
 template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  Scratch& s = scratch();
+  Scratch& s = scratch();  // once a call: each thread-local lookup is a __tls_get_addr in a shared library
   // the kernels' loads of x are aligned: x as given where it starts on a cache line (a copy a chunk
   // had cost about 1% of a decode step), else copied
   const float* xk = x;
@@ -587,9 +586,9 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   }
   int64_t n = n0;
   // 1-3 x rows: four weight rows at once; more: two weight rows under tiles of up to eight x rows (measured best)
-  if (M <= 3) row_blocks<BITS, 4>(q, xk, xsum, M, y, ldy, n1, n);
-  row_blocks<BITS, 2>(q, xk, xsum, M, y, ldy, n1, n);
-  row_blocks<BITS, 1>(q, xk, xsum, M, y, ldy, n1, n);
+  if (M <= 3) row_blocks<BITS, 4>(s, q, xk, xsum, M, y, ldy, n1, n);
+  row_blocks<BITS, 2>(s, q, xk, xsum, M, y, ldy, n1, n);
+  row_blocks<BITS, 1>(s, q, xk, xsum, M, y, ldy, n1, n);
 }
 
 // ------------------------------------------------------------ GEMM (many rows of x)
