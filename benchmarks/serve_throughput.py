@@ -120,27 +120,44 @@ class ServerProcess:
 def stream(
     port: int, path: str, body: dict[str, Any], out: list[dict[str, Any]], stop: threading.Event | None = None
 ) -> None:
-    """One streamed request: its start time and the arrival time of each content chunk (hangs up once ``stop``)."""
+    """One streamed request: its start time and the arrival time of each content chunk (hangs up once ``stop``).
+
+    A request the server refuses or drops (a status other than 200, a reset
+    connection) is recorded with its ``error``, not lost with its thread.
+    """
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
     t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
     stamps: list[float] = []
-    if resp.status != 200:
-        out.append({"t0": t0, "stamps": stamps, "error": f"{resp.status} {resp.read()[:200]!r}"})
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out.append({"t0": t0, "stamps": stamps, "error": f"{resp.status} {resp.read()[:200]!r}"})
+            return
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+            if piece:
+                stamps.append(time.perf_counter())
+            if stop is not None and stop.is_set():
+                break  # hanging up cancels the request's row
+    except (OSError, http.client.HTTPException) as exc:
+        out.append({"t0": t0, "stamps": stamps, "error": f"{type(exc).__name__}: {exc}"})
         return
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        choices = json.loads(line[6:]).get("choices") or [{}]
-        piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
-        if piece:
-            stamps.append(time.perf_counter())
-        if stop is not None and stop.is_set():
-            break  # hanging up cancels the request's row
-    conn.close()
+    finally:
+        conn.close()
     out.append({"t0": t0, "stamps": stamps})
+
+
+def served(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results``, once every request in it was served (else the benchmark ends, naming the failures)."""
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"requests failed: {errors[:3]}")
+    return results
 
 
 def chat_body(question: str, max_tokens: int) -> dict[str, Any]:
@@ -158,7 +175,13 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
 
 
-def round_of(port: int, clients: int, max_tokens: int) -> dict[str, float]:
+def round_of(port: int, clients: int, max_tokens: int, *, strict: bool = True) -> dict[str, float]:
+    """``clients`` streamed requests at once: aggregate tok/s, TTFT and ITL percentiles.
+
+    ``strict``: a failed request ends the benchmark (turbospark's server must
+    serve them all); else failures are counted in ``failed`` (a peer's server
+    dropping connections under load) and the rest measured.
+    """
     results: list[dict[str, Any]] = []
     threads = [
         threading.Thread(
@@ -173,18 +196,19 @@ def round_of(port: int, clients: int, max_tokens: int) -> dict[str, float]:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    errors = [r["error"] for r in results if "error" in r]
+    errors = [r["error"] for r in (served(results) if strict else results) if "error" in r]
     if errors:
-        raise SystemExit(f"requests failed: {errors[:3]}")
+        log(f"  {len(errors)} of {clients} requests failed: {errors[:3]}")
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)]
     return {
         "tokens": sum(len(r["stamps"]) for r in results),
         "tok_s": sum(len(r["stamps"]) for r in results) / wall,
-        "ttft_p50": statistics.median(ttft),
+        "ttft_p50": statistics.median(ttft) if ttft else float("nan"),
         "ttft_p95": pct(ttft, 0.95),
         "itl_p50": statistics.median(itl) if itl else float("nan"),
         "itl_p95": pct(itl, 0.95),
+        "failed": len(errors),
     }
 
 
@@ -192,7 +216,7 @@ def throughput(server: ServerProcess, clients: list[int], max_tokens: int) -> di
     round_of(server.port, 1, 4)  # warm-up
     out = {}
     for n in clients:
-        out[n] = round_of(server.port, n, max_tokens)
+        out[n] = round_of(server.port, n, max_tokens, strict=server.name == "turbospark")
         r = out[n]
         log(
             f"  {server.name} x{n}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.2f}s p95 {r['ttft_p95']:.2f}s, "
@@ -219,10 +243,10 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
     chunk_alone: list[dict[str, Any]] = []
     for k in range(3):  # one chunk's prefill alone (a 512-token prompt's TTFT; the first run warms up)
         stream(port, "/v1/completions", {**completion, "prompt": prompt[k : k + CHUNK_TOKENS]}, chunk_alone)
-    chunk_s = min(r["stamps"][0] - r["t0"] for r in chunk_alone[1:])
+    chunk_s = min(r["stamps"][0] - r["t0"] for r in served(chunk_alone)[1:])
     whole_alone: list[dict[str, Any]] = []
     stream(port, "/v1/completions", {**completion, "prompt": prompt}, whole_alone)
-    alone_s = whole_alone[0]["stamps"][0] - whole_alone[0]["t0"]
+    alone_s = served(whole_alone)[0]["stamps"][0] - whole_alone[0]["t0"]
     running: list[dict[str, Any]] = []
     stop = threading.Event()
     # sampled stories (greedy answers end early on this model): still decoding when the long prompt joins
@@ -244,10 +268,11 @@ def stall_check(port: int, install: Path) -> dict[str, float]:
     short: list[dict[str, Any]] = []
     stream(port, "/v1/completions", {**completion, "prompt": prompt[:24]}, short)
     long_thread.join()
-    t_first = joined[0]["stamps"][0] if joined[0]["stamps"] else time.perf_counter()
+    t_first = joined[0]["stamps"][0] if joined and joined[0]["stamps"] else time.perf_counter()
     stop.set()
     for t in threads:
         t.join()
+    served(running + joined + short)
     before = [b - a for r in running for a, b in zip(r["stamps"], r["stamps"][1:], strict=False) if b < t_join]
     during = [
         b - a for r in running for a, b in zip(r["stamps"], r["stamps"][1:], strict=False) if t_join <= b <= t_first
@@ -385,7 +410,7 @@ def main() -> int:
             finally:
                 ml.stop()
 
-    rows = [["server", "clients", "agg tok/s", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms"]]
+    rows = [["server", "clients", "agg tok/s", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "ITL p95 ms", "failed"]]
     for name, by_n in results.items():
         for n, r in by_n.items():
             rows.append(
@@ -397,6 +422,7 @@ def main() -> int:
                     f"{r['ttft_p95']:.2f}",
                     f"{1e3 * r['itl_p50']:.0f}",
                     f"{1e3 * r['itl_p95']:.0f}",
+                    str(r["failed"]),
                 ]
             )
     ts_res = results["turbospark"]
