@@ -364,8 +364,8 @@ bool converts_faster() {
 // the BITS bytes of eight values and a multishift moves each value into a byte of its own, so
 // 32-bit lane d holds values 4d .. 4d + 3 of the chunk (x is read permuted to match, split_four).
 // Each group's scale multiplies the sum of its q * x, its bias the sum of its x (taken once per row
-// of x): no table or dequantized weight per group. From L2, one core of Zen 4: 5-bit 11.0 -> 16.8
-// GMAC/s (g32), 6-bit 9.3 -> 11.3 (g16) and 10.6 -> 14.4 (g32) against the paths above.
+// of x): no table or dequantized weight per group. From L2, one core of Zen 4: 5-bit 11.0 -> 17.9
+// GMAC/s (g32), 6-bit 9.3 -> 15.3 (g16) and 10.6 -> 16.3 (g32) against the paths above.
 bool has_vbmi() {
   static const bool yes = __builtin_cpu_supports("avx512vbmi");
   return yes;
@@ -565,8 +565,8 @@ void row_blocks(Scratch& s, const QMat& q, const float* x, const float* xsum, in
 template <int BITS>
 void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   Scratch& s = scratch();  // once a call: each thread-local lookup is a __tls_get_addr in a shared library
-  // the kernels' loads of x are aligned: x as given where it starts on a cache line (a copy a chunk
-  // had cost about 1% of a decode step), else copied
+  // the kernels' loads of x are aligned: x as given where it starts on a cache line (no copy a
+  // chunk), else copied
   const float* xk = x;
   const float* xsum = nullptr;  // the multishift kernel's group sums of x
   if (multishifts<BITS>(q)) {
