@@ -385,7 +385,7 @@ void quantized(const std::vector<Set>& sets, bool quick) {
             for (bool sym : {false, true}) {
               combo++;
               if (quick && combo % 3 != 0) continue;
-              Matrix a(heights[combo % 5], 64 * (1 + combo % 3 * 2) * (group > 64 ? 2 : 1), group, bits, st, sym);
+              Matrix a(heights[combo % 5], 64 * (1 + combo / 3 % 3 * 2) * (group > 64 ? 2 : 1), group, bits, st, sym);
               check_rows(set, a);
             }
     }
