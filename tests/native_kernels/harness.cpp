@@ -390,11 +390,8 @@ void quantized(const std::vector<Set>& sets, bool quick) {
             }
     }
     avx512_force_path(-1);
-  }
-  // and the two forced paths for groups of 32k (the faster is measured at first use where there is
-  // no multishift): the same bits, in every tile
-  for (const Set& set : sets) {
-    if (std::string(set.name) != "avx512") continue;
+    // and the two forced paths for groups of 32k (the faster is measured at first use where there
+    // is no multishift): the same bits, in every tile
     Tally& t = report.at("avx512 rows: tables = converting");
     for (int bits : {5, 6})
       for (int group : {32, 64, 128})

@@ -221,6 +221,16 @@ inline __m512i unpack16(const uint8_t* p, const uint8_t* end) {
   return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), shuf), shift);
 }
 
+// Sixteen codes of a `BITS`-bit (2/3/5/6/8) row from p (no load passes end) as floats.
+template <int BITS>
+inline __m512 codes16(const uint8_t* p, const uint8_t* end) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack16<BITS>(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+}
+
 // One group's 2^BITS dequantized values scale * q + bias, as one to four tables of sixteen.
 template <int BITS>
 struct Lut {
@@ -298,16 +308,8 @@ void convert_block(const QMat& q, const float* x, const float* sf, const float* 
       }
     }
     __m512 w[R];
-    for (int r = 0; r < R; r++) {
-      const uint8_t* p = q.w + (n + r) * row_bytes + k * BITS / 8;
-      __m512i v;
-      if constexpr (BITS == 8) {
-        v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      } else {
-        v = _mm512_and_si512(unpack16<BITS>(p, end), _mm512_set1_epi32((1 << BITS) - 1));
-      }
-      w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale[r], bias[r]);
-    }
+    for (int r = 0; r < R; r++)
+      w[r] = _mm512_fmadd_ps(codes16<BITS>(q.w + (n + r) * row_bytes + k * BITS / 8, end), scale[r], bias[r]);
     for (int t = 0; t < MT; t++) {
       const __m512 xv = _mm512_load_ps(x + (m0 + t) * q.K + k);
       for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
@@ -995,16 +997,6 @@ void gelu_tanh_mul_avx512(const float* g, int64_t gs, const float* u, int64_t us
 
 // ------------------------------------------------------------ quantized KV rows
 namespace {
-
-// sixteen codes of a `BITS`-bit row from p (the row ends at end) as floats
-template <int BITS>
-inline __m512 codes16(const uint8_t* p, const uint8_t* end) {
-  if constexpr (BITS == 8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  } else {
-    return _mm512_cvtepi32_ps(_mm512_and_si512(unpack16<BITS>(p, end), _mm512_set1_epi32((1 << BITS) - 1)));
-  }
-}
 
 // The normalized Walsh-Hadamard transform of C chunks of sixteen floats, in place.
 template <int C>
