@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from turbospark_core import hadamard, kernel_speed, native, plugins
+from turbospark_core import hadamard, kernel_speed, native, placement, plugins
 from turbospark_core.arch_check import generic_problems
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.compute import GPU_COMPUTE_DTYPE, ComputePolicy
@@ -76,6 +76,8 @@ class OpenedModel:
             applied to every request that names none.
         distributed: This rank's mode and share (``None``: one process).
         tokenizer: The install's tokenizer, when the open was asked to read it.
+        huge_page_bytes: The weights moved onto huge pages at the end of step 8
+            (:mod:`turbospark_core.placement`).
     """
 
     manifest: Manifest
@@ -99,6 +101,7 @@ class OpenedModel:
     drafter: DrafterSetup | None = attrs.field(default=None, eq=False)
     distributed: DistributedInfo | None = None
     tokenizer: Tokenizer | None = attrs.field(default=None, eq=False, repr=False)
+    huge_page_bytes: int = 0
 
 
 def refuse_non_install(path: Path) -> None:
@@ -380,6 +383,7 @@ def open_install(
             model = dist.finish(model, hooks.spec.name)
     with timer.phase("weights_mapping"):
         weights.materialize()
+        huge_pages = placement.place(model)
     new_cache = _cache_maker(held_layout, max_context, policy, options, slack)
     if dist is not None and not options.warmup:  # every rank runs (and evaluates) the same check
         with timer.phase("family_state"):
@@ -419,6 +423,7 @@ def open_install(
         steering=steering,
         weights=weights,
         distributed=None if dist is None else dist.info(),
+        huge_page_bytes=huge_pages,
     )
     if dist is not None:
         dist.seed()  # unseeded sampling draws alike on every rank

@@ -96,6 +96,16 @@ def keeps(quant: QuantSpec) -> bool:
     return supports(quant) and mx.default_device() == mx.cpu
 
 
+def place_on_huge_pages(arrays: list[mx.array], batch_bytes: int) -> int:
+    """Move the evaluated ``arrays`` into one buffer on transparent huge pages (see :mod:`turbospark_core.placement`).
+
+    Each buffer only these arrays read (an array and its views), dense, is copied once and its
+    arrays read the copy, keeping their identity; the old buffers are freed, ``batch_bytes`` at a
+    time handed back to the system. Returns the bytes moved (0 without the native module).
+    """
+    return int(_MODULE.place_on_huge_pages(arrays, batch_bytes)) if _MODULE is not None else 0
+
+
 PROLOGUES = ("rms_norm", "silu_mul", "gelu_tanh_mul")
 """What :func:`quantized_matmul` can apply to its input first (``prologue=``)."""
 

@@ -26,6 +26,8 @@ class StreamedExpertBank:
     remapped to slot ids and ``gather_mm`` runs over the slot tensors.
     """
 
+    pins_memory = True  # numpy views write the slots in place: the open must not move them (placement)
+
     def __init__(
         self, store: ExpertStore, layer: LayerLayout, roles: tuple[str, str, str], held: dict[str, dict[str, mx.array]]
     ) -> None:

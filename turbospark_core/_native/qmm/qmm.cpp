@@ -30,6 +30,7 @@
 #include "mlx/scheduler.h"
 
 #include "kernels.h"
+#include "placement.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -1801,6 +1802,14 @@ NB_MODULE(_qmm, m) {
            nb::arg("offset"), nb::arg("positions") = nb::none(), nb::arg("mask") = nb::none());
   m.def("bind_blas", &tsq::bind_blas, nb::arg("path"), nb::arg("prefix"),
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
+  m.def(
+      "place_on_huge_pages",
+      [](std::vector<mx::array> arrays, int64_t batch_bytes) {
+        return tsq::place_on_huge_pages(std::move(arrays), batch_bytes, *tsq::runtime().pool);
+      },
+      nb::arg("arrays"), nb::arg("batch_bytes"),
+        "Move the evaluated arrays' buffers (those only they read, dense) into one buffer on transparent huge pages "
+        "where the kernel gives them; the arrays keep their identity. Returns the bytes moved.");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
   m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2', 'neon' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
