@@ -64,7 +64,7 @@ def test_moved_arrays_keep_identity_and_values_in_one_buffer() -> None:
     arrays = [mx.random.normal((300, 40), key=mx.random.key(i)) for i in range(3)] + [mx.arange(1000, dtype=mx.uint32)]
     mx.eval(arrays)
     want = [np.array(a) for a in arrays]
-    moved = native.place_on_huge_pages(arrays, 1 << 20)
+    moved = native.place_on_huge_pages(arrays, 1 << 20, 0.0)[0]
     assert moved == sum(a.nbytes for a in arrays)
     for a, w in zip(arrays, want, strict=True):
         np.testing.assert_array_equal(np.array(a), w)
@@ -86,7 +86,7 @@ def test_views_move_with_their_buffer_and_shared_buffers_stay() -> None:
     mx.eval(kept_view)
     before = _address(lonely)
     # lonely's buffer is also read by kept_view, which is not passed: it stays, not held twice
-    moved = native.place_on_huge_pages([fused, top, bottom, lonely], 1 << 20)
+    moved = native.place_on_huge_pages([fused, top, bottom, lonely], 1 << 20, 0.0)[0]
     assert moved == fused.nbytes
     assert _address(top) == _address(fused) and _address(bottom) == _address(fused) + 16 * 32 * 4
     np.testing.assert_array_equal(np.array(bottom), np.array(fused)[16:])
@@ -98,7 +98,7 @@ def test_arrays_not_evaluated_stay_lazy() -> None:
     base = mx.ones((16, 16))
     mx.eval(base)
     lazy = base * 3
-    assert native.place_on_huge_pages([base, lazy], 1 << 20) == base.nbytes
+    assert native.place_on_huge_pages([base, lazy], 1 << 20, 0.0)[0] == base.nbytes
     np.testing.assert_array_equal(np.array(lazy), np.full((16, 16), 3.0, dtype=np.float32))
 
 
@@ -108,7 +108,7 @@ def test_arrays_not_evaluated_stay_lazy() -> None:
 def test_the_buffer_is_advised_onto_huge_pages() -> None:
     big = mx.zeros((3 << 20,), dtype=mx.uint32)  # 12 MiB: whole huge pages inside
     mx.eval(big)
-    native.place_on_huge_pages([big], 1 << 20)
+    native.place_on_huge_pages([big], 1 << 20, 0.0)
     assert "hg" in _vm_flags(_address(big) + (4 << 20))
 
 
@@ -119,13 +119,13 @@ def test_a_placed_model_decodes_exactly_as_one_left_in_place(
     prompt = [1, 5, 9, 14, 2, 7]
     monkeypatch.setenv(placement.ENV, "0")
     plain = turbospark_core.open(q4_install)
-    assert plain.opened.huge_page_bytes == 0
+    assert plain.opened.placement.moved == 0
     want_logits = np.array(plain.logits(prompt))
     want_tokens = plain.generate(prompt, max_tokens=12, temperature=0.0).tokens
     monkeypatch.delenv(placement.ENV)
     monkeypatch.setattr(placement, "MIN_BYTES", 0)  # the fixture is small
     placed = turbospark_core.open(q4_install)
-    assert placed.opened.huge_page_bytes > 0
+    assert placed.opened.placement.moved > 0
     np.testing.assert_array_equal(np.array(placed.logits(prompt)), want_logits)
     assert placed.generate(prompt, max_tokens=12, temperature=0.0).tokens == want_tokens
 
@@ -134,14 +134,34 @@ def test_a_placed_model_decodes_exactly_as_one_left_in_place(
 def test_small_models_and_the_switch_leave_weights_in_place(
     q4_install: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert turbospark_core.open(q4_install).opened.huge_page_bytes == 0  # under MIN_BYTES
-    assert "under 32 MiB" in placement.describe(0)
+    small = turbospark_core.open(q4_install).opened.placement
+    assert (small.moved, small.reason) == (0, "under 32 MiB of weights")
+    assert small.describe() == "weights on the pages MLX read them to (under 32 MiB of weights)"
     monkeypatch.setattr(placement, "MIN_BYTES", 0)
     monkeypatch.setenv(placement.ENV, "0")
-    assert turbospark_core.open(q4_install).opened.huge_page_bytes == 0
-    assert placement.why_not() == f"{placement.ENV}=0"
-    assert "TURBOSPARK_HUGE_PAGES=0" in placement.describe(0)
-    assert "MB of weights moved onto huge pages" in placement.describe(5_000_000)
+    off = turbospark_core.open(q4_install).opened.placement
+    assert (off.moved, off.reason) == (0, "TURBOSPARK_HUGE_PAGES=0")
+
+
+@needs_native
+def test_the_budget_stops_the_move_between_buffers_largest_first(
+    q4_install: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = [4, 8, 15, 16, 23, 42]
+    monkeypatch.setenv(placement.ENV, "0")
+    want = np.array(turbospark_core.open(q4_install).logits(prompt))
+    monkeypatch.setenv(placement.ENV, "auto")
+    monkeypatch.setattr(placement, "MIN_BYTES", 0)
+    monkeypatch.setattr(placement, "BUDGET_SECONDS", 1e-9)  # over once the first buffer has moved
+    runner = turbospark_core.open(q4_install)
+    part = runner.opened.placement
+    largest = max(a.nbytes for a in placement.held_arrays(runner.opened.model))
+    assert 0 < part.moved < part.movable and part.moved >= largest
+    assert "MB of weights moved onto huge pages" in part.describe() and "budget ran out" in part.describe()
+    np.testing.assert_array_equal(np.array(runner.logits(prompt)), want)  # half moved, half not: the same
+    monkeypatch.setenv(placement.ENV, "1")
+    forced = turbospark_core.open(q4_install).opened.placement
+    assert forced.moved == forced.movable > 0 and "keeps them" in forced.describe()
 
 
 def test_huge_page_setting_reads_the_bracketed_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,7 +189,7 @@ def test_experts_decode_alike_placed_or_not(
         monkeypatch.setenv(placement.ENV, huge)
         monkeypatch.setattr(placement, "MIN_BYTES", 0)
         runner = turbospark_core.open(install, residency=residency, expert_slots=2)
-        assert (runner.opened.huge_page_bytes > 0) == (huge == "1")
+        assert (runner.opened.placement.moved > 0) == (huge == "1")
         runs.append((np.array(runner.logits(prompt)), runner.generate(prompt, max_tokens=10, temperature=0.0).tokens))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]  # (a moved slot, written through its stale view, crashed here)

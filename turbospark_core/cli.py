@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from turbospark_core import blas, kernel_speed, placement
+from turbospark_core import blas, kernel_speed
 from turbospark_core.errors import TurbosparkError
 
 PACKAGE_PREFIX = "pkg:"
@@ -348,7 +348,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"source       {m.provenance.get('source', '?')} ({m.provenance.get('converter', '?')})")
     print("files        " + ", ".join(f"{n} {_human(e.size)}" for n, e in sorted(m.files.items())))
     print(f"compute      {opened.policy.reason}; matmul: {blas.STATUS}")
-    print(f"memory       {placement.describe(opened.huge_page_bytes)}")
+    print(f"memory       {opened.placement.describe()}")
     for speed in kernel_speed.measured():
         print(f"kernels      {speed.describe()}")
     drafter = f" (drafter {opened.estimate.drafter / 1e9:.3f} GB)" if opened.drafter is not None else ""

@@ -54,6 +54,7 @@ from turbospark_core.manifest import (
 )
 from turbospark_core.memory import MemoryEstimate
 from turbospark_core.options import OpenOptions
+from turbospark_core.placement import Placement
 from turbospark_core.sessions import SessionPool
 from turbospark_core.speculative.factory import DrafterSetup, draft_length, make_drafter, refuse_hadamard
 from turbospark_core.stats import PhaseTimer, StartupStats
@@ -76,7 +77,7 @@ class OpenedModel:
             applied to every request that names none.
         distributed: This rank's mode and share (``None``: one process).
         tokenizer: The install's tokenizer, when the open was asked to read it.
-        huge_page_bytes: The weights moved onto huge pages at the end of step 8
+        placement: What the end of step 8 did with the weights' pages
             (:mod:`turbospark_core.placement`).
     """
 
@@ -101,7 +102,7 @@ class OpenedModel:
     drafter: DrafterSetup | None = attrs.field(default=None, eq=False)
     distributed: DistributedInfo | None = None
     tokenizer: Tokenizer | None = attrs.field(default=None, eq=False, repr=False)
-    huge_page_bytes: int = 0
+    placement: Placement = attrs.field(factory=lambda: Placement(reason="not placed"))
 
 
 def refuse_non_install(path: Path) -> None:
@@ -383,7 +384,7 @@ def open_install(
             model = dist.finish(model, hooks.spec.name)
     with timer.phase("weights_mapping"):
         weights.materialize()
-        huge_pages = placement.place(model)
+        pages = placement.place(model)
     new_cache = _cache_maker(held_layout, max_context, policy, options, slack)
     if dist is not None and not options.warmup:  # every rank runs (and evaluates) the same check
         with timer.phase("family_state"):
@@ -423,7 +424,7 @@ def open_install(
         steering=steering,
         weights=weights,
         distributed=None if dist is None else dist.info(),
-        huge_page_bytes=huge_pages,
+        placement=pages,
     )
     if dist is not None:
         dist.seed()  # unseeded sampling draws alike on every rank

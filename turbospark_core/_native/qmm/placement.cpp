@@ -9,6 +9,7 @@
 #include "placement.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
@@ -82,13 +83,17 @@ std::vector<Shared> movable_buffers(const std::vector<mx::array>& arrays) {
 
 }  // namespace
 
-int64_t place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, Pool& pool) {
+Placed place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, double budget_seconds, Pool& pool) {
   mx::synchronize(mx::default_stream(mx::Device::cpu));  // no task still reads an old buffer
   std::vector<Shared> buffers = movable_buffers(arrays);
   arrays.clear();
-  int64_t total = 0;
-  for (const auto& s : buffers) total += padded(s.hi - s.lo);
-  if (total == 0) return 0;
+  int64_t total = 0, total_bytes = 0;
+  for (const auto& s : buffers) {
+    total += padded(s.hi - s.lo);
+    total_bytes += s.hi - s.lo;
+  }
+  if (total == 0) return {};
+  const auto start = std::chrono::steady_clock::now();
   // room to start on a huge page's boundary; the buffer's size as rows of one huge page each (an
   // array's dimensions are 32-bit)
   const int64_t rows = (total + kHugePage - 1) / kHugePage + 1;
@@ -100,8 +105,17 @@ int64_t place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, 
   // pages are small, as MLX's own would be
   madvise(raw + skip, (size_t)((rows - 1) * kHugePage), MADV_HUGEPAGE);
 #endif
+  // Faulting the new pages in is the move's cost: a fraction of a millisecond a huge page on most
+  // machines, but ~10 ms in a virtual machine whose host backs the guest's free memory lazily. So
+  // the largest buffers (whose pages gain the most) go first, and once budget_seconds (> 0) have
+  // passed no further buffer starts after the first: the rest stay where they are (a buffer's
+  // arrays move together).
+  std::stable_sort(buffers.begin(), buffers.end(),
+                   [](const Shared& a, const Shared& b) { return a.hi - a.lo > b.hi - b.lo; });
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   int64_t at = skip, moved = 0, since_release = 0;
   for (auto& s : buffers) {
+    if (budget_seconds > 0 && moved > 0 && elapsed() > budget_seconds) break;
     // a huge page at a time over the pool's threads: the copy is what faults the new pages in (in a
     // virtual machine most of the move's time), and the threads fault theirs side by side
     const int64_t bytes = s.hi - s.lo;
@@ -128,7 +142,7 @@ int64_t place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, 
     }
   }
   release_freed();
-  return moved;
+  return {moved, total_bytes, elapsed()};
 }
 
 }  // namespace tsq
