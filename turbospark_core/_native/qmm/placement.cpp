@@ -25,6 +25,7 @@ namespace {
 
 constexpr int64_t kAlign = 64;                   // each buffer starts on a cache line
 constexpr int64_t kHugePage = int64_t(2) << 20;  // a transparent huge page on x86-64 and aarch64 (4 KiB granule)
+constexpr int64_t kSegment = int64_t(64) << 20;  // the new buffer, allocated this much at a time
 
 int64_t padded(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -45,6 +46,38 @@ void release_freed() {
   malloc_trim(0);
 #endif
 }
+
+// Room for `capacity` bytes of arrays in an MLX buffer, starting on a huge page's boundary and
+// advised onto huge pages; arrays are taken a cache line apart.
+class Segment {
+ public:
+  explicit Segment(int64_t capacity)
+      : buffer(mx::allocator::malloc((size_t)(rows(capacity) * kHugePage)), {(int)rows(capacity), (int)kHugePage},
+               mx::uint8) {
+    const auto raw = reinterpret_cast<uintptr_t>(buffer.data<char>());
+    at_ = (int64_t)((kHugePage - raw % kHugePage) % kHugePage);
+    end_ = at_ + (rows(capacity) - 1) * kHugePage;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // advice only: where the kernel has no huge page to give (THP "never", memory fragmented) the
+    // pages are small, as MLX's own would be
+    madvise(base() + at_, (size_t)(end_ - at_), MADV_HUGEPAGE);
+#endif
+  }
+  bool fits(int64_t bytes) const { return at_ + padded(bytes) <= end_; }
+  char* take(int64_t bytes) {
+    char* p = base() + at_;
+    at_ += padded(bytes);
+    return p;
+  }
+  char* base() { return buffer.data<char>(); }
+
+  mx::array buffer;
+
+ private:
+  // the capacity as rows of one huge page (an array's dimensions are 32-bit), and one more to align
+  static int64_t rows(int64_t capacity) { return (capacity + kHugePage - 1) / kHugePage + 1; }
+  int64_t at_ = 0, end_ = 0;
+};
 
 // The arrays that read one buffer (an array and its views): the bytes [lo, hi) they span.
 struct Shared {
@@ -87,54 +120,51 @@ Placed place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, d
   mx::synchronize(mx::default_stream(mx::Device::cpu));  // no task still reads an old buffer
   std::vector<Shared> buffers = movable_buffers(arrays);
   arrays.clear();
-  int64_t total = 0, total_bytes = 0;
+  int64_t left = 0, movable = 0;  // padded bytes still to move; bytes that can move
   for (const auto& s : buffers) {
-    total += padded(s.hi - s.lo);
-    total_bytes += s.hi - s.lo;
+    left += padded(s.hi - s.lo);
+    movable += s.hi - s.lo;
   }
-  if (total == 0) return {};
   const auto start = std::chrono::steady_clock::now();
-  // room to start on a huge page's boundary; the buffer's size as rows of one huge page each (an
-  // array's dimensions are 32-bit)
-  const int64_t rows = (total + kHugePage - 1) / kHugePage + 1;
-  mx::array buffer(mx::allocator::malloc((size_t)(rows * kHugePage)), {(int)rows, (int)kHugePage}, mx::uint8);
-  char* const raw = buffer.data<char>();
-  const int64_t skip = (kHugePage - (int64_t)(reinterpret_cast<uintptr_t>(raw) % kHugePage)) % kHugePage;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // advice only: where the kernel has no huge page to give (THP "never", memory fragmented) the
-  // pages are small, as MLX's own would be
-  madvise(raw + skip, (size_t)((rows - 1) * kHugePage), MADV_HUGEPAGE);
-#endif
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   // Faulting the new pages in is the move's cost: a fraction of a millisecond a huge page on most
   // machines, but ~10 ms in a virtual machine whose host backs the guest's free memory lazily. So
   // the largest buffers (whose pages gain the most) go first, and once budget_seconds (> 0) have
   // passed no further buffer starts after the first: the rest stay where they are (a buffer's
-  // arrays move together).
+  // arrays move together). The new buffer is allocated a segment at a time, each filled first fit,
+  // so a move the budget stops leaves little unused room (which MLX counts as allocated).
   std::stable_sort(buffers.begin(), buffers.end(),
                    [](const Shared& a, const Shared& b) { return a.hi - a.lo > b.hi - b.lo; });
-  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
-  int64_t at = skip, moved = 0, since_release = 0;
+  std::vector<Segment> segments;
+  int64_t moved = 0, since_release = 0;
   for (auto& s : buffers) {
     if (budget_seconds > 0 && moved > 0 && elapsed() > budget_seconds) break;
-    // a huge page at a time over the pool's threads: the copy is what faults the new pages in (in a
-    // virtual machine most of the move's time), and the threads fault theirs side by side
     const int64_t bytes = s.hi - s.lo;
+    // the first segment with room (smaller buffers fill what larger ones left), else a new one
+    auto segment = std::find_if(segments.begin(), segments.end(), [&](const Segment& g) { return g.fits(bytes); });
+    if (segment == segments.end()) {
+      segments.emplace_back(std::max(padded(bytes), std::min(kSegment, left)));
+      segment = segments.end() - 1;
+    }
+    char* const to = segment->take(bytes);
+    left -= padded(bytes);
+    // a huge page at a time over the pool's threads: the copy is what faults the new pages in, and
+    // the threads fault theirs side by side
     for (int64_t done = 0; done < bytes;) {
       const int64_t n = std::min(bytes - done, batch_bytes);
       pool.run((n + kHugePage - 1) / kHugePage, [&](int64_t i) {
         const int64_t off = done + i * kHugePage;
-        std::memcpy(raw + at + off, s.lo + off, (size_t)std::min(kHugePage, done + n - off));
+        std::memcpy(to + off, s.lo + off, (size_t)std::min(kHugePage, done + n - off));
       });
       done += n;
       drop_pages(s.lo + done - n, s.lo + done);  // copied: a large buffer's old pages go as it moves
     }
     for (auto& a : s.arrays) {
-      const int64_t offset = at + (a.data<char>() - s.lo);
-      a.copy_shared_buffer(buffer, a.strides(), a.flags(), a.data_size(), offset / (int64_t)a.itemsize());
+      const int64_t offset = (to - segment->base()) + (a.data<char>() - s.lo);
+      a.copy_shared_buffer(segment->buffer, a.strides(), a.flags(), a.data_size(), offset / (int64_t)a.itemsize());
     }
     s.arrays.clear();  // the last holder of the old buffer gone: MLX frees it
     moved += bytes;
-    at += padded(bytes);
     // a batch at a time the freed buffers go back to the system: the open holds at most one twice
     if ((since_release += bytes) >= batch_bytes) {
       release_freed();
@@ -142,7 +172,7 @@ Placed place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, d
     }
   }
   release_freed();
-  return {moved, total_bytes, elapsed()};
+  return {moved, movable, elapsed()};
 }
 
 }  // namespace tsq
