@@ -96,18 +96,21 @@ def keeps(quant: QuantSpec) -> bool:
     return supports(quant) and mx.default_device() == mx.cpu
 
 
-def place_on_huge_pages(arrays: list[mx.array], batch_bytes: int, budget_seconds: float) -> tuple[int, int, float]:
-    """Move the evaluated ``arrays`` into one buffer on transparent huge pages (see :mod:`turbospark_core.placement`).
+def place_on_huge_pages(
+    arrays: list[mx.array], batch_bytes: int, budget_seconds: float, min_bytes: int = 0
+) -> tuple[int, int, float]:
+    """Move the evaluated ``arrays`` onto transparent huge pages (see :mod:`turbospark_core.placement`).
 
     Each buffer only these arrays read (an array and its views), dense, is copied once and its
     arrays read the copy, keeping their identity; the old buffers are freed, ``batch_bytes`` at a
-    time handed back to the system. The largest go first; once ``budget_seconds`` (> 0) have passed
-    no further buffer starts after the first. Returns the bytes moved, the bytes that could move,
-    and the seconds taken; ``(0, 0, 0.0)`` without the native module.
+    time handed back to the system. Nothing moves where fewer than ``min_bytes`` could. The largest
+    go first; once ``budget_seconds`` (> 0) have passed no further buffer starts after the first.
+    Returns the bytes moved, the bytes that could move, and the seconds taken; ``(0, 0, 0.0)``
+    without the native module.
     """
     if _MODULE is None:
         return 0, 0, 0.0
-    moved, movable, seconds = _MODULE.place_on_huge_pages(arrays, batch_bytes, budget_seconds)
+    moved, movable, seconds = _MODULE.place_on_huge_pages(arrays, batch_bytes, budget_seconds, min_bytes)
     return int(moved), int(movable), float(seconds)
 
 

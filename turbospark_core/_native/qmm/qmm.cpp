@@ -1805,14 +1805,16 @@ NB_MODULE(_qmm, m) {
         "Use prefix+'cblas_sgemm' from the library at path for large-M products.");
   m.def(
       "place_on_huge_pages",
-      [](std::vector<mx::array> arrays, int64_t batch_bytes, double budget_seconds) {
-        const auto placed = tsq::place_on_huge_pages(std::move(arrays), batch_bytes, budget_seconds, *tsq::runtime().pool);
+      [](std::vector<mx::array> arrays, int64_t batch_bytes, double budget_seconds, int64_t min_bytes) {
+        const auto placed =
+            tsq::place_on_huge_pages(std::move(arrays), batch_bytes, budget_seconds, min_bytes, *tsq::runtime().pool);
         return std::make_tuple(placed.bytes, placed.movable, placed.seconds);
       },
-      nb::arg("arrays"), nb::arg("batch_bytes"), nb::arg("budget_seconds"),
-        "Move the evaluated arrays' buffers (those only they read, dense) into one buffer on transparent huge pages "
-        "where the kernel gives them; the arrays keep their identity. The largest go first; once budget_seconds "
-        "(> 0) have passed no further buffer starts after the first. Returns (bytes moved, bytes movable, seconds).");
+      nb::arg("arrays"), nb::arg("batch_bytes"), nb::arg("budget_seconds"), nb::arg("min_bytes"),
+      "Move the evaluated arrays' buffers (those only they read, dense) onto transparent huge pages where the kernel "
+      "gives them, unless fewer than min_bytes could move; the arrays keep their identity. The largest go first; "
+      "once budget_seconds (> 0) have passed no further buffer starts after the first. Returns (bytes moved, bytes "
+      "movable, seconds).");
   m.def("mlx_version", [] { return std::string(TSQ_MLX_VERSION); }, "The MLX version this module was built against.");
   m.def("kernel", [] { return tsq::runtime().kernel; }, "Which kernel set runs: 'avx512', 'avx2', 'neon' or 'scalar'.");
   m.def("threads", [] { return tsq::runtime().pool->threads(); }, "Threads the kernels use.");
