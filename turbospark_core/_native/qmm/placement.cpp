@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -144,7 +145,11 @@ Placed place_on_huge_pages(std::vector<mx::array> arrays, int64_t batch_bytes, d
     // the first segment with room (smaller buffers fill what larger ones left), else a new one
     auto segment = std::find_if(segments.begin(), segments.end(), [&](const Segment& g) { return g.fits(bytes); });
     if (segment == segments.end()) {
-      segments.emplace_back(std::max(padded(bytes), std::min(kSegment, left)));
+      try {
+        segments.emplace_back(std::max(padded(bytes), std::min(kSegment, left)));
+      } catch (const std::exception&) {
+        break;  // no memory for another segment: the rest stay where they are
+      }
       segment = segments.end() - 1;
     }
     char* const to = segment->take(bytes);
