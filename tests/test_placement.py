@@ -149,6 +149,16 @@ def test_small_models_and_the_switch_leave_weights_in_place(
     assert (off.moved, off.reason) == (0, "TURBOSPARK_HUGE_PAGES=0")
 
 
+def test_without_the_native_module_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = types.SimpleNamespace(weight=mx.ones((1024, 1024)))
+    mx.eval(held.weight)
+    before = _address(held.weight)
+    monkeypatch.setattr(placement, "MIN_BYTES", 0)
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert placement.place(held) == placement.Placement(reason="no native module")
+    assert _address(held.weight) == before
+
+
 def test_huge_page_setting_reads_the_bracketed_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     setting = tmp_path / "enabled"
     setting.write_text("always [madvise] never\n")
