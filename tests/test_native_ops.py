@@ -144,6 +144,22 @@ def test_decode_attention_does_not_depend_on_padding() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_a_row_is_the_same_alone_or_in_a_batch(head_dim: int, queries: int) -> None:
+    # one kv head: a row alone splits its queries between tasks (both threads), a batch of eight
+    # gives each row's queries to one task; each query gets the same bits either way, and MLX's
+    kk, kv, kq = mx.random.split(mx.random.key(11), 3)
+    k, v = mx.random.normal((1, 1, 300, head_dim), key=kk), mx.random.normal((1, 1, 300, head_dim), key=kv)
+    q = mx.random.normal((1, 4, queries, head_dim), key=kq)
+    alone = native.decode_attention(q, k, v, 0.0625, "causal")
+    batch = native.decode_attention(*(mx.repeat(a, 8, axis=0) for a in (q, k, v)), 0.0625, "causal")
+    assert np.array_equal(np.array(alone), np.array(batch[:1]))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.0625, mask="causal")
+    np.testing.assert_allclose(np.array(alone), np.array(want), rtol=0, atol=3e-6)
+
+
+@needs_native
 @pytest.mark.parametrize("mask", ["causal", "array"])
 def test_a_few_queries_equal_mlx_and_each_query_alone(mask: str) -> None:
     kk, kv, kq = mx.random.split(mx.random.key(5), 3)
