@@ -609,3 +609,33 @@ def test_decoder_layer_refusals() -> None:
         op(x, buf, buf, 0, mx.array([0], mx.int32), mx.ones((1, 1, 1, 3), mx.bool_))
     assert not native.decoder_layer_supported(x.astype(mx.float16))
     assert not native.decoder_layer_supported(mx.zeros((1, hidden)))
+
+
+@needs_native
+@pytest.mark.parametrize("length", [1, 17, 1000, 262144 + 5])
+def test_argmax_equals_mlx(length: int) -> None:
+    # mx.argmax's choice, whatever the row holds: the first of tied largest values, the first NaN,
+    # index 0 where all are -inf; long rows are split between threads
+    rng = np.random.default_rng(length)
+    x = rng.standard_normal((8, length)).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties
+    x[2, length // 2 :] = x[2].max()  # the largest value again later
+    x[3, length // 3] = x[3, -1] = np.nan
+    x[4, 0] = np.nan
+    x[5] = -np.inf
+    x[6, -1] = np.inf
+    x[7] = 0.0
+    x[7, length // 2 :] = -0.0
+    got = native.argmax(mx.array(x))
+    assert got.dtype == mx.uint32
+    assert np.array_equal(np.array(got), np.array(mx.argmax(mx.array(x), axis=-1)))
+    assert np.array_equal(np.array(native.argmax(mx.array(x[:1, None]))), [[np.argmax(x[0])]])  # [B, 1, V]
+    assert native.argmax(mx.array(x[0])).item() == int(np.argmax(x[0]))  # one row: a scalar
+
+
+@needs_native
+def test_argmax_leaves_other_dtypes_to_mlx() -> None:
+    x = mx.array([[1.0, 3.0, 2.0]], dtype=mx.bfloat16)
+    assert native.argmax(x).tolist() == [1]
+    with pytest.raises(ValueError):  # as mx.argmax refuses an empty axis
+        native.argmax(mx.zeros((2, 0)))

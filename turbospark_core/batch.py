@@ -53,6 +53,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.batch_cache import BatchCaches
 from turbospark_core.batch_prefill import ChunkSizer, PrefillCost
 from turbospark_core.errors import OptionError
@@ -683,7 +684,7 @@ class Batch:
             s.top_logprobs is None for s in rows
         ):
             # one argmax over every row (what each row's greedy sampler computes on its own row)
-            stacked = mx.argmax(logits.astype(mx.float32), axis=-1)
+            stacked = native.argmax(logits.astype(mx.float32))
             scores = [[] for _ in rows]
         else:
             tokens, scores = [], []
@@ -741,7 +742,7 @@ class Batch:
         logits = self._forward_rows(batched.padded(plans, width), capture)  # [B, width, V]
         self._observe(capture, held, [len(p.feed) for p in plans])
         fast = [s.sampler.params.greedy and s.sampler.params.repetition_penalty == 1.0 for s in rows]
-        best = mx.argmax(logits.astype(mx.float32), axis=-1) if any(fast) else None
+        best = native.argmax(logits.astype(mx.float32)) if any(fast) else None
         mx.eval(best, caches.state)
         caches.step_done(width)
         best_ids = None if best is None else np.asarray(best)

@@ -364,6 +364,19 @@ def _cpu_float32(*arrays: mx.array) -> bool:
     return _MODULE is not None and mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays)
 
 
+def argmax(x: mx.array) -> mx.array:
+    """``mx.argmax(x, axis=-1)``: one native op for float32 on the CPU (long rows split over the threads).
+
+    The same indices (uint32) as MLX's, whose single-threaded scan took 0.28 ms of a decode step
+    over Gemma 3's 262144 logits; any other array goes to ``mx.argmax``.
+    """
+    if not _cpu_float32(x) or x.ndim == 0 or x.shape[-1] == 0:
+        return mx.argmax(x, axis=-1)
+    assert _MODULE is not None
+    out: mx.array = _MODULE.argmax(x)
+    return out
+
+
 def rms_norm_supported(x: mx.array, weight: mx.array | None) -> bool:
     """Whether :func:`rms_norm` takes these: float32 on the CPU, a ``[D]`` weight or none."""
     held = [x] if weight is None else [x, weight]

@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 import attrs
 import mlx.core as mx
 
+from turbospark_core import native
 from turbospark_core.errors import OptionError, refuse_unknown
 
 
@@ -112,7 +113,7 @@ class Sampler:
     def __call__(self, logits: mx.array) -> mx.array:
         """Next token ids ``[B]`` from last-position logits ``[B, V]`` (float32)."""
         if self.params.greedy:
-            return mx.argmax(logits, axis=-1)
+            return native.argmax(logits)
         return mx.random.categorical(self._filtered(logits), axis=-1, key=self._next_key())
 
     def next_key(self) -> mx.array | None:

@@ -18,6 +18,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.sampling import Sampler
 from turbospark_core.speculative.drafter import Draft
 
@@ -58,7 +59,7 @@ def accept(logits: mx.array, draft: Draft, sampler: Sampler) -> Verdict:
     """Judge ``draft`` against the target's (already penalized) ``logits`` ``[len(draft)+1, V]``."""
     k = len(draft.tokens)
     if sampler.params.greedy:
-        best = token_ids(mx.argmax(logits, axis=-1))
+        best = token_ids(native.argmax(logits))
         j = 0
         while j < k and draft.tokens[j] == best[j]:
             j += 1

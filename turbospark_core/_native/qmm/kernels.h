@@ -125,6 +125,20 @@ void silu_mul_neon(const float*, int64_t, const float*, int64_t, float*, int64_t
 void gelu_tanh_mul_neon(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 #endif
 
+// mx.argmax's choice in x[0, n) and its value: the first NaN, else the first of the largest values;
+// {-inf, -1} where every value is -inf. (A later value wins when strictly greater, or NaN.)
+struct ArgMax {
+  float value;
+  int64_t index;
+};
+using ArgMaxFn = ArgMax (*)(const float* x, int64_t n);
+ArgMax argmax_scalar(const float*, int64_t);
+// Whether `a` (found later in the row) takes the place of `best`.
+inline bool argmax_takes(float a, float best) { return a != a ? best == best : a > best; }
+#if defined(__x86_64__) || defined(_M_X64)
+ArgMax argmax_avx512(const float*, int64_t);
+#endif
+
 // One cached key or value row: `D` values in MLX's affine bit stream `w` (groups of `group`,
 // `bits` bits; `biases` null: symmetric), dequantized into `out`, and with `rotate` the
 // normalized Walsh-Hadamard transform of length D (a power of two) applied after.

@@ -1026,6 +1026,35 @@ void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float*
   }
 }
 
+// ------------------------------------------------------------ argmax
+// Each lane keeps the first of its values strictly above its best, or its first NaN (a lane that
+// holds a NaN takes nothing more); then the smallest index among the lanes holding a NaN, else
+// among those holding the largest best.
+ArgMax argmax_avx512(const float* x, int64_t n) {
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  __m512 best = none;
+  __mmask16 nan = 0;
+  __m512i at = _mm512_set1_epi64(-1), at_hi = at;  // lanes 0-7, 8-15: 64-bit indices
+  __m512i index = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i step = _mm512_set1_epi64(16), half = _mm512_set1_epi64(8);
+  for (int64_t i = 0; i < n; i += 16, index = _mm512_add_epi64(index, step)) {
+    const __m512 v = _mm512_mask_loadu_ps(none, tail16(i, n), x + i);
+    const __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_NLE_UQ) & (__mmask16)~nan;  // greater, or NaN
+    if (up == 0) [[likely]] continue;
+    nan |= _mm512_mask_cmp_ps_mask(up, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, up, v);
+    at = _mm512_mask_mov_epi64(at, (__mmask8)up, index);
+    at_hi = _mm512_mask_mov_epi64(at_hi, (__mmask8)(up >> 8), _mm512_add_epi64(index, half));
+  }
+  const float top = nan ? NAN : _mm512_reduce_max_ps(best);
+  if (top == -INFINITY) return {-INFINITY, -1};
+  const __mmask16 chosen = nan ? nan : _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  const __m512i far = _mm512_set1_epi64(INT64_MAX);
+  const int64_t lo = _mm512_reduce_min_epi64(_mm512_mask_mov_epi64(far, (__mmask8)chosen, at));
+  const int64_t hi = _mm512_reduce_min_epi64(_mm512_mask_mov_epi64(far, (__mmask8)(chosen >> 8), at_hi));
+  return {top, std::min(lo, hi)};
+}
+
 // ------------------------------------------------------------ rms norm, silu * up
 void rms_norm_avx512(const float* x, int64_t xs, const float* w, float* y, int64_t rows, int64_t D, float eps) {
   for (int64_t r = 0; r < rows; r++) {

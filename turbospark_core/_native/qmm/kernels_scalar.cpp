@@ -172,4 +172,11 @@ void kv_row_scalar(const uint8_t* w, const void* scales, const void* biases, int
   for (int64_t i = 0; i < D; i++) out[i] *= norm;
 }
 
+ArgMax argmax_scalar(const float* x, int64_t n) {
+  ArgMax best{-INFINITY, -1};
+  for (int64_t i = 0; i < n; i++)
+    if (argmax_takes(x[i], best.value)) best = {x[i], i};
+  return best;
+}
+
 }  // namespace tsq

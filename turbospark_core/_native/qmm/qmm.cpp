@@ -52,6 +52,7 @@ struct Kernels {
   GatedFn silu_mul, gelu_tanh_mul;
   KVRowFn kv_row;
   const char* kernel;
+  ArgMaxFn argmax = argmax_scalar;
 };
 
 constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_each<attend_scalar>, rms_norm_scalar, silu_mul_scalar,
@@ -61,7 +62,7 @@ constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_each<attend_avx2
                        "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
 constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
-                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512"};
+                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512", argmax_avx512};
 #endif
 #if defined(__aarch64__)
 constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
@@ -1083,6 +1084,63 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+// mx.argmax(x, axis=-1) for float32 x [..., V]: uint32 [...], each row's first NaN, else the first
+// index of its largest value (0 where all are -inf), long rows split over the pool. MLX's scan took
+// 0.28 ms for Gemma 3's 262144 logits (2% of a decode step); this 0.035 ms.
+class ArgMaxRows : public mx::UnaryPrimitive {
+ public:
+  explicit ArgMaxRows(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = encoder_for(stream(), inputs, out);
+    enc.dispatch([x = Rows(inputs[0]), yp = out.data<uint32_t>()]() mutable {
+      auto [xp, xs] = x.get();
+      const int64_t rows = x.rows(), V = x.n();
+      const int64_t per = std::max<int64_t>(V / 4, 1 << 15), parts = (V + per - 1) / per;
+      std::vector<ArgMax> found((size_t)(rows * parts));
+      auto part = [&](int64_t c) {
+        const int64_t r = c / parts, i0 = (c % parts) * per;
+        ArgMax a = runtime().argmax(xp + r * xs + i0, std::min(per, V - i0));
+        if (a.index >= 0) a.index += i0;
+        found[c] = a;
+      };
+      if (rows * parts > 1) {
+        runtime().pool->run(rows * parts, part);
+      } else if (rows > 0) {
+        part(0);
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        ArgMax best{-INFINITY, -1};
+        for (int64_t c = r * parts; c < (r + 1) * parts; c++)
+          if (found[c].index >= 0 && argmax_takes(found[c].value, best.value)) best = found[c];
+        yp[r] = best.index < 0 ? 0u : (uint32_t)best.index;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("turbospark argmax runs on the CPU only");
+  }
+
+  const char* name() const override { return "TurbosparkArgMax"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& sh = inputs[0].shape();
+    return {mx::Shape(sh.begin(), sh.end() - 1)};
+  }
+};
+
+mx::array argmax(const mx::array& x) {
+  check(x.ndim() >= 1 && x.dtype() == mx::float32 && x.shape(-1) > 0,
+        "argmax: x must be a float32 array with a non-empty last axis");
+  check(x.shape(-1) <= (int64_t)UINT32_MAX, "argmax: the last axis must fit uint32 indices");
+  const auto& sh = x.shape();
+  return mx::array(mx::Shape(sh.begin(), sh.end() - 1), mx::uint32,
+                   std::make_shared<ArgMaxRows>(mx::default_stream(mx::Device::cpu)), {x});
+}
+
 // Rows of an array (all axes but the last) read through its strides: a cache's rows are a
 // slice of a larger buffer. An array whose last axis is not one run of values is copied
 // dense first (layouts are only known at eval).
@@ -1767,6 +1825,8 @@ NB_MODULE(_qmm, m) {
         nb::arg("rotate"),
         "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
         "Walsh-Hadamard transform of each row (mx.hadamard_transform).");
+  m.def("argmax", &tsq::argmax, nb::arg("x"),
+        "mx.argmax(x, axis=-1) for float32 x as one op (long rows split over the threads): uint32 indices.");
   m.def("rms_norm", &tsq::rms_norm, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) for float32 x as one op.");
   m.def("silu_mul", &tsq::silu_mul, nb::arg("gate"), nb::arg("up").none(),
