@@ -117,13 +117,17 @@ Runtime& runtime() {
   return *rt;
 }
 
-// Weight rows per chunk: enough work per chunk to pay for the hand-off.
+// Weight rows per chunk: enough work per chunk to pay for the hand-off, four chunks a thread, and
+// at most ~2M multiply-adds (~0.1 ms): a thread held off its core (by the Python thread building
+// the next step's graph, or another process) leaves the other waiting at most for the chunk it
+// holds. Gemma 3's 262144-row head: 8 chunks -> 80, decode 64.7 -> 68.9 tok/s (six runs each).
 int64_t chunk_rows(int64_t N, int64_t K, int64_t M, int threads) {
-  const int64_t work_per_row = K * std::max<int64_t>(M, 1);
+  const int64_t work_per_row = std::max<int64_t>(K * std::max<int64_t>(M, 1), 1);
   // ~128k multiply-adds per chunk: a hand-off costs a wake-up (microseconds), not more
-  const int64_t min_rows = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(work_per_row, 1));
+  const int64_t min_rows = std::max<int64_t>(1, (1 << 17) / work_per_row);
+  const int64_t max_rows = std::max<int64_t>(1, (1 << 21) / work_per_row);
   const int64_t balanced = (N + threads * 4 - 1) / (threads * 4);
-  return std::max(min_rows, balanced);
+  return std::max(min_rows, std::min(balanced, max_rows));
 }
 
 // y[:, n0:n1] += r[:, n0:n1] (r null: nothing): a residual added as each chunk of y is written,
