@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <mutex>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -1448,11 +1449,14 @@ struct LayerConfig {
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream s, LayerConfig c) : mx::Primitive(s), c_(c) {}
+  DecoderLayer(mx::Stream s, LayerConfig c, std::shared_ptr<const std::vector<mx::array>> held)
+      : mx::Primitive(s), c_(c), held_(std::move(held)) {}
 
-  // inputs: x, in_norm, mlp_norm, [post_attn weight], [post_mlp weight], [q_norm, k_norm], freqs,
-  // then each matrix's (w, scales, [biases]), [each row's position int32 [B] and the mask bool
-  // [B, Hq, L, T]], then the key and value buffers
+  // inputs: x, [each row's position int32 [B] and the mask bool [B, Hq, L, T]], then the key and
+  // value buffers. The layer's own arrays (in_norm, mlp_norm, [post_attn weight], [post_mlp weight],
+  // [q_norm, k_norm], freqs, then each matrix's w, scales, [biases]: evaluated when the op is made)
+  // are held here rather than passed as inputs: each input of a step's graph had cost MLX's
+  // async_eval ~1.2 us on the thread building the next step (0.6 ms a SmolLM2 step)
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
@@ -1462,16 +1466,21 @@ class DecoderLayer : public mx::Primitive {
     const size_t nb = inputs.size() - 2;
     std::optional<View> from[2] = {take_buffer(inputs[nb], outputs[1]), take_buffer(inputs[nb + 1], outputs[2])};
     for (auto& o : outputs) enc.set_output_array(o);
+    // x, then the held arrays: the order the body reads them in
+    const std::vector<mx::array>& held = *held_;
+    auto layer = [&](size_t i) -> const mx::array& { return i == 0 ? inputs[0] : held[i - 1]; };
     std::vector<Dense> in;
-    for (size_t i = 0; i < nb - (c_.rows ? 1 : 0); i++) in.emplace_back(inputs[i]);
-    const MaskView mask = c_.rows ? mask_of(inputs[nb - 1]) : MaskView{};  // read through its (broadcast) strides
+    for (size_t i = 0; i <= held.size(); i++) in.emplace_back(layer(i));
+    const MaskView mask = c_.rows ? mask_of(inputs[2]) : MaskView{};  // read through its (broadcast) strides
+    std::optional<Dense> positions;
+    if (c_.rows) positions.emplace(inputs[1]);
     std::array<QMat, kMaxLayerMats> mats{};
-    std::array<size_t, kMaxLayerMats> at{};  // each matrix's first input
+    std::array<size_t, kMaxLayerMats> at{};  // each matrix's first array
     for (size_t m = 0, i = first_mat(); m < (size_t)c_.mats; m++) {
       const MatLayout& l = c_.layout[m];
-      const auto& w = inputs[i];
+      const auto& w = layer(i);
       at[m] = i;
-      mats[m].scale_type = scale_type(inputs[i + 1].dtype());
+      mats[m].scale_type = scale_type(layer(i + 1).dtype());
       mats[m].N = w.shape(0);
       mats[m].K = (int64_t)w.shape(1) * 32 / l.bits;
       mats[m].group = l.group;
@@ -1480,7 +1489,7 @@ class DecoderLayer : public mx::Primitive {
       i += l.biases ? 3 : 2;
     }
     const auto& x = inputs[0];
-    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1], mask, rows_at = first_row_input(),
+    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1], mask, positions,
                   y = outputs[0].data<float>(), kb = outputs[1].data<float>(), vb = outputs[2].data<float>(),
                   B = (int64_t)x.shape(0), L = (int64_t)x.shape(1), Dm = (int64_t)x.shape(2),
                   S = (int64_t)outputs[1].shape(2), D = (int64_t)outputs[1].shape(3),
@@ -1532,7 +1541,7 @@ class DecoderLayer : public mx::Primitive {
       Scratch q((size_t)(M * hq * D)), att((size_t)(M * hq * Dv)), h((size_t)(M * Dm)), gate_up((size_t)(M * gu.N));
       // positions: the column written (a single sequence's), or each row's own (a batch's, then masked)
       const int32_t column = (int32_t)c.offset;
-      const int32_t* pos = c.rows ? reinterpret_cast<const int32_t*>(in[rows_at].get()) : &column;
+      const int32_t* pos = positions ? reinterpret_cast<const int32_t*>(positions->get()) : &column;
       rope_heads_rows(src, stride, pos, c.rows ? B : 1, freqs, qn, kn, c.eps, q.data(), kb, vb, S, c.offset, B, L, D,
                       Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
       const View qv{q.data(), hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1},
@@ -1557,7 +1566,8 @@ class DecoderLayer : public mx::Primitive {
   const char* name() const override { return "TurbosparkDecoderLayer"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return c_ == static_cast<const DecoderLayer&>(other).c_;
+    const auto& o = static_cast<const DecoderLayer&>(other);
+    return c_ == o.c_ && held_ == o.held_;  // one layer's op (its arrays are not inputs)
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -1567,14 +1577,8 @@ class DecoderLayer : public mx::Primitive {
  private:
   // where the matrices' inputs start: after x, the two norms, the optional norms and freqs
   size_t first_mat() const { return 4 + (c_.post_attn ? 1 : 0) + (c_.post_mlp ? 1 : 0) + (c_.qk_norm ? 2 : 0); }
-  // the rows' positions: after the matrices
-  size_t first_row_input() const {
-    size_t i = first_mat();
-    for (int m = 0; m < c_.mats; m++) i += c_.layout[m].biases ? 3 : 2;
-    return i;
-  }
-
   LayerConfig c_;
+  std::shared_ptr<const std::vector<mx::array>> held_;
 };
 
 // A layer's DecoderLayer steps: its weights and settings checked and held once, then each step made
@@ -1656,15 +1660,16 @@ class DecoderLayerOp {
       check(K % group_sizes[m] == 0, what_ + names[m] + "'s columns must be a multiple of its group_size");
       check_scales(scales[m], biases[m], {(int)N, (int)(K / group_sizes[m])}, "[N, K / group_size]");
     }
-    held_ = {*norms[0], *norms[1]};
+    std::vector<mx::array> held = {*norms[0], *norms[1]};
     for (int i = 2; i < 6; i++)
-      if (norms[i]) held_.push_back(*norms[i]);
-    held_.push_back(freqs);
+      if (norms[i]) held.push_back(*norms[i]);
+    held.push_back(freqs);
     for (size_t m = 0; m < nm; m++) {
-      held_.push_back(weights[m]);
-      held_.push_back(scales[m]);
-      if (biases[m]) held_.push_back(*biases[m]);
+      held.push_back(weights[m]);
+      held.push_back(scales[m]);
+      if (biases[m]) held.push_back(*biases[m]);
     }
+    held_ = std::make_shared<const std::vector<mx::array>>(std::move(held));
   }
 
   // The step of x [B, L, hidden] with the cache's buffers [B, kv_heads, S, D], its rows going to column
@@ -1690,10 +1695,9 @@ class DecoderLayerOp {
     LayerConfig c = c_;
     c.offset = offset;
     c.rows = positions.has_value();
-    std::vector<mx::array> inputs;
-    inputs.reserve(held_.size() + 5);
-    inputs.push_back(x);
-    inputs.insert(inputs.end(), held_.begin(), held_.end());
+    // the op reads its arrays at every step without taking them as inputs: evaluated once, here
+    std::call_once(*evaluated_, [&] { mx::eval(*held_); });
+    std::vector<mx::array> inputs = {x};
     if (positions) {
       auto s = mx::default_stream(mx::Device::cpu);
       const int B = x.shape(0), T = (int)(offset + L);
@@ -1707,13 +1711,14 @@ class DecoderLayerOp {
     inputs.push_back(k_buf);
     inputs.push_back(v_buf);
     return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
-                                  std::make_shared<DecoderLayer>(mx::default_stream(mx::Device::cpu), c), inputs);
+                                  std::make_shared<DecoderLayer>(mx::default_stream(mx::Device::cpu), c, held_), inputs);
   }
 
  private:
   inline static const std::string what_ = "decoder_layer: ";
   LayerConfig c_;
-  std::vector<mx::array> held_;  // the inputs after x: norms, freqs, matrices
+  std::shared_ptr<const std::vector<mx::array>> held_;  // what the op reads after x: norms, freqs, matrices
+  std::shared_ptr<std::once_flag> evaluated_ = std::make_shared<std::once_flag>();
   int64_t Dm_ = 0, D_ = 0, Dv_ = 0;
 };
 
