@@ -912,49 +912,15 @@ std::vector<Sums<C>, Aligned64<Sums<C>>>& sums_scratch() {
   return v;
 }
 
-// Up to 64 queries of one head (C <= 8): the same arithmetic as attend_chunks for each, in an
-// order that reads each block of keys and values from memory once for all of them.
+// Up to 64 queries of one head, each with the arithmetic of one query alone (heads up to 128:
+// sixteen keys scored per reduction, as attend_many_avx512 scores a lone query; wider heads: key
+// by key, as attend_chunks), in an order that reads each block of keys and values from memory once
+// for all of them (the first query over a block prefetches ahead). Heads of 256, one core of Zen 4,
+// 16 positions of 4 heads over 512 keys (a prefill chunk's task): 896 -> 643 us against one query
+// at a time.
 template <int C, bool EXACT>
 void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
-  constexpr int64_t MAXQ = 64, VALUES = 64;  // queries a pass, keys a block of values
-  const int64_t T = rows[0].T;
-  __m512 mv[MAXQ];
-  int64_t ends[MAXQ], last = 0;
-  for (int64_t i = 0; i < n; i++) {
-    ends[i] = key_end(rows[i]);
-    last = std::max(last, ends[i]);
-    mv[i] = _mm512_set1_ps(-INFINITY);
-  }
-  for (int64_t t = 0; t < last; t += 16)
-    for (int64_t i = 0, first = 1; i < n; i++) {
-      if (t >= ends[i]) continue;
-      const Query<C, EXACT> q(rows[i]);
-      const __m512 s = scores16<C>(rows[i], q.qv, q.qm, t, ends[i], first);
-      first = 0;
-      store16(p + i * T, t, ends[i], s);
-      mv[i] = _mm512_max_ps(mv[i], s);
-    }
-  float sums[MAXQ];
-  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * T, ends[i], _mm512_reduce_max_ps(mv[i]));
-  auto& out = sums_scratch<C>();
-  out.assign(n, Sums<C>());
-  const Query<C, EXACT> shape(rows[0]);  // the value masks (every query has the same head sizes)
-  for (int64_t t = 0; t < last; t += VALUES)
-    for (int64_t i = 0, first = 1; i < n; i++)
-      if (t < ends[i]) {
-        out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), shape.vm, first);
-        first = 0;
-      }
-  for (int64_t i = 0; i < n; i++) out[i].store(ys[i], shape.vm, sums[i]);
-}
-
-// Up to 64 queries of one head wider than 128: for each, the arithmetic of attend_chunks, in an
-// order that reads each block of sixteen keys (and values) from memory once for all of them (the
-// first query over a block prefetches ahead). One core of Zen 4, 16 positions of 4 heads of 256
-// over 512 keys (a prefill chunk's task): 896 -> 643 us against one query at a time.
-template <int C, bool EXACT>
-void attend_many_wide(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
-  constexpr int64_t MAXQ = 64, BLOCK = 16;  // a block: 16 KiB of keys or values for heads of 256
+  constexpr int64_t MAXQ = 64, VALUES = C <= 8 ? 64 : 16;  // keys a block of values (16 KiB for heads of 256)
   const int64_t T = rows[0].T;
   int64_t ends[MAXQ], last = 0;
   float top[MAXQ];
@@ -963,14 +929,20 @@ void attend_many_wide(const AttnRow* rows, float* const* ys, int64_t n, float* p
     last = std::max(last, ends[i]);
     top[i] = -INFINITY;
   }
-  for (int64_t t = 0; t < last; t += BLOCK)
+  for (int64_t t = 0; t < last; t += 16)
     for (int64_t i = 0, first = 1; i < n; i++) {
       if (t >= ends[i]) continue;
       const Query<C, EXACT> q(rows[i]);
-      for (int64_t k = t; k < std::min(ends[i], t + BLOCK); k++) {
-        if (first) prefetch_ahead(rows[i].k + k * rows[i].ks, rows[i].ks, k, T, rows[i].D * 4);
-        p[i * T + k] = score_one(rows[i], q, k);
-        top[i] = std::max(top[i], p[i * T + k]);
+      if constexpr (C <= 8) {
+        const __m512 s = scores16<C>(rows[i], q.qv, q.qm, t, ends[i], first);
+        store16(p + i * T, t, ends[i], s);
+        top[i] = std::max(top[i], _mm512_reduce_max_ps(s));
+      } else {
+        for (int64_t k = t; k < std::min(ends[i], t + 16); k++) {
+          if (first) prefetch_ahead(rows[i].k + k * rows[i].ks, rows[i].ks, k, T, rows[i].D * 4);
+          p[i * T + k] = score_one(rows[i], q, k);
+          top[i] = std::max(top[i], p[i * T + k]);
+        }
       }
       first = 0;
     }
@@ -979,10 +951,10 @@ void attend_many_wide(const AttnRow* rows, float* const* ys, int64_t n, float* p
   auto& out = sums_scratch<C>();
   out.assign(n, Sums<C>());
   const Query<C, EXACT> shape(rows[0]);  // the value masks (every query has the same head sizes)
-  for (int64_t t = 0; t < last; t += BLOCK)
+  for (int64_t t = 0; t < last; t += VALUES)
     for (int64_t i = 0, first = 1; i < n; i++)
       if (t < ends[i]) {
-        out[i].add(rows[i], p + i * T, t, std::min(t + BLOCK, ends[i]), shape.vm, first);
+        out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), shape.vm, first);
         first = 0;
       }
   for (int64_t i = 0; i < n; i++) out[i].store(ys[i], shape.vm, sums[i]);
@@ -1015,11 +987,11 @@ void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float*
     } else if (m == 1) {
       attend_avx512(*r, p, *y);
     } else if (a.D == a.Dv && a.D == 256) {
-      attend_many_wide<16, true>(r, y, m, p);
+      attend_many_chunks<16, true>(r, y, m, p);
     } else if (chunks <= 16) {
-      attend_many_wide<16, false>(r, y, m, p);
+      attend_many_chunks<16, false>(r, y, m, p);
     } else if (chunks <= 32) {
-      attend_many_wide<32, false>(r, y, m, p);
+      attend_many_chunks<32, false>(r, y, m, p);
     } else {
       attend_each<attend_avx512>(r, y, m, p);
     }
