@@ -30,12 +30,14 @@ if TYPE_CHECKING:
     from turbospark_core.rope import Rope
 
 OFF_ENV = "TURBOSPARK_NATIVE"
+OFF_WORDS = frozenset({"0", "off", "false", "no"})
+"""The values of an environment switch that turn it off (here and in :mod:`turbospark_core.placement`)."""
 BITS = frozenset({2, 3, 4, 5, 6, 8})
 MLX_VERSION: str = mx.__version__  # type: ignore[attr-defined]  # the stubs omit it
 
 
 def _load() -> tuple[ModuleType | None, str]:
-    if os.environ.get(OFF_ENV, "1").lower() in {"0", "off", "false", "no"}:
+    if os.environ.get(OFF_ENV, "1").lower() in OFF_WORDS:
         return None, f"native kernels off ({OFF_ENV}=0)"
     try:
         _qmm = importlib.import_module("turbospark_core._native._qmm")

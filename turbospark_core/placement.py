@@ -108,7 +108,7 @@ def huge_page_setting() -> str:
 def _setting() -> str:
     """``TURBOSPARK_HUGE_PAGES``: ``0`` never, ``1`` whatever it takes, otherwise within the budget."""
     value = os.environ.get(ENV, "auto").lower()
-    if value in {"0", "off", "false", "no"}:
+    if value in native.OFF_WORDS:
         return "never"
     return "always" if value in {"1", "on", "true", "yes"} else "auto"
 
