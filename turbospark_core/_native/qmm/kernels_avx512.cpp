@@ -922,32 +922,34 @@ template <int C, bool EXACT>
 void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
   constexpr int64_t MAXQ = 64, VALUES = C <= 8 ? 64 : 16;  // keys a block of values (16 KiB for heads of 256)
   const int64_t T = rows[0].T;
+  __m512 mv[MAXQ];  // each query's largest scores, lane by lane
   int64_t ends[MAXQ], last = 0;
-  float top[MAXQ];
   for (int64_t i = 0; i < n; i++) {
     ends[i] = key_end(rows[i]);
     last = std::max(last, ends[i]);
-    top[i] = -INFINITY;
+    mv[i] = _mm512_set1_ps(-INFINITY);
   }
   for (int64_t t = 0; t < last; t += 16)
     for (int64_t i = 0, first = 1; i < n; i++) {
       if (t >= ends[i]) continue;
       const Query<C, EXACT> q(rows[i]);
+      __m512 s;
       if constexpr (C <= 8) {
-        const __m512 s = scores16<C>(rows[i], q.qv, q.qm, t, ends[i], first);
+        s = scores16<C>(rows[i], q.qv, q.qm, t, ends[i], first);
         store16(p + i * T, t, ends[i], s);
-        top[i] = std::max(top[i], _mm512_reduce_max_ps(s));
       } else {
-        for (int64_t k = t; k < std::min(ends[i], t + 16); k++) {
+        const int64_t end = std::min(ends[i], t + 16);
+        for (int64_t k = t; k < end; k++) {
           if (first) prefetch_ahead(rows[i].k + k * rows[i].ks, rows[i].ks, k, T, rows[i].D * 4);
           p[i * T + k] = score_one(rows[i], q, k);
-          top[i] = std::max(top[i], p[i * T + k]);
         }
+        s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail16(t, end), p + i * T + t);
       }
+      mv[i] = _mm512_max_ps(mv[i], s);
       first = 0;
     }
   float sums[MAXQ];
-  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * T, ends[i], top[i]);
+  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * T, ends[i], _mm512_reduce_max_ps(mv[i]));
   auto& out = sums_scratch<C>();
   out.assign(n, Sums<C>());
   const Query<C, EXACT> shape(rows[0]);  // the value masks (every query has the same head sizes)
