@@ -430,6 +430,11 @@ void check(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("quantized_matmul: " + msg);
 }
 
+// The same with the message made only on failure, for the checks a decode step makes every time
+void check(bool ok, const std::string& what, const char* msg) {
+  if (!ok) throw std::invalid_argument("quantized_matmul: " + what + msg);
+}
+
 // The arguments' layout, as the dense and the gathered product both take it; whether it is mxfp4.
 bool check_layout(const mx::array& scales, const std::optional<mx::array>& biases, int group_size, int bits,
                   const std::string& mode) {
@@ -1446,16 +1451,57 @@ struct LayerConfig {
   bool operator==(const LayerConfig&) const = default;
 };
 
+// A layer's own arrays (in_norm, mlp_norm, [post_attn], [post_mlp], [q_norm, k_norm], freqs, then each
+// matrix's w, scales, [biases]), held by its op and by every step's primitive rather than passed as
+// inputs: each input of a step's graph had cost MLX's async_eval ~1.2 us on the thread building the
+// next step (0.6 ms a SmolLM2 step). Evaluated (row-contiguous) at the layer's first step, then read
+// through the pointers set here: a step makes no views of them.
+struct LayerArrays {
+  std::vector<mx::array> arrays;
+  const float *in_norm = nullptr, *mlp_norm = nullptr, *post_attn = nullptr, *post_mlp = nullptr;
+  const float *q_norm = nullptr, *k_norm = nullptr, *freqs = nullptr;
+  std::array<QMat, kMaxLayerMats> mats{};
+
+  // evaluate the arrays and set the pointers (once, before the first step's primitive is made)
+  void ready(const LayerConfig& c) {
+    mx::eval(arrays);
+    for (auto& a : arrays)
+      if (!a.flags().row_contiguous) a = mx::contiguous(a);
+    mx::eval(arrays);
+    size_t i = 0;
+    auto next = [&] { return arrays[i++].data<float>(); };
+    in_norm = next();
+    mlp_norm = next();
+    post_attn = c.post_attn ? next() : nullptr;
+    post_mlp = c.post_mlp ? next() : nullptr;
+    q_norm = c.qk_norm ? next() : nullptr;
+    k_norm = c.qk_norm ? next() : nullptr;
+    freqs = next();
+    for (int m = 0; m < c.mats; m++) {
+      const MatLayout& l = c.layout[m];
+      const mx::array &w = arrays[i], &scales = arrays[i + 1];
+      QMat& q = mats[m];
+      q.w = w.data<uint8_t>();
+      q.scales = scales.data<void>();
+      q.biases = l.biases ? arrays[i + 2].data<void>() : nullptr;
+      q.scale_type = scale_type(scales.dtype());
+      q.N = w.shape(0);
+      q.K = (int64_t)w.shape(1) * 32 / l.bits;
+      q.group = l.group;
+      q.bits = l.bits;
+      q.fp4 = l.fp4;
+      i += l.biases ? 3 : 2;
+    }
+  }
+};
+
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream s, LayerConfig c, std::shared_ptr<const std::vector<mx::array>> held)
+  DecoderLayer(mx::Stream s, LayerConfig c, std::shared_ptr<const LayerArrays> held)
       : mx::Primitive(s), c_(c), held_(std::move(held)) {}
 
   // inputs: x, [each row's position int32 [B] and the mask bool [B, Hq, L, T]], then the key and
-  // value buffers. The layer's own arrays (in_norm, mlp_norm, [post_attn weight], [post_mlp weight],
-  // [q_norm, k_norm], freqs, then each matrix's w, scales, [biases]; evaluated at the layer's first
-  // step) are held here rather than passed as inputs: each input of a step's graph had cost MLX's
-  // async_eval ~1.2 us on the thread building the next step (0.6 ms a SmolLM2 step)
+  // value buffers (the layer's own arrays are held: LayerArrays)
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
@@ -1465,47 +1511,17 @@ class DecoderLayer : public mx::Primitive {
     const size_t nb = inputs.size() - 2;
     std::optional<View> from[2] = {take_buffer(inputs[nb], outputs[1]), take_buffer(inputs[nb + 1], outputs[2])};
     for (auto& o : outputs) enc.set_output_array(o);
-    // x, then the held arrays: the order the body reads them in
-    const std::vector<mx::array>& held = *held_;
-    auto layer = [&](size_t i) -> const mx::array& { return i == 0 ? inputs[0] : held[i - 1]; };
-    std::vector<Dense> in;
-    for (size_t i = 0; i <= held.size(); i++) in.emplace_back(layer(i));
     const MaskView mask = c_.rows ? mask_of(inputs[2]) : MaskView{};  // read through its (broadcast) strides
     std::optional<Dense> positions;
     if (c_.rows) positions.emplace(inputs[1]);
-    std::array<QMat, kMaxLayerMats> mats{};
-    std::array<size_t, kMaxLayerMats> at{};  // each matrix's first array
-    for (size_t m = 0, i = first_mat(); m < (size_t)c_.mats; m++) {
-      const MatLayout& l = c_.layout[m];
-      const auto& w = layer(i);
-      at[m] = i;
-      mats[m].scale_type = scale_type(layer(i + 1).dtype());
-      mats[m].N = w.shape(0);
-      mats[m].K = (int64_t)w.shape(1) * 32 / l.bits;
-      mats[m].group = l.group;
-      mats[m].bits = l.bits;
-      mats[m].fp4 = l.fp4;
-      i += l.biases ? 3 : 2;
-    }
     const auto& x = inputs[0];
-    enc.dispatch([in = std::move(in), mats, at, c = c_, from_k = from[0], from_v = from[1], mask, positions,
+    enc.dispatch([held = held_, xd = Dense(x), c = c_, from_k = from[0], from_v = from[1], mask, positions,
                   y = outputs[0].data<float>(), kb = outputs[1].data<float>(), vb = outputs[2].data<float>(),
                   B = (int64_t)x.shape(0), L = (int64_t)x.shape(1), Dm = (int64_t)x.shape(2),
                   S = (int64_t)outputs[1].shape(2), D = (int64_t)outputs[1].shape(3),
                   Dv = (int64_t)outputs[2].shape(3)]() mutable {
-      auto f = [&](size_t i) { return reinterpret_cast<const float*>(in[i].get()); };
-      for (int m = 0; m < c.mats; m++) {
-        mats[m].w = in[at[m]].get();
-        mats[m].scales = in[at[m] + 1].get();
-        mats[m].biases = c.layout[m].biases ? in[at[m] + 2].get() : nullptr;
-      }
-      size_t i = 3;
-      const float* post_attn = c.post_attn ? f(i++) : nullptr;
-      const float* post_mlp = c.post_mlp ? f(i++) : nullptr;
-      const float* qn = c.qk_norm ? f(i++) : nullptr;
-      const float* kn = c.qk_norm ? f(i++) : nullptr;
-      const float* freqs = f(i);
-      const float* xp = f(0);
+      const auto& mats = held->mats;
+      const float* xp = reinterpret_cast<const float*>(xd.get());
       const int np = c.projections;
       const QMat &o = mats[np], &gu = mats[np + 1], &down = mats[np + 2];
       const QMat* next = c.mats > np + 3 ? &mats[np + 3] : nullptr;
@@ -1521,12 +1537,12 @@ class DecoderLayer : public mx::Primitive {
       const float* src[3];
       int64_t stride[3];
       if (np == 1) {
-        run_product(mats[0], xp, M, proj.data(), nullptr, normed, f(1), nullptr, &o);
+        run_product(mats[0], xp, M, proj.data(), nullptr, normed, held->in_norm, nullptr, &o);
         src[0] = proj.data(), src[1] = src[0] + hq * D, src[2] = src[0] + (hq + hkv) * D;
         stride[0] = stride[1] = stride[2] = width;
       } else {
         Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
-        normalize_rows(xp, Dm, f(1), xn.data(), M, Dm, c.eps);
+        normalize_rows(xp, Dm, held->in_norm, xn.data(), M, Dm, c.eps);
         float* dst = proj.data();
         for (int j = 0; j < 3; j++) {
           run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
@@ -1541,8 +1557,8 @@ class DecoderLayer : public mx::Primitive {
       // positions: the column written (a single sequence's), or each row's own (a batch's, then masked)
       const int32_t column = (int32_t)c.offset;
       const int32_t* pos = positions ? reinterpret_cast<const int32_t*>(positions->get()) : &column;
-      rope_heads_rows(src, stride, pos, c.rows ? B : 1, freqs, qn, kn, c.eps, q.data(), kb, vb, S, c.offset, B, L, D,
-                      Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
+      rope_heads_rows(src, stride, pos, c.rows ? B : 1, held->freqs, held->q_norm, held->k_norm, c.eps, q.data(), kb,
+                      vb, S, c.offset, B, L, D, Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
       const View qv{q.data(), hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1},
           vv{vb, hkv * S * Dv, S * Dv, Dv, 1};
       attention_rows(qv, kv, vv, mask, att.data(), B, hq, L, D, hkv, c.offset + L, Dv, !c.rows, c.scale, true);
@@ -1550,11 +1566,11 @@ class DecoderLayer : public mx::Primitive {
       plus.residual = true;
       plus.post = plus.post_weight = c.post_attn;
       plus.post_eps = c.eps;
-      run_product(o, att.data(), M, h.data(), xp, plus, nullptr, post_attn, &gu);
-      run_product(gu, h.data(), M, gate_up.data(), nullptr, normed, f(2), nullptr, &down);
+      run_product(o, att.data(), M, h.data(), xp, plus, nullptr, held->post_attn, &gu);
+      run_product(gu, h.data(), M, gate_up.data(), nullptr, normed, held->mlp_norm, nullptr, &down);
       plus.prologue = c.activation;
       plus.post = plus.post_weight = c.post_mlp;
-      run_product(down, gate_up.data(), M, y, h.data(), plus, nullptr, post_mlp, next);
+      run_product(down, gate_up.data(), M, y, h.data(), plus, nullptr, held->post_mlp, next);
     });
   }
 
@@ -1574,10 +1590,8 @@ class DecoderLayer : public mx::Primitive {
   }
 
  private:
-  // where the matrices' inputs start: after x, the two norms, the optional norms and freqs
-  size_t first_mat() const { return 4 + (c_.post_attn ? 1 : 0) + (c_.post_mlp ? 1 : 0) + (c_.qk_norm ? 2 : 0); }
   LayerConfig c_;
-  std::shared_ptr<const std::vector<mx::array>> held_;
+  std::shared_ptr<const LayerArrays> held_;
 };
 
 // A layer's DecoderLayer steps: its weights and settings checked and held once, then each step made
@@ -1668,7 +1682,7 @@ class DecoderLayerOp {
       held.push_back(scales[m]);
       if (biases[m]) held.push_back(*biases[m]);
     }
-    held_ = std::make_shared<const std::vector<mx::array>>(std::move(held));
+    held_->arrays = std::move(held);
   }
 
   // The step of x [B, L, hidden] with the cache's buffers [B, kv_heads, S, D], its rows going to column
@@ -1678,32 +1692,31 @@ class DecoderLayerOp {
   std::vector<mx::array> operator()(const mx::array& x, const mx::array& k_buf, const mx::array& v_buf,
                                     int64_t offset, const std::optional<mx::array>& positions,
                                     const std::optional<mx::array>& mask) const {
-    check(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(2) == Dm_, what_ + "x must be float32 [B, L, hidden]");
+    check(x.ndim() == 3 && x.dtype() == mx::float32 && x.shape(2) == Dm_, what_, "x must be float32 [B, L, hidden]");
     const int64_t heads[2] = {D_, Dv_};
     for (int i = 0; i < 2; i++) {
       const auto& a = i == 0 ? k_buf : v_buf;
       check(a.ndim() == 4 && a.dtype() == mx::float32 && a.shape(0) == x.shape(0) && a.shape(1) == c_.hkv &&
                 a.shape(3) == heads[i],
-            what_ + "the cache buffers must be float32 [B, kv_heads, S, head_dim]");
+            what_, "the cache buffers must be float32 [B, kv_heads, S, head_dim]");
     }
     const int64_t L = x.shape(1);
-    check(L >= 1 && L <= 65536, what_ + "1 to 65536 tokens per row");
+    check(L >= 1 && L <= 65536, what_, "1 to 65536 tokens per row");
     check(offset >= 0 && offset + L <= k_buf.shape(2) && k_buf.shape(2) == v_buf.shape(2),
-          what_ + "the buffers must have room for the new rows at offset");
-    check(!positions == !mask, what_ + "pass a batch's positions and mask together, or neither");
+          what_, "the buffers must have room for the new rows at offset");
+    check(!positions == !mask, what_, "pass a batch's positions and mask together, or neither");
     LayerConfig c = c_;
     c.offset = offset;
     c.rows = positions.has_value();
-    // the op reads its arrays at every step without taking them as inputs: evaluated once, here
-    std::call_once(*evaluated_, [&] { mx::eval(*held_); });
+    std::call_once(*evaluated_, [&] { held_->ready(c_); });
     std::vector<mx::array> inputs = {x};
     if (positions) {
       auto s = mx::default_stream(mx::Device::cpu);
       const int B = x.shape(0), T = (int)(offset + L);
       check(positions->dtype() == mx::int32 && positions->ndim() == 1 && positions->shape(0) == B,
-            what_ + "positions must be int32 [B]");
+            what_, "positions must be int32 [B]");
       check(mask->dtype() == mx::bool_ && mask->ndim() == 4 && mask->shape(-1) == T && mask->shape(-2) == L,
-            what_ + "the mask must be boolean [B, 1 or heads, L, offset + L]");
+            what_, "the mask must be boolean [B, 1 or heads, L, offset + L]");
       inputs.push_back(*positions);
       inputs.push_back(mx::broadcast_to(*mask, {B, c.hq, (int)L, T}, s));
     }
@@ -1716,7 +1729,7 @@ class DecoderLayerOp {
  private:
   inline static const std::string what_ = "decoder_layer: ";
   LayerConfig c_;
-  std::shared_ptr<const std::vector<mx::array>> held_;  // what the op reads after x: norms, freqs, matrices
+  std::shared_ptr<LayerArrays> held_ = std::make_shared<LayerArrays>();  // ready at the first step
   std::shared_ptr<std::once_flag> evaluated_ = std::make_shared<std::once_flag>();
   int64_t Dm_ = 0, D_ = 0, Dv_ = 0;
 };
