@@ -406,6 +406,34 @@ def test_fused_layer_steps_equal_the_parts_and_write_the_cache_in_place(ring: bo
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
+def test_fused_layer_reads_strided_weights_as_the_values_they_show() -> None:
+    """Norms and matrices handed over as strided views (every other element of a stack) step as the originals."""
+    from turbospark_core.cache_spec import CacheSpec
+    from turbospark_core.kv_cache import KVCache
+
+    def strided(a: mx.array) -> mx.array:
+        return mx.stack([a, a], axis=-1)[..., 0]
+
+    p = _decoder_parts()
+    down = p["down"]
+    views = {
+        **p, "input_norm": strided(p["input_norm"]), "mlp_norm": strided(p["mlp_norm"]),
+        "down": Linear(strided(down.weight), quant=down.quant, scales=strided(down.scales),
+                       biases=strided(down.biases)),
+    }  # fmt: skip
+    fused = layers.fused_layer(**views)
+    assert fused is not None
+    spec = CacheSpec(n_kv_heads=2, head_dim=16)
+    a, b = KVCache(spec, 100, mx.float32), KVCache(spec, 100, mx.float32)
+    xs = _normal((1, 6, 64), 41)
+    for start, end in [(0, 3), (3, 4), (4, 5), (5, 6)]:
+        got, want = fused(xs[:, start:end], a), _decoder_step_in_parts(p, xs[:, start:end], b)
+        assert got is not None
+        mx.eval(got, want)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
 def test_fused_layer_declines_what_it_cannot_run() -> None:
     from turbospark_core.cache_spec import CacheSpec
     from turbospark_core.kv_cache import KVCache
