@@ -1461,7 +1461,8 @@ struct LayerConfig {
 // matrix's w, scales, [biases]), held by its op and by every step's primitive rather than passed as
 // inputs: each input of a step's graph had cost MLX's async_eval ~1.2 us on the thread building the
 // next step (0.6 ms a SmolLM2 step). Evaluated (row-contiguous) at the layer's first step, then read
-// through the pointers set here: a step makes no views of them.
+// through the pointers set here: a step makes no views of them. (The open moves weights onto huge
+// pages before any step, placement.py, so the pointers stay those of the arrays' data.)
 struct LayerArrays {
   std::vector<mx::array> arrays;
   const float *in_norm = nullptr, *mlp_norm = nullptr, *post_attn = nullptr, *post_mlp = nullptr;
