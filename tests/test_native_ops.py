@@ -147,9 +147,9 @@ def test_decode_attention_does_not_depend_on_padding() -> None:
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("queries", [1, 3])
 def test_a_row_is_the_same_alone_or_in_a_batch(head_dim: int, queries: int) -> None:
-    # one kv head: a row alone splits its queries between tasks (both threads), a batch of eight
-    # gives each row's queries to one task; each query gets the same bits either way, and MLX's
-    # result within float32 rounding
+    # one kv head: a row alone splits its keys (scores) and value dims (sums) between the threads
+    # where heads are 256 wide, else its queries; a batch of eight gives each row's queries to one
+    # task; each query gets the same bits either way, and MLX's result within float32 rounding
     kk, kv, kq = mx.random.split(mx.random.key(11), 3)
     k, v = mx.random.normal((1, 1, 300, head_dim), key=kk), mx.random.normal((1, 1, 300, head_dim), key=kv)
     q = mx.random.normal((1, 4, queries, head_dim), key=kq)

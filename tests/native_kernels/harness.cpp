@@ -47,6 +47,8 @@ struct Set {
   RmsNormFn rms_norm;
   GatedFn silu_mul, gelu_tanh_mul;
   KVRowFn kv_row;
+  AttendScoresFn attend_scores = nullptr;  // nullptr: no split attention
+  AttendValuesFn attend_values = nullptr;
 };
 
 // The sets qmm.cpp chooses from on this CPU (the same entries as its tables).
@@ -63,7 +65,7 @@ std::vector<Set> kernel_sets() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       sets.push_back({"avx512", rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, attend_many_avx512, rms_norm_avx512,
-                      silu_mul_avx512, gelu_tanh_mul_avx512, kv_row_avx512});
+                      silu_mul_avx512, gelu_tanh_mul_avx512, kv_row_avx512, attend_scores_avx512, attend_values_avx512});
   }
 #endif
   return sets;
@@ -502,6 +504,41 @@ void check_attention(const std::vector<Set>& sets, int64_t D, int64_t Dv, int64_
   }
 }
 
+// The queries of rows split over threads as attention_rows splits them (their keys in kparts for the
+// scores, their value dims in dparts for the sums; the parts run in reverse order): each query's
+// result has the bits it gets alone, or the set declines the head's sizes and writes nothing.
+void check_split(const Set& set, const std::vector<AttnRow>& rows, const std::vector<float>& alone,
+                 const std::string& ctx) {
+  const int64_t n = (int64_t)rows.size(), T = rows[0].T, Dv = rows[0].Dv;
+  Tally& t = report.at(fmt("%s attention: split as each alone", set.name));
+  for (int64_t kparts : {1, 2, 3})
+    for (int64_t dparts : {1, 2, 3}) {
+      if (dparts > 1 && Dv < 16 * dparts) continue;
+      auto boundary = [](int64_t size, int64_t j, int64_t of) { return j == of ? size : size / 16 * j / of * 16; };
+      std::vector<float> p((size_t)(n * T), NAN), tops((size_t)(kparts * n)), e((size_t)(n * T)),
+          got((size_t)(n * Dv), NAN);
+      std::vector<float*> ys;
+      for (int64_t i = 0; i < n; i++) ys.push_back(got.data() + i * Dv);
+      bool ok = true;
+      for (int64_t k = kparts - 1; k >= 0; k--)
+        ok = set.attend_scores(rows.data(), n, boundary(T, k, kparts), boundary(T, k + 1, kparts), p.data(),
+                               tops.data() + k * n) && ok;
+      if (!ok) {  // declined: heads over 512 only
+        t.checks++;
+        if (std::max(rows[0].D, Dv) <= 512) fail(t, ctx + ": split scores declined");
+        continue;
+      }
+      std::vector<float> top((size_t)n, -INFINITY);
+      for (int64_t k = 0; k < kparts; k++)
+        for (int64_t i = 0; i < n; i++) top[i] = std::max(top[i], tops[k * n + i]);
+      for (int64_t d = dparts - 1; d >= 0; d--)
+        ok = set.attend_values(rows.data(), ys.data(), n, p.data(), top.data(), boundary(Dv, d, dparts),
+                               boundary(Dv, d + 1, dparts), e.data()) && ok;
+      same_bits(t, fmt("%s, keys in %lld, dims in %lld", ctx.c_str(), (long long)kparts, (long long)dparts),
+                got.data(), alone.data(), n * Dv);
+    }
+}
+
 // Queries sharing one head's keys (each its own query, causal limit, and for mode 1 the mask):
 // answered together they get the bits each gets alone (70 queries: more than one pass of 64).
 void check_attention_many(const std::vector<Set>& sets, int64_t D, int64_t Dv, int64_t T, int mode) {
@@ -527,6 +564,7 @@ void check_attention_many(const std::vector<Set>& sets, int64_t D, int64_t Dv, i
     set.attend_many(rows.data(), ys.data(), n, p.data());
     same_bits(report.at(fmt("%s attention: many queries as each alone", set.name)), ctx, together.data(), alone.data(),
               n * Dv);
+    if (set.attend_scores != nullptr && n <= 64) check_split(set, rows, alone, ctx);
   }
 }
 

@@ -71,6 +71,16 @@ using AttendFn = void (*)(const AttnRow&, float* p, float* y);
 // scale; each has its own q, mask and visible): ys[i] gets exactly what attend(rows[i]) gives.
 // p is scratch for n * T scores. A set without its own kernel answers them one by one.
 using AttendManyFn = void (*)(const AttnRow* rows, float* const* ys, int64_t n, float* p);
+// A few queries split over threads (a decode step with fewer kv heads than threads): each part of
+// the keys scored apart, each part of the value dims summed apart, every query's result bit for bit
+// what attend_many gives it. Scores: keys [t0, t1) (t0 a multiple of 16) of rows[i] into p + i * T
+// (-inf where hidden), the largest of them into top[i] (-inf: none). Values: dims [d0, d1) of
+// ys[i] (d0 a multiple of 16, d1 too or the head's end) from the scores of all keys in p and each
+// query's largest score top[i]; e is scratch for n * T weights. Both false where the head's sizes
+// have no such kernel (nothing written).
+using AttendScoresFn = bool (*)(const AttnRow* rows, int64_t n, int64_t t0, int64_t t1, float* p, float* top);
+using AttendValuesFn = bool (*)(const AttnRow* rows, float* const* ys, int64_t n, const float* p, const float* top,
+                                int64_t d0, int64_t d1, float* e);
 template <AttendFn F>
 void attend_each(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
   for (int64_t i = 0; i < n; i++) F(rows[i], p, ys[i]);
@@ -96,6 +106,8 @@ void attend_avx512(const AttnRow&, float*, float*);
 // AVX-512: heads up to 128 wide score each block of sixteen keys for all n queries while the block
 // is in the core's cache, and add each block of values to every query's output likewise.
 void attend_many_avx512(const AttnRow*, float* const*, int64_t, float*);
+bool attend_scores_avx512(const AttnRow*, int64_t, int64_t, int64_t, float*, float*);
+bool attend_values_avx512(const AttnRow*, float* const*, int64_t, const float*, const float*, int64_t, int64_t, float*);
 void rms_norm_avx2(const float*, int64_t, const float*, float*, int64_t, int64_t, float);
 void silu_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 void gelu_tanh_mul_avx2(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);

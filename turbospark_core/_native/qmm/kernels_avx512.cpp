@@ -809,9 +809,9 @@ inline float exponentials(float* p, int64_t end, float m) {
 // A query's output sums: weighted value rows added in key order, the live keys taken in turn by
 // two sets of accumulators (by their count, not their position, so padding moves no key to the
 // other set; two chains hide the add's latency). Heads wider than 128 use one set (registers).
-template <int C>
+template <int C, bool TWO_SETS = (C <= 8)>
 struct Sums {
-  static constexpr bool TWO = C <= 8;
+  static constexpr bool TWO = TWO_SETS;
   __m512 y[TWO ? 2 : 1][C];
   bool odd = false;
   Sums() {
@@ -906,30 +906,22 @@ void attend_chunks(const AttnRow& a, float* p, float* y) {
   out.store(y, q.vm, sum);
 }
 
-template <int C>
-std::vector<Sums<C>, Aligned64<Sums<C>>>& sums_scratch() {
-  thread_local std::vector<Sums<C>, Aligned64<Sums<C>>> v;
+template <int C, bool TWO>
+std::vector<Sums<C, TWO>, Aligned64<Sums<C, TWO>>>& sums_scratch() {
+  thread_local std::vector<Sums<C, TWO>, Aligned64<Sums<C, TWO>>> v;
   return v;
 }
 
-// Up to 64 queries of one head, each with the arithmetic of one query alone (heads up to 128:
-// sixteen keys scored per reduction, as attend_many_avx512 scores a lone query; wider heads: key
-// by key, as attend_chunks), in an order that reads each block of keys and values from memory once
-// for all of them (the first query over a block prefetches ahead). Heads of 256, one core of Zen 4,
-// 16 positions of 4 heads over 512 keys (a prefill chunk's task): 896 -> 643 us against one query
-// at a time.
+constexpr int64_t MANY = 64;  // queries a pass of attend_many_chunks
+
+// The scores of keys [t0, t1) (t0 a multiple of sixteen) of n queries over one head into p + i T
+// (-inf where hidden), and lane by lane each query's largest into mv[i]: sixteen keys at a time
+// for all the queries (heads up to 128: one reduction for the sixteen, as a lone query's
+// scores16; wider heads key by key, score_one). The first query over a block prefetches ahead.
 template <int C, bool EXACT>
-void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
-  constexpr int64_t MAXQ = 64, VALUES = C <= 8 ? 64 : 16;  // keys a block of values (16 KiB for heads of 256)
+void score_keys(const AttnRow* rows, const int64_t* ends, int64_t n, int64_t t0, int64_t t1, float* p, __m512* mv) {
   const int64_t T = rows[0].T;
-  __m512 mv[MAXQ];  // each query's largest scores, lane by lane
-  int64_t ends[MAXQ], last = 0;
-  for (int64_t i = 0; i < n; i++) {
-    ends[i] = key_end(rows[i]);
-    last = std::max(last, ends[i]);
-    mv[i] = _mm512_set1_ps(-INFINITY);
-  }
-  for (int64_t t = 0; t < last; t += 16)
+  for (int64_t t = t0; t < t1; t += 16)
     for (int64_t i = 0, first = 1; i < n; i++) {
       if (t >= ends[i]) continue;
       const Query<C, EXACT> q(rows[i]);
@@ -948,18 +940,47 @@ void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float*
       mv[i] = _mm512_max_ps(mv[i], s);
       first = 0;
     }
-  float sums[MAXQ];
-  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * T, ends[i], _mm512_reduce_max_ps(mv[i]));
-  auto& out = sums_scratch<C>();
-  out.assign(n, Sums<C>());
-  const Query<C, EXACT> shape(rows[0]);  // the value masks (every query has the same head sizes)
+}
+
+// ys[i][0, 16 C) = each query's values weighted by its exponentials p + i T over keys [0, ends[i]),
+// divided by sums[i], in blocks of keys read once for all the queries (rows' v, vs and Dv: the
+// dims summed, which may be a part of the head; TWO: the whole head's sets of accumulators).
+template <int C, bool TWO>
+void value_sums(const AttnRow* rows, float* const* ys, const int64_t* ends, int64_t n, const float* p,
+                const float* sums) {
+  constexpr int64_t VALUES = TWO ? 64 : 16;  // keys a block of values (16 KiB for heads of 256)
+  const int64_t T = rows[0].T, last = *std::max_element(ends, ends + n);
+  __mmask16 vm[C];
+  for (int c = 0; c < C; c++) vm[c] = chunk_mask(c, rows[0].Dv);
+  auto& out = sums_scratch<C, TWO>();
+  out.assign(n, Sums<C, TWO>());
   for (int64_t t = 0; t < last; t += VALUES)
     for (int64_t i = 0, first = 1; i < n; i++)
       if (t < ends[i]) {
-        out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), shape.vm, first);
+        out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), vm, first);
         first = 0;
       }
-  for (int64_t i = 0; i < n; i++) out[i].store(ys[i], shape.vm, sums[i]);
+  for (int64_t i = 0; i < n; i++) out[i].store(ys[i], vm, sums[i]);
+}
+
+// Up to 64 queries of one head, each with the arithmetic of one query alone (heads up to 128:
+// sixteen keys scored per reduction, as attend_many_avx512 scores a lone query; wider heads: key
+// by key, as attend_chunks), in an order that reads each block of keys and values from memory once
+// for all of them (the first query over a block prefetches ahead). Heads of 256, one core of Zen 4,
+// 16 positions of 4 heads over 512 keys (a prefill chunk's task): 896 -> 643 us against one query
+// at a time.
+template <int C, bool EXACT>
+void attend_many_chunks(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
+  __m512 mv[MANY];  // each query's largest scores, lane by lane
+  int64_t ends[MANY];
+  for (int64_t i = 0; i < n; i++) {
+    ends[i] = key_end(rows[i]);
+    mv[i] = _mm512_set1_ps(-INFINITY);
+  }
+  score_keys<C, EXACT>(rows, ends, n, 0, *std::max_element(ends, ends + n), p, mv);
+  float sums[MANY];
+  for (int64_t i = 0; i < n; i++) sums[i] = exponentials(p + i * rows[0].T, ends[i], _mm512_reduce_max_ps(mv[i]));
+  value_sums<C, C <= 8>(rows, ys, ends, n, p, sums);
 }
 
 void attend_avx512(const AttnRow& a, float* p, float* y) {
@@ -971,33 +992,94 @@ void attend_avx512(const AttnRow& a, float* p, float* y) {
   attend_scalar(a, p, y);
 }
 
-void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
-  const AttnRow& a = rows[0];
+// f.template operator()<C, EXACT>() with attend_many_avx512's registers for a head's sizes: C chunks
+// of sixteen (EXACT: both sizes 16 C); false for heads over 512 (no chunked kernel: key by key).
+template <class F>
+bool by_chunks(const AttnRow& a, F&& f) {
   const int64_t chunks = (std::max(a.D, a.Dv) + 15) / 16;
-  for (int64_t i0 = 0; i0 < n; i0 += 64) {
-    const int64_t m = std::min<int64_t>(64, n - i0);
+  if (a.D == a.Dv && a.D == 64) {
+    f.template operator()<4, true>();
+  } else if (a.D == a.Dv && a.D == 128) {
+    f.template operator()<8, true>();
+  } else if (chunks <= 4) {
+    f.template operator()<4, false>();
+  } else if (chunks <= 8) {
+    f.template operator()<8, false>();
+  } else if (a.D == a.Dv && a.D == 256) {
+    f.template operator()<16, true>();
+  } else if (chunks <= 16) {
+    f.template operator()<16, false>();
+  } else if (chunks <= 32) {
+    f.template operator()<32, false>();
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float* p) {
+  const int64_t chunks = (std::max(rows[0].D, rows[0].Dv) + 15) / 16;
+  for (int64_t i0 = 0; i0 < n; i0 += MANY) {
+    const int64_t m = std::min<int64_t>(MANY, n - i0);
     const AttnRow* r = rows + i0;
     float* const* y = ys + i0;
-    if (a.D == a.Dv && a.D == 64) {
-      attend_many_chunks<4, true>(r, y, m, p);
-    } else if (a.D == a.Dv && a.D == 128) {
-      attend_many_chunks<8, true>(r, y, m, p);
-    } else if (chunks <= 4) {
-      attend_many_chunks<4, false>(r, y, m, p);
-    } else if (chunks <= 8) {
-      attend_many_chunks<8, false>(r, y, m, p);
-    } else if (m == 1) {
+    if (m == 1 && chunks > 8) {
       attend_avx512(*r, p, *y);
-    } else if (a.D == a.Dv && a.D == 256) {
-      attend_many_chunks<16, true>(r, y, m, p);
-    } else if (chunks <= 16) {
-      attend_many_chunks<16, false>(r, y, m, p);
-    } else if (chunks <= 32) {
-      attend_many_chunks<32, false>(r, y, m, p);
-    } else {
+    } else if (!by_chunks(*r, [&]<int C, bool EXACT>() { attend_many_chunks<C, EXACT>(r, y, m, p); })) {
       attend_each<attend_avx512>(r, y, m, p);
     }
   }
+}
+
+bool attend_scores_avx512(const AttnRow* rows, int64_t n, int64_t t0, int64_t t1, float* p, float* top) {
+  int64_t ends[MANY];
+  __m512 mv[MANY];
+  for (int64_t i = 0; i < n; i++) {
+    ends[i] = std::min(key_end(rows[i]), t1);
+    mv[i] = _mm512_set1_ps(-INFINITY);
+  }
+  const int64_t last = *std::max_element(ends, ends + n);
+  const bool done = n <= MANY && t0 % 16 == 0 &&
+                    by_chunks(rows[0], [&]<int C, bool EXACT>() { score_keys<C, EXACT>(rows, ends, n, t0, last, p, mv); });
+  for (int64_t i = 0; i < n && done; i++) top[i] = _mm512_reduce_max_ps(mv[i]);
+  return done;
+}
+
+bool attend_values_avx512(const AttnRow* rows, float* const* ys, int64_t n, const float* p, const float* top,
+                          int64_t d0, int64_t d1, float* e) {
+  if (n > MANY || d0 % 16 != 0 || (d1 % 16 != 0 && d1 != rows[0].Dv)) return false;
+  const int64_t T = rows[0].T;
+  int64_t ends[MANY];
+  float sums[MANY];
+  AttnRow part[MANY];
+  float* outs[MANY];
+  for (int64_t i = 0; i < n; i++) {
+    ends[i] = key_end(rows[i]);
+    std::copy(p + i * T, p + i * T + ends[i], e + i * T);
+    sums[i] = exponentials(e + i * T, ends[i], top[i]);
+    part[i] = rows[i];
+    part[i].v += d0;
+    part[i].Dv = d1 - d0;
+    outs[i] = ys[i] + d0;
+  }
+  // the dims' chunks in registers of the smallest fitting count, with the whole head's sets of sums
+  const int64_t chunks = (d1 - d0 + 15) / 16;
+  return by_chunks(rows[0], [&]<int C, bool EXACT>() {
+    constexpr bool TWO = C <= 8;
+    if (chunks <= 1) {
+      value_sums<1, TWO>(part, outs, ends, n, e, sums);
+    } else if (chunks <= 2) {
+      value_sums<2, TWO>(part, outs, ends, n, e, sums);
+    } else if (chunks <= 4) {
+      value_sums<4, TWO>(part, outs, ends, n, e, sums);
+    } else if (chunks <= 8) {
+      value_sums<8, TWO>(part, outs, ends, n, e, sums);
+    } else if (chunks <= 16) {
+      value_sums<16, TWO>(part, outs, ends, n, e, sums);
+    } else {
+      value_sums<32, TWO>(part, outs, ends, n, e, sums);
+    }
+  });
 }
 
 // ------------------------------------------------------------ argmax

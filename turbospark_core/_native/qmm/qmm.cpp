@@ -54,6 +54,8 @@ struct Kernels {
   KVRowFn kv_row;
   const char* kernel;
   ArgMaxFn argmax = argmax_scalar;
+  AttendScoresFn attend_scores = nullptr;  // null: no split attention (attention_rows)
+  AttendValuesFn attend_values = nullptr;
 };
 
 constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_each<attend_scalar>, rms_norm_scalar, silu_mul_scalar,
@@ -63,7 +65,8 @@ constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_each<attend_avx2
                        "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
 constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
-                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512", argmax_avx512};
+                         gelu_tanh_mul_avx512, kv_row_avx512, "avx512", argmax_avx512, attend_scores_avx512,
+                         attend_values_avx512};
 #endif
 #if defined(__aarch64__)
 constexpr Kernels NEON{rows_neon, gemm_neon, dequant_neon, attend_each<attend_neon>, rms_norm_neon, silu_mul_neon,
@@ -793,6 +796,64 @@ MaskView mask_of(const mx::array& a) {
   return MaskView{a.data<bool>(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
 }
 
+// keys x head dims x queries from which a group is split (attention_rows)
+constexpr int64_t SPLIT_MIN_WORK = int64_t(1) << 17;
+
+// Whether attention_rows splits each group's keys and value dims over the threads (attend_scores,
+// attend_values) rather than its queries: where the groups do not share out evenly (Gemma 3's decode:
+// one kv head on two threads, each of two tasks had read every key and value: its attention 50-58 ->
+// 43-48 us a layer at ~300 keys, 154-170 -> 139-150 us at ~1000, in place), there are keys
+// enough to pay for a second hand-off, and each part of the value dims is 128 wide or more (a key's
+// weight costs the same however few dims it multiplies: SmolLM2's heads of 64, three kv heads on two
+// threads, went 89-95 -> 111-135 us a layer at 1000 keys when split).
+bool tasks_split(bool dense, int64_t blocks, int64_t groups, int64_t threads, int64_t queries, int64_t T, int64_t D,
+                 int64_t Dv) {
+  const Runtime& rt = runtime();
+  return dense && rt.attend_scores != nullptr && threads > 1 && blocks == 1 && groups % threads != 0 &&
+         queries <= 64 && Dv >= 128 * threads && std::max(D, Dv) <= 512 && T * (D + Dv) * queries >= SPLIT_MIN_WORK;
+}
+
+// Each group's queries: first every part of the keys scored (a task a group and part), then every
+// part of the value dims summed from them (likewise), as many parts as threads; the results are
+// those of attend_many bit for bit. False (nothing written) where the kernels decline the head's sizes.
+template <class Gather>
+bool split_attention(Gather& gather, int64_t n, int64_t groups, int64_t T, int64_t Dv, int64_t parts) {
+  Runtime& rt = runtime();
+  thread_local std::vector<float> score_room, top_room;
+  score_room.resize(groups * n * T);
+  top_room.resize(groups * parts * n);
+  float *const scores = score_room.data(), *const tops = top_room.data();  // the tasks' shared buffers
+  std::atomic<bool> ok{true};
+  auto boundary = [parts](int64_t size, int64_t j) { return j == parts ? size : size / 16 * j / parts * 16; };
+  rt.pool->run(groups * parts, [&](int64_t c) {
+    thread_local std::vector<float> qs;
+    thread_local std::vector<AttnRow> rows;
+    thread_local std::vector<float*> ys;
+    const int64_t at = c / parts, part = c % parts;
+    gather(at, 0, n, qs, rows, ys);
+    if (!rt.attend_scores(rows.data(), n, boundary(T, part), boundary(T, part + 1), scores + at * n * T, tops + c * n))
+      ok = false;
+  });
+  if (!ok) return false;
+  rt.pool->run(groups * parts, [&](int64_t c) {
+    thread_local std::vector<float> qs, e, top;
+    thread_local std::vector<AttnRow> rows;
+    thread_local std::vector<float*> ys;
+    const int64_t at = c / parts, part = c % parts;
+    gather(at, 0, n, qs, rows, ys);
+    top.assign(n, -INFINITY);
+    for (int64_t k = 0; k < parts; k++)
+      for (int64_t i = 0; i < n; i++) top[i] = std::max(top[i], tops[(at * parts + k) * n + i]);
+    e.resize(n * T);
+    if (!rt.attend_values(rows.data(), ys.data(), n, scores + at * n * T, top.data(), boundary(Dv, part),
+                          boundary(Dv, part + 1), e.data()))
+      ok = false;
+  });
+  // the value kernels take every head the score kernels took (a failure here is a bug, not a refusal)
+  if (!ok) throw std::logic_error("turbospark split attention: the value kernels declined a head its scores took");
+  return true;
+}
+
 // softmax(scale * q . k) v for every query l of head h in row b over the first T keys,
 // grouped-query heads sharing keys; causal: query l sees keys t <= T - L + l. k/v are read
 // through their strides (a cache's buffer is not copied). Output merged ([B, L, Hq * Dv]) or not.
@@ -820,22 +881,30 @@ void attention_rows(View qv, View kv, View vv, MaskView m, float* yp, int64_t B,
   const int64_t span = std::clamp<int64_t>((int64_t(1) << 18) / std::max<int64_t>(T * group, 1), 1, 16);
   const int64_t blocks = (L + span - 1) / span, threads = runtime().pool->threads();
   const int64_t groups = B * Hkv * blocks, parts = groups >= threads ? 1 : (threads + groups - 1) / groups;
-  const int64_t tasks = groups * parts;
-  auto task = [&](int64_t c) {
-    thread_local std::vector<float> qs, p;
-    thread_local std::vector<AttnRow> rows;
-    thread_local std::vector<float*> ys;
+  // queries [i0, i1) of group `at` (at most span * group) as rows, q copied dense into qs
+  auto gather = [&](int64_t at, int64_t i0, int64_t i1, std::vector<float>& qs, std::vector<AttnRow>& rows,
+                    std::vector<float*>& ys) {
     rows.clear();
     ys.clear();
-    const int64_t part = c % parts, at = c / parts;
-    const int64_t l0 = (at % blocks) * span, g = (at / blocks) % Hkv, b = at / (blocks * Hkv);
-    const int64_t n = std::min(span, L - l0) * group, i0 = n * part / parts, i1 = n * (part + 1) / parts;
     qs.resize((i1 - i0) * D);
+    const int64_t l0 = (at % blocks) * span, g = (at / blocks) % Hkv, b = at / (blocks * Hkv);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t l = l0 + i / group, h = g * group + i % group;
       rows.push_back(row(b, h, l, qs.data() + rows.size() * D));
       ys.push_back(output(b, h, l));
     }
+  };
+  auto queries = [&](int64_t at) { return std::min(span, L - (at % blocks) * span) * group; };
+  if (tasks_split(dense, blocks, groups, threads, queries(0), T, D, Dv) &&
+      split_attention(gather, queries(0), groups, T, Dv, threads))
+    return;
+  const int64_t tasks = groups * parts;
+  auto task = [&](int64_t c) {
+    thread_local std::vector<float> qs, p;
+    thread_local std::vector<AttnRow> rows;
+    thread_local std::vector<float*> ys;
+    const int64_t part = c % parts, at = c / parts, n = queries(at);
+    gather(at, n * part / parts, n * (part + 1) / parts, qs, rows, ys);
     if (rows.empty()) return;  // more parts than queries
     p.resize(rows.size() * T);
     if (dense) return runtime().attend_many(rows.data(), ys.data(), (int64_t)rows.size(), p.data());
