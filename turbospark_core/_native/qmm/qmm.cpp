@@ -378,9 +378,16 @@ void run_product(const QMat& q, const float* xp, int64_t M, float* yp, const flo
   if (e.post) {  // each row normalized (the same kernel as rms_norm()), then the residual added
     const int64_t N = q.N;
     Scratch normed((size_t)(M * N));
+    float* const np = normed.data();
     over_rows(M, N, [&](int64_t r0, int64_t r1) {
-      runtime().rms_norm(yp + r0 * N, N, post_w, normed.data() + r0 * N, r1 - r0, N, e.post_eps);
-      for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp ? rp[i] + normed.data()[i] : normed.data()[i];
+      runtime().rms_norm(yp + r0 * N, N, post_w, np + r0 * N, r1 - r0, N, e.post_eps);
+      // plain loops over plain pointers, which the compiler vectorizes (the scratch's data() per
+      // element and the residual's test inside the loop had kept it scalar: ~2% of Gemma 3's prefill)
+      if (rp != nullptr) {
+        for (int64_t i = r0 * N; i < r1 * N; i++) yp[i] = rp[i] + np[i];
+      } else {
+        std::memcpy(yp + r0 * N, np + r0 * N, sizeof(float) * (r1 - r0) * N);
+      }
     });
   }
 }
