@@ -819,7 +819,10 @@ struct Sums {
       for (auto& c : set) c = _mm512_setzero_ps();
   }
   // += p[t] v[t] for keys [t0, t1) (a zero weight, masked or underflowed, adds nothing)
-  // (ahead: prefetch rows ahead, for the first query over these rows)
+  // (ahead: prefetch rows ahead, for the first query over these rows; FULL: every chunk of vm is
+  // whole, and the loads go unmasked: the masks had been reloaded from the stack for every chunk
+  // of every key)
+  template <bool FULL>
   void add(const AttnRow& a, const float* p, int64_t t0, int64_t t1, const __mmask16 (&vm)[C], bool ahead = false) {
     __m512 e[C], o[C];  // locals: the sums stay in registers (__m512 may alias the weights)
     for (int c = 0; c < C; c++) {
@@ -831,7 +834,8 @@ struct Sums {
       if (ahead) prefetch_ahead(vr, a.vs, t, a.T, a.Dv * 4);
       const __m512 w = _mm512_set1_ps(p[t]);
 #pragma GCC unroll 32
-      for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(vm[c], vr + c * 16), acc[c]);
+      for (int c = 0; c < C; c++)
+        acc[c] = _mm512_fmadd_ps(w, FULL ? _mm512_loadu_ps(vr + c * 16) : _mm512_maskz_loadu_ps(vm[c], vr + c * 16), acc[c]);
     };
     const __m512i step = _mm512_set1_epi32(16);
     for (int64_t b = t0; b < t1; b += 64) {
@@ -902,7 +906,7 @@ void attend_chunks(const AttnRow& a, float* p, float* y) {
   }
   const float sum = exponentials(p, end, m);
   Sums<C> out;
-  out.add(a, p, 0, end, q.vm);
+  out.template add<EXACT>(a, p, 0, end, q.vm);
   out.store(y, q.vm, sum);
 }
 
@@ -954,12 +958,19 @@ void value_sums(const AttnRow* rows, float* const* ys, const int64_t* ends, int6
   for (int c = 0; c < C; c++) vm[c] = chunk_mask(c, rows[0].Dv);
   auto& out = sums_scratch<C, TWO>();
   out.assign(n, Sums<C, TWO>());
-  for (int64_t t = 0; t < last; t += VALUES)
-    for (int64_t i = 0, first = 1; i < n; i++)
-      if (t < ends[i]) {
-        out[i].add(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), vm, first);
-        first = 0;
-      }
+  auto sum = [&]<bool FULL>() {
+    for (int64_t t = 0; t < last; t += VALUES)
+      for (int64_t i = 0, first = 1; i < n; i++)
+        if (t < ends[i]) {
+          out[i].template add<FULL>(rows[i], p + i * T, t, std::min(t + VALUES, ends[i]), vm, first);
+          first = 0;
+        }
+  };
+  if (rows[0].Dv == 16 * C) {
+    sum.template operator()<true>();
+  } else {
+    sum.template operator()<false>();
+  }
   for (int64_t i = 0; i < n; i++) out[i].store(ys[i], vm, sums[i]);
 }
 
