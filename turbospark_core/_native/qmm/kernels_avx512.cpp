@@ -1043,6 +1043,7 @@ void attend_many_avx512(const AttnRow* rows, float* const* ys, int64_t n, float*
 }
 
 bool attend_scores_avx512(const AttnRow* rows, int64_t n, int64_t t0, int64_t t1, float* p, float* top) {
+  if (n > MANY || t0 % 16 != 0) return false;
   int64_t ends[MANY];
   __m512 mv[MANY];
   for (int64_t i = 0; i < n; i++) {
@@ -1050,8 +1051,8 @@ bool attend_scores_avx512(const AttnRow* rows, int64_t n, int64_t t0, int64_t t1
     mv[i] = _mm512_set1_ps(-INFINITY);
   }
   const int64_t last = *std::max_element(ends, ends + n);
-  const bool done = n <= MANY && t0 % 16 == 0 &&
-                    by_chunks(rows[0], [&]<int C, bool EXACT>() { score_keys<C, EXACT>(rows, ends, n, t0, last, p, mv); });
+  const bool done =
+      by_chunks(rows[0], [&]<int C, bool EXACT>() { score_keys<C, EXACT>(rows, ends, n, t0, last, p, mv); });
   for (int64_t i = 0; i < n && done; i++) top[i] = _mm512_reduce_max_ps(mv[i]);
   return done;
 }
