@@ -420,6 +420,33 @@ def test_cache_attention_writes_the_rows_and_attends_as_decode_attention(length:
     np.testing.assert_array_equal(np.array(out), np.array(ref))
 
 
+
+def _line_offset(a: mx.array) -> int:
+    """Where ``a``'s data starts, in bytes past a 64-byte cache line (the view is dropped on return)."""
+    return int(np.asarray(memoryview(a)).ctypes.data % 64)
+
+
+@needs_native
+def test_cache_buffers_move_onto_a_cache_line_once() -> None:
+    """A buffer MLX allocated (off a cache line: every 64-byte load of a row would straddle two) is moved
+    once onto a line, with its rows; the steps after take the moved buffer over in place; outputs start on a line."""
+    B, Hq, Hkv, D, S = 1, 2, 1, 16, 12
+    bufs = [_normal((B, Hkv, S, D), 6 + i) for i in range(2)]
+    mx.eval(bufs)
+    before = [np.array(b) for b in bufs]
+    if all(_line_offset(b) == 0 for b in bufs):
+        pytest.skip("this MLX allocates on cache lines itself: nothing to move")
+    copies, moved = native.cache_attention_copies(), native.cache_attention_realigned()
+    for offset in range(3):
+        q, k, v = (_normal((B, h, 1, D), 10 * offset + i) for i, h in enumerate((Hq, Hkv, Hkv)))
+        out, *bufs = native.cache_attention(q, k, v, bufs[0], bufs[1], offset, 0.25, merge_heads=True)
+        mx.eval(out, bufs)
+        assert [_line_offset(a) for a in (out, *bufs)] == [0, 0, 0]
+        before[0][:, :, offset], before[1][:, :, offset] = np.array(k)[:, :, 0], np.array(v)[:, :, 0]
+        np.testing.assert_array_equal(np.array(bufs[0]), before[0])
+        np.testing.assert_array_equal(np.array(bufs[1]), before[1])
+        assert native.cache_attention_realigned() == moved + 2  # in the first step only
+    assert native.cache_attention_copies() == copies
 @needs_native
 def test_cache_attention_refusals() -> None:
     q, k = mx.zeros((1, 4, 2, 16)), mx.zeros((1, 2, 2, 16))

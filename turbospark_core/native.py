@@ -303,6 +303,11 @@ def cache_attention_copies() -> int:
     return int(_MODULE.cache_attention_copies()) if _MODULE is not None else 0
 
 
+def cache_attention_realigned() -> int:
+    """How many buffers :func:`cache_attention` moved once onto a cache line (MLX allocated them off one)."""
+    return int(_MODULE.cache_attention_realigned()) if _MODULE is not None else 0
+
+
 QuantizedMatrix = tuple[mx.array, mx.array, mx.array | None, QuantSpec]
 """A matrix as :func:`quantized_matmul` takes it: ``(w, scales, biases, quant)``."""
 

@@ -9,8 +9,30 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
 
 namespace tsq {
+
+// Cache-line aligned storage: a 64-byte load that straddles two lines costs
+// about twice an aligned one, and the small-M kernels are bound by x's loads.
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  bool operator==(const Aligned64&) const { return true; }
+  bool operator!=(const Aligned64&) const { return false; }
+};
+using Floats = std::vector<float, Aligned64<float>>;
 
 enum ScaleType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE8M0 = 3 };  // kE8M0: uint8 exponents 2^(e - 127) (mxfp4)
 

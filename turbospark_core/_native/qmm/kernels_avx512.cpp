@@ -140,29 +140,11 @@ void to_f32(const void* p, int type, int64_t first, int64_t n, float* out) {
   }
 }
 
-// Cache-line aligned storage: a 64-byte load that straddles two lines costs
-// about twice an aligned one, and the small-M kernels are bound by x's loads.
-template <class T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <class U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(std::size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-    if (p == nullptr) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, std::size_t) { std::free(p); }
-  bool operator==(const Aligned64&) const { return true; }
-  bool operator!=(const Aligned64&) const { return false; }
-};
-
 // Per-thread scratch: rows' scales and biases as float32, x as the kernels read it
 // (each row of K floats starts on a cache line when K is a multiple of 16).
 struct Scratch {
   std::vector<float> scales, biases, xsum;
-  std::vector<float, Aligned64<float>> xp;
+  Floats xp;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -345,7 +327,7 @@ bool measure_converts_faster() {
   std::vector<uint8_t> w(N * K * BITS / 8);
   for (size_t i = 0; i < w.size(); i++) w[i] = (uint8_t)(i * 2654435761u >> 13);
   std::vector<float> sf(N * groups, 0.01f), bf(N * groups, -0.1f);
-  std::vector<float, Aligned64<float>> x(K, 0.5f);
+  Floats x(K, 0.5f);
   float y[N];
   const QMat q{w.data(), nullptr, nullptr, kF32, N, K, (int)group, BITS};
   double best[2] = {1e30, 1e30};
@@ -667,7 +649,7 @@ void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float
 }
 
 struct GemmScratch {
-  std::vector<float, Aligned64<float>> rows, panel;
+  Floats rows, panel;
 };
 GemmScratch& gemm_scratch() {
   thread_local GemmScratch s;
