@@ -498,15 +498,15 @@ def _layer_in_parts(
 
 
 @needs_native
-@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("length", [1, 3, 40])
 @pytest.mark.parametrize("variant", ["llama", "gemma", "mixed-layouts", "q-k-v-apart"])
 def test_decoder_layer_equals_its_ops(length: int, variant: str) -> None:
     """One op for a layer's step: the bits of its ops one after another, the rows written into the buffers at
     offset; buffers still held elsewhere are copied, never changed under their holder; the next layer's
-    matrix (only read ahead) changes nothing."""
+    matrix (only read ahead) changes nothing. From 32 tokens on, the step's rows and its rest run apart."""
     from turbospark_core.rope import Rope
 
-    B, hidden, heads, kv_heads, D, F, S, offset, eps = 2, 64, 4, 2, 16, 96, 16, 5, 1e-5
+    B, hidden, heads, kv_heads, D, F, S, offset, eps = 2, 64, 4, 2, 16, 96, 48, 5, 1e-5
     gemma = variant == "gemma"
     layouts = [(4, 32, False), (8, 64, True), (4, 32, True), (6, 32, False)] if variant == "mixed-layouts" else [
         (4, 32, False)
@@ -531,7 +531,7 @@ def test_decoder_layer_equals_its_ops(length: int, variant: str) -> None:
     args = dict(heads=heads, kv_heads=kv_heads, rope=rope, eps=eps, scale=D**-0.5, activation=activation)
     want = _layer_in_parts(x, norms, mats, k_buf, v_buf, offset=offset, **args)  # type: ignore[arg-type]
     mx.eval(want)
-    copies = native.cache_attention_copies()
+    copies, parts = native.cache_attention_copies(), native.decoder_layer_parts_run()
     for extra in ([], [mats[0]]):
         assert native.decoder_layer_supported(x)
         op = native.decoder_layer_op(norms, [*mats, *extra], projections=projections, **args)  # type: ignore[arg-type]
@@ -540,17 +540,50 @@ def test_decoder_layer_equals_its_ops(length: int, variant: str) -> None:
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.array(g), np.array(w))
     assert native.cache_attention_copies() == copies + 4  # both buffers, both calls: the test holds them
+    ran = [now - before for now, before in zip(native.decoder_layer_parts_run(), parts, strict=True)]
+    assert ran == ([0, 2, 2] if length >= 32 else [2, 0, 0])
     np.testing.assert_array_equal(np.array(k_buf), k_before)
     np.testing.assert_array_equal(np.array(v_buf), v_before)
 
 
 @needs_native
-def test_decoder_layer_rows_at_their_own_positions_under_a_mask() -> None:
-    """A batch's rows: each rotated at its own positions, attending under the batch's mask (padding, holes),
-    with the bits of the ops one after another (rope_heads per row, the rows written, decode_attention)."""
+def test_a_long_steps_rest_runs_only_where_its_output_is_read() -> None:
+    """A prefill chunk reads only the caches: evaluating a 40-token step's buffers runs its rows alone (the
+    last layer's attention, o and MLP skipped); its y, read afterwards, still has the bits of the whole op."""
     from turbospark_core.rope import Rope
 
-    B, hidden, heads, kv_heads, D, F, S, column, L, eps = 2, 64, 4, 2, 16, 96, 16, 6, 2, 1e-5
+    B, hidden, heads, kv_heads, D, F, S, L, eps = 1, 64, 4, 2, 16, 96, 64, 40, 1e-5
+    shapes = [((heads + 2 * kv_heads) * D, hidden), (hidden, heads * D), (2 * F, hidden), (hidden, F)]
+    mats = [_matrix(r, c, 70 + i, 4, 32, False) for i, (r, c) in enumerate(shapes)]
+    norms: list[mx.array | None] = [_normal((hidden,), 80) + 1, _normal((hidden,), 81) + 1, None, None, None, None]
+    rope = Rope.from_config(dims=D, theta=10000.0, scaling=None, max_positions=4096)
+    args = dict(heads=heads, kv_heads=kv_heads, rope=rope, eps=eps, scale=D**-0.5, activation="silu_mul")
+    op = native.decoder_layer_op(norms, mats, **args)  # type: ignore[arg-type]
+    x = _normal((B, L, hidden), 82)
+    k_buf, v_buf = mx.zeros((B, kv_heads, S, D)), mx.zeros((B, kv_heads, S, D))
+    mx.eval(x, k_buf, v_buf)
+    want = _layer_in_parts(x, norms, mats, k_buf, v_buf, offset=3, **args)  # type: ignore[arg-type]
+    mx.eval(want)
+    parts = native.decoder_layer_parts_run()
+    y, k_new, v_new = op(x, k_buf, v_buf, 3, None, None)
+    mx.eval(k_new, v_new)
+    assert [a - b for a, b in zip(native.decoder_layer_parts_run(), parts, strict=True)] == [0, 1, 0]
+    np.testing.assert_array_equal(np.array(k_new), np.array(want[1]))
+    np.testing.assert_array_equal(np.array(v_new), np.array(want[2]))
+    np.testing.assert_array_equal(np.array(y), np.array(want[0]))
+    assert [a - b for a, b in zip(native.decoder_layer_parts_run(), parts, strict=True)] == [0, 1, 1]
+
+
+@needs_native
+@pytest.mark.parametrize("L", [2, 34])
+def test_decoder_layer_rows_at_their_own_positions_under_a_mask(L: int) -> None:
+    """A batch's rows: each rotated at its own positions, attending under the batch's mask (padding, holes),
+    with the bits of the ops one after another (rope_heads per row, the rows written, decode_attention);
+    a batch's prefill chunk (34 tokens) as its rows and its rest apart."""
+    from turbospark_core.rope import Rope
+
+    B, hidden, heads, kv_heads, D, F, column, eps = 2, 64, 4, 2, 16, 96, 6, 1e-5
+    S = column + L + 2
     shapes = [((heads + 2 * kv_heads) * D, hidden), (hidden, heads * D), (2 * F, hidden), (hidden, F)]
     mats = [_matrix(r, c, 50 + i, 4, 32, False) for i, (r, c) in enumerate(shapes)]
     norms: list[mx.array | None] = [_normal((hidden,), 60) + 1, _normal((hidden,), 61) + 1, None, None, None, None]

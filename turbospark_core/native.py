@@ -303,6 +303,15 @@ def cache_attention_copies() -> int:
     return int(_MODULE.cache_attention_copies()) if _MODULE is not None else 0
 
 
+def decoder_layer_parts_run() -> tuple[int, int, int]:
+    """How many :func:`decoder_layer_op` steps ran whole, as their rows and as the rest (steps of 32 tokens
+    and more run apart: the rest only where its output is read)."""
+    if _MODULE is None:
+        return (0, 0, 0)
+    whole, rows, rest = _MODULE.decoder_layer_parts_run()
+    return int(whole), int(rows), int(rest)
+
+
 def cache_attention_realigned() -> int:
     """How many buffers :func:`cache_attention` moved once onto a cache line (MLX allocated them off one)."""
     return int(_MODULE.cache_attention_realigned()) if _MODULE is not None else 0

@@ -1545,6 +1545,16 @@ struct MatLayout {
 
 constexpr int kMaxLayerMats = 7;  // q, k, v, o, gate_up, down, the next layer's first
 
+// A step as one primitive (kWholeStep: y and the buffers), or as two (steps of kApartFrom tokens and
+// more: prefill chunks): its rows (q, k and v projected and rotated, k's and v's written: q and the
+// buffers) and the rest (attention over the written buffers, o and the MLP: y). MLX evaluates only
+// what is read: a prefill chunk reads only the caches, so its last layer's rest never runs (Gemma 3,
+// 18 layers: about a twentieth of a prefill's products), as llama.cpp skips the outputs a prompt does
+// not need. The parts run the whole step's code, so they give its bits.
+enum LayerPart : int { kWholeStep = 0, kStepRows = 1, kStepRest = 2 };
+constexpr int64_t kApartFrom = 32;  // shorter steps (decode, verify) read y anyway: one primitive, one hand-off
+std::atomic<int64_t> layer_parts_run[3];  // steps run of each part (tests read it)
+
 struct LayerConfig {
   int hq = 0, hkv = 0, dims = 0;
   float rope_scale = 1.0f, mscale = 1.0f, eps = 0.0f, scale = 1.0f;
@@ -1554,6 +1564,7 @@ struct LayerConfig {
   int mats = 4;         // projections + o, gate_up, down (+ 1: the next layer's first, prefetched)
   bool post_attn = false, post_mlp = false, qk_norm = false;
   bool rows = false;  // per-row positions and a mask (a batch's rows): inputs before the buffers
+  int part = 0;       // LayerPart: what the step's primitive computes
   MatLayout layout[kMaxLayerMats];
   bool operator==(const LayerConfig&) const = default;
 };
@@ -1608,26 +1619,39 @@ class DecoderLayer : public mx::Primitive {
   DecoderLayer(mx::Stream s, LayerConfig c, std::shared_ptr<const LayerArrays> held)
       : mx::Primitive(s), c_(c), held_(std::move(held)) {}
 
-  // inputs: x, [each row's position int32 [B] and the mask bool [B, Hq, L, T]], then the key and
-  // value buffers (the layer's own arrays are held: LayerArrays)
+  // inputs: x, [each row's position int32 [B] and the mask bool [B, Hq, L, T]], [q (kStepRest)], then
+  // the key and value buffers (the layer's own arrays are held: LayerArrays). Outputs: y (kWholeStep)
+  // or the rotated q [B, Hq, L, D] (kStepRows), then the buffers taken over; or y alone (kStepRest,
+  // from q and the buffers as given: the rows' outputs, only read)
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
-    set_aligned_data(outputs[0]);
-    for (auto& o : outputs)  // as CacheAttention: only the evaluated output's list may hold the buffers
-      if (&o.inputs() != &inputs) o.inputs().clear();
     const size_t nb = inputs.size() - 2;
-    std::optional<View> from[2] = {take_buffer(inputs[nb], outputs[1]), take_buffer(inputs[nb + 1], outputs[2])};
+    set_aligned_data(outputs[0]);
+    float *qo = outputs[0].data<float>(), *kb, *vb;
+    std::optional<View> from[2];
+    if (c_.part == kStepRest) {
+      qo = const_cast<float*>(inputs[nb - 1].data<float>());
+      kb = const_cast<float*>(inputs[nb].data<float>());
+      vb = const_cast<float*>(inputs[nb + 1].data<float>());
+    } else {
+      for (auto& o : outputs)  // as CacheAttention: only the evaluated output's list may hold the buffers
+        if (&o.inputs() != &inputs) o.inputs().clear();
+      from[0] = take_buffer(inputs[nb], outputs[1]);
+      from[1] = take_buffer(inputs[nb + 1], outputs[2]);
+      kb = outputs[1].data<float>();
+      vb = outputs[2].data<float>();
+    }
     for (auto& o : outputs) enc.set_output_array(o);
+    layer_parts_run[c_.part]++;
     const MaskView mask = c_.rows ? mask_of(inputs[2]) : MaskView{};  // read through its (broadcast) strides
     std::optional<Dense> positions;
     if (c_.rows) positions.emplace(inputs[1]);
     const auto& x = inputs[0];
     enc.dispatch([held = held_, xd = Dense(x), c = c_, from_k = from[0], from_v = from[1], mask, positions,
-                  y = outputs[0].data<float>(), kb = outputs[1].data<float>(), vb = outputs[2].data<float>(),
-                  B = (int64_t)x.shape(0), L = (int64_t)x.shape(1), Dm = (int64_t)x.shape(2),
-                  S = (int64_t)outputs[1].shape(2), D = (int64_t)outputs[1].shape(3),
-                  Dv = (int64_t)outputs[2].shape(3)]() mutable {
+                  y = outputs[0].data<float>(), qo, kb, vb, B = (int64_t)x.shape(0), L = (int64_t)x.shape(1),
+                  Dm = (int64_t)x.shape(2), S = (int64_t)inputs[nb].shape(2), D = (int64_t)inputs[nb].shape(3),
+                  Dv = (int64_t)inputs[nb + 1].shape(3)]() mutable {
       const auto& mats = held->mats;
       const float* xp = reinterpret_cast<const float*>(xd.get());
       const int np = c.projections;
@@ -1638,37 +1662,44 @@ class DecoderLayer : public mx::Primitive {
       normed.prologue = kRmsNormed;
       normed.weight = true;
       normed.eps = c.eps;
-      // the heads' projections: rows of proj, q's, k's and v's parts at src[j] (row strides stride[j])
-      int64_t width = 0;
-      for (int j = 0; j < np; j++) width += mats[j].N;
-      Scratch proj((size_t)(M * width));
-      const float* src[3];
-      int64_t stride[3];
-      if (np == 1) {
-        run_product(mats[0], xp, M, proj.data(), nullptr, normed, held->in_norm, nullptr, &o);
-        src[0] = proj.data(), src[1] = src[0] + hq * D, src[2] = src[0] + (hq + hkv) * D;
-        stride[0] = stride[1] = stride[2] = width;
-      } else {
-        Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
-        normalize_rows(xp, Dm, held->in_norm, xn.data(), M, Dm, c.eps);
-        float* dst = proj.data();
-        for (int j = 0; j < 3; j++) {
-          run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
-          src[j] = dst;
-          stride[j] = mats[j].N;
-          dst += M * mats[j].N;
-        }
+      std::optional<Scratch> q;  // the whole step's rotated q (the rows' is their output)
+      if (c.part == kWholeStep) {
+        q.emplace((size_t)(M * hq * D));
+        qo = q->data();
       }
-      if (from_k) copy_rows(*from_k, B, hkv, S, kb, S, 0, D);
-      if (from_v) copy_rows(*from_v, B, hkv, S, vb, S, 0, Dv);
-      Scratch q((size_t)(M * hq * D)), att((size_t)(M * hq * Dv)), h((size_t)(M * Dm)), gate_up((size_t)(M * gu.N));
-      // positions: the column written (a single sequence's), or each row's own (a batch's, then masked)
-      const int32_t column = (int32_t)c.offset;
-      const int32_t* pos = positions ? reinterpret_cast<const int32_t*>(positions->get()) : &column;
-      rope_heads_rows(src, stride, pos, c.rows ? B : 1, held->freqs, held->q_norm, held->k_norm, c.eps, q.data(), kb,
-                      vb, S, c.offset, B, L, D, Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
-      const View qv{q.data(), hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1},
-          vv{vb, hkv * S * Dv, S * Dv, Dv, 1};
+      if (c.part != kStepRest) {
+        // the heads' projections: rows of proj, q's, k's and v's parts at src[j] (row strides stride[j])
+        int64_t width = 0;
+        for (int j = 0; j < np; j++) width += mats[j].N;
+        Scratch proj((size_t)(M * width));
+        const float* src[3];
+        int64_t stride[3];
+        if (np == 1) {
+          run_product(mats[0], xp, M, proj.data(), nullptr, normed, held->in_norm, nullptr, &o);
+          src[0] = proj.data(), src[1] = src[0] + hq * D, src[2] = src[0] + (hq + hkv) * D;
+          stride[0] = stride[1] = stride[2] = width;
+        } else {
+          Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
+          normalize_rows(xp, Dm, held->in_norm, xn.data(), M, Dm, c.eps);
+          float* dst = proj.data();
+          for (int j = 0; j < 3; j++) {
+            run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
+            src[j] = dst;
+            stride[j] = mats[j].N;
+            dst += M * mats[j].N;
+          }
+        }
+        if (from_k) copy_rows(*from_k, B, hkv, S, kb, S, 0, D);
+        if (from_v) copy_rows(*from_v, B, hkv, S, vb, S, 0, Dv);
+        // positions: the column written (a single sequence's), or each row's own (a batch's, then masked)
+        const int32_t column = (int32_t)c.offset;
+        const int32_t* pos = positions ? reinterpret_cast<const int32_t*>(positions->get()) : &column;
+        rope_heads_rows(src, stride, pos, c.rows ? B : 1, held->freqs, held->q_norm, held->k_norm, c.eps, qo, kb, vb,
+                        S, c.offset, B, L, D, Dv, hq, hkv, c.dims, c.rope_scale, c.mscale);
+        if (c.part == kStepRows) return;
+      }
+      Scratch att((size_t)(M * hq * Dv)), h((size_t)(M * Dm)), gate_up((size_t)(M * gu.N));
+      const View qv{qo, hq * L * D, L * D, D, 1}, kv{kb, hkv * S * D, S * D, D, 1}, vv{vb, hkv * S * Dv, S * Dv, Dv, 1};
       attention_rows(qv, kv, vv, mask, att.data(), B, hq, L, D, hkv, c.offset + L, Dv, !c.rows, c.scale, true);
       Extras plus;
       plus.residual = true;
@@ -1694,7 +1725,11 @@ class DecoderLayer : public mx::Primitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape(), inputs[inputs.size() - 2].shape(), inputs.back().shape()};
+    const auto& k_buf = inputs[inputs.size() - 2];
+    if (c_.part == kStepRest) return {inputs[0].shape()};
+    mx::Shape first = inputs[0].shape();  // y, or the rows' q [B, Hq, L, D]
+    if (c_.part == kStepRows) first = {first[0], c_.hq, first[1], k_buf.shape(3)};
+    return {first, k_buf.shape(), inputs.back().shape()};
   }
 
  private:
@@ -1830,8 +1865,20 @@ class DecoderLayerOp {
     }
     inputs.push_back(k_buf);
     inputs.push_back(v_buf);
-    return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
-                                  std::make_shared<DecoderLayer>(mx::default_stream(mx::Device::cpu), c, held_), inputs);
+    const auto s = mx::default_stream(mx::Device::cpu);
+    if (L < kApartFrom)
+      return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
+                                    std::make_shared<DecoderLayer>(s, c, held_), inputs);
+    c.part = kStepRows;
+    const mx::Shape q_shape = {x.shape(0), c.hq, (int)L, (int)D_};
+    auto rows = mx::array::make_arrays({q_shape, k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
+                                       std::make_shared<DecoderLayer>(s, c, held_), inputs);
+    c.part = kStepRest;
+    inputs.pop_back();
+    inputs.pop_back();
+    inputs.insert(inputs.end(), rows.begin(), rows.end());
+    mx::array y(x.shape(), mx::float32, std::make_shared<DecoderLayer>(s, c, held_), std::move(inputs));
+    return {y, rows[1], rows[2]};
   }
 
  private:
@@ -1950,6 +1997,11 @@ NB_MODULE(_qmm, m) {
         "(attention, k_buf, v_buf).");
   m.def("cache_attention_copies", [] { return tsq::cache_copies.load(); },
         "How many cache buffers cache_attention has copied (instead of writing them in place).");
+  m.def("decoder_layer_parts_run", [] {
+        return std::vector<int64_t>{tsq::layer_parts_run[0].load(), tsq::layer_parts_run[1].load(),
+                                    tsq::layer_parts_run[2].load()};
+      },
+        "How many decoder_layer steps have run whole, as their rows, and as the rest (from 32 tokens on: apart).");
   m.def("cache_attention_realigned", [] { return tsq::cache_realigned.load(); },
         "How many cache buffers cache_attention has moved onto a cache line (once each).");
   m.def("kv_rows", &tsq::kv_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("bits"),
