@@ -64,7 +64,7 @@ std::vector<Set> kernel_sets() {
                     gelu_tanh_mul_avx2, kv_row_scalar});
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      sets.push_back({"avx512", rows_avx512, gemm_avx512, dequant_avx2, attend_avx512, attend_many_avx512, rms_norm_avx512,
+      sets.push_back({"avx512", rows_avx512, gemm_avx512, dequant_avx512, attend_avx512, attend_many_avx512, rms_norm_avx512,
                       silu_mul_avx512, gelu_tanh_mul_avx512, kv_row_avx512, attend_scores_avx512, attend_values_avx512});
   }
 #endif
@@ -325,6 +325,13 @@ void check_dequant(const Set& set, Matrix& a) {
       const int64_t i = (n - n0) * a.K + k;
       near(t, ctx, got[i], scalar[i], a.weight(n, k), 2 * U * a.size(n, k) + 1e-40);
     }
+#if defined(__x86_64__)
+  if (set.dequant == dequant_avx512) {  // the AVX2 kernel's multiply-adds, sixteen at a time: its bits
+    std::vector<float> avx2(got.size());
+    dequant_avx2(a.q(!a.symmetric), avx2.data(), n0, a.N);
+    same_bits(report.at("avx512 dequant: the avx2 kernel's bits"), ctx, got.data(), avx2.data(), got.size());
+  }
+#endif
 }
 
 void check_gemm(const Set& set, Matrix& a) {

@@ -145,6 +145,7 @@ void avx512_force_path(int path);
 // AVX-512: many rows of x (K a multiple of 16): panels of 64 weight rows dequantized and
 // transposed once, a 6 x 64 register tile per six rows of x.
 void gemm_avx512(const QMat&, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+void dequant_avx512(const QMat&, float*, int64_t, int64_t);
 #endif
 #if defined(__aarch64__)
 // NEON (aarch64, no run-time check): every layout (4-bit in groups of 32k and 8-bit in groups of

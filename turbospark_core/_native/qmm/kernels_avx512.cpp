@@ -588,6 +588,43 @@ void rows_bits(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy, 
   row_blocks<BITS, 1>(s, q, xk, xsum, M, y, ldy, n1, n);
 }
 
+// ------------------------------------------------------------ dequantized rows (GEMM panels)
+// Sixteen 4-bit codes from p (8 bytes: value 2t the low nibble of byte t, 2t + 1 its high one) as floats.
+inline __m512 nibbles16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0f);
+  const __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs));
+}
+
+// Rows [n0, n1) as floats into dst, sixteen values a multiply-add (scale * q + bias: the AVX2 and
+// row kernels' arithmetic, so the same bits); the block's scales and biases converted at once.
+template <int BITS>
+void dequant_bits(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  const int64_t groups = q.K / q.group, row_bytes = q.K * BITS / 8, count = (n1 - n0) * groups;
+  const uint8_t* end = q.w + q.N * row_bytes;
+  Scratch& s = scratch();
+  s.scales.resize(count);
+  s.biases.resize(count);
+  to_f32(q.scales, q.scale_type, n0 * groups, count, s.scales.data());
+  if (q.biases != nullptr) {
+    to_f32(q.biases, q.scale_type, n0 * groups, count, s.biases.data());
+  } else {
+    for (int64_t i = 0; i < count; i++) s.biases[i] = symmetric_bias(q, s.scales[i]);
+  }
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q.w + n * row_bytes;
+    float* out = dst + (n - n0) * q.K;
+    const float *sf = s.scales.data() + (n - n0) * groups, *bf = s.biases.data() + (n - n0) * groups;
+    for (int64_t g = 0; g < groups; g++) {
+      const __m512 scale = _mm512_set1_ps(sf[g]), bias = _mm512_set1_ps(bf[g]);
+      for (int64_t k = g * q.group; k < (g + 1) * q.group; k += 16) {
+        const __m512 codes = BITS == 4 ? nibbles16(row + k / 2) : codes16<BITS>(row + k * BITS / 8, end);
+        _mm512_storeu_ps(out + k, _mm512_fmadd_ps(codes, scale, bias));
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------ GEMM (many rows of x)
 // Prefill chunks and long verifies: each panel of GEMM_NB weight rows is dequantized
 // once (into floats, then transposed to [K][GEMM_NB] so a k's 64 weights are four
@@ -664,7 +701,7 @@ void gemm_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
   s.panel.resize(GEMM_NB * q.K);
   for (int64_t p0 = n0; p0 < n1; p0 += GEMM_NB) {
     const int64_t cols = std::min(GEMM_NB, n1 - p0);
-    dequant_avx2(q, s.rows.data(), p0, p0 + cols);
+    dequant_avx512(q, s.rows.data(), p0, p0 + cols);
     if (cols < GEMM_NB) std::fill(s.rows.begin() + cols * q.K, s.rows.end(), 0.0f);
     for (int64_t k = 0; k < q.K; k += 16)
       for (int64_t j = 0; j < GEMM_NB; j += 16)
@@ -681,6 +718,21 @@ void gemm_avx512(const QMat& q, const float* x, int64_t M, float* y, int64_t ldy
       default: break;
     }
   }
+}
+
+void dequant_avx512(const QMat& q, float* dst, int64_t n0, int64_t n1) {
+  if (!q.fp4 && q.group % 16 == 0) {
+    switch (q.bits) {
+      case 2: return dequant_bits<2>(q, dst, n0, n1);
+      case 3: return dequant_bits<3>(q, dst, n0, n1);
+      case 4: return dequant_bits<4>(q, dst, n0, n1);
+      case 5: return dequant_bits<5>(q, dst, n0, n1);
+      case 6: return dequant_bits<6>(q, dst, n0, n1);
+      case 8: return dequant_bits<8>(q, dst, n0, n1);
+      default: break;
+    }
+  }
+  dequant_avx2(q, dst, n0, n1);
 }
 
 void avx512_force_path(int path) { forced_path.store(path, std::memory_order_relaxed); }

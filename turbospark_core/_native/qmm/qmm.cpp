@@ -64,7 +64,7 @@ constexpr Kernels SCALAR{rows_scalar, nullptr, dequant_scalar, attend_each<atten
 constexpr Kernels AVX2{rows_avx2, nullptr, dequant_avx2, attend_each<attend_avx2>, rms_norm_avx2, silu_mul_avx2, gelu_tanh_mul_avx2, kv_row_scalar,
                        "avx2"};
 // AVX-512 dequantizes panels with the AVX2 kernel (panels go to sgemm; the unpack is not the cost)
-constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx2, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
+constexpr Kernels AVX512{rows_avx512, gemm_avx512, dequant_avx512, attend_many_avx512, rms_norm_avx512, silu_mul_avx512,
                          gelu_tanh_mul_avx512, kv_row_avx512, "avx512", argmax_avx512, attend_scores_avx512,
                          attend_values_avx512};
 #endif
