@@ -205,24 +205,63 @@ void run_panels(const QMat& q, const float* x, int64_t M, float* y, const float*
 }
 
 // Many rows of x with the native GEMM: panels of its width spread over the pool.
+constexpr int64_t GEMM_PANEL = 64;  // the kernel's panel
+int64_t gemm_chunk_rows(int64_t N, int threads) {
+  const int64_t panels = (N + GEMM_PANEL - 1) / GEMM_PANEL;
+  return std::max<int64_t>(1, panels / (threads * 4)) * GEMM_PANEL;  // a few chunks per thread
+}
+
 void run_gemm(const QMat& q, const float* x, int64_t M, float* y, const float* r) {
   Runtime& rt = runtime();
-  constexpr int64_t width = 64;  // the kernel's panel
-  const int64_t panels = (q.N + width - 1) / width;
-  const int64_t per = std::max<int64_t>(1, panels / (rt.pool->threads() * 4));  // a few chunks per thread
-  rt.pool->run((panels + per - 1) / per, [&](int64_t c) {
-    const int64_t n0 = c * per * width, n1 = std::min(q.N, n0 + per * width);
+  const int64_t step = gemm_chunk_rows(q.N, rt.pool->threads());
+  rt.pool->run((q.N + step - 1) / step, [&](int64_t c) {
+    const int64_t n0 = c * step, n1 = std::min(q.N, n0 + step);
     rt.gemm(q, x, M, y, q.N, n0, n1);
     add_columns(r, y, M, q.N, n0, n1);
   });
 }
 
+bool native_gemm(const QMat& q, int64_t M) {
+  const Runtime& rt = runtime();
+  return M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm;
+}
+
 // y = x @ W.T (+ r, a residual of y's shape, when given)
 void compute(const QMat& q, const float* x, int64_t M, float* y, const float* r, const QMat* next = nullptr) {
   Runtime& rt = runtime();
-  if (M >= rt.gemm_min_rows && rt.gemm != nullptr && q.K % 16 == 0 && !rt.blas_gemm) return run_gemm(q, x, M, y, r);
+  if (native_gemm(q, M)) return run_gemm(q, x, M, y, r);
   if (rt.sgemm != nullptr && M >= rt.gemm_min_rows) return run_panels(q, x, M, y, r);
   run_rows(q, x, M, y, r, next);
+}
+
+// ys[j] = x @ mats[j].T for a few matrices of the same x (a layer's q, k and v held apart: Gemma 3's
+// mixed layouts) as one pool job: each matrix's chunks as compute() makes them, all handed out at
+// once (one hand-off where there were three, and the small k and v products wait on no straggler of
+// their own); the same kernels over the same rows, so the same bits.
+void compute_each(const QMat* mats, int count, const float* x, int64_t M, float* const* ys, const QMat* next) {
+  Runtime& rt = runtime();
+  const bool gemm = std::all_of(mats, mats + count, [M](const QMat& q) { return native_gemm(q, M); });
+  if (!gemm && rt.sgemm != nullptr && M >= rt.gemm_min_rows) {  // BLAS panels: each product its own job
+    for (int j = 0; j < count; j++) compute(mats[j], x, M, ys[j], nullptr, j + 1 < count ? &mats[j + 1] : next);
+    return;
+  }
+  struct Part {
+    int j;
+    int64_t n0, n1;
+  };
+  std::vector<Part> parts;
+  for (int j = 0; j < count; j++) {
+    const QMat& q = mats[j];
+    const int64_t step = gemm ? gemm_chunk_rows(q.N, rt.pool->threads()) : chunk_rows(q.N, q.K, M, rt.pool->threads());
+    for (int64_t n0 = 0; n0 < q.N; n0 += step) parts.push_back({j, n0, std::min(q.N, n0 + step)});
+  }
+  const int64_t chunks = (int64_t)parts.size();
+  rt.pool->run(chunks, [&](int64_t c) {
+    const Part& p = parts[c];
+    const QMat& q = mats[p.j];
+    (gemm ? rt.gemm : rt.rows)(q, x, M, ys[p.j], q.N, p.n0, p.n1);
+    if (!gemm && next != nullptr) prefetch_starts(*next, M, c, chunks);
+  });
 }
 
 int scale_type(mx::Dtype d) {
@@ -1679,14 +1718,13 @@ class DecoderLayer : public mx::Primitive {
           src[0] = proj.data(), src[1] = src[0] + hq * D, src[2] = src[0] + (hq + hkv) * D;
           stride[0] = stride[1] = stride[2] = width;
         } else {
-          Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products
+          Scratch xn((size_t)(M * Dm));  // rms_norm()'s rows, then three plain products (one job)
           normalize_rows(xp, Dm, held->in_norm, xn.data(), M, Dm, c.eps);
-          float* dst = proj.data();
+          float* dst[3] = {proj.data(), proj.data() + M * mats[0].N, proj.data() + M * (mats[0].N + mats[1].N)};
+          compute_each(mats.data(), 3, xn.data(), M, dst, &o);
           for (int j = 0; j < 3; j++) {
-            run_product(mats[j], xn.data(), M, dst, nullptr, Extras{}, nullptr, nullptr, &mats[j + 1]);
-            src[j] = dst;
+            src[j] = dst[j];
             stride[j] = mats[j].N;
-            dst += M * mats[j].N;
           }
         }
         if (from_k) copy_rows(*from_k, B, hkv, S, kb, S, 0, D);
