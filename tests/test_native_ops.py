@@ -579,7 +579,7 @@ def test_a_long_steps_rest_runs_only_where_its_output_is_read() -> None:
 def test_decoder_layer_rows_at_their_own_positions_under_a_mask(L: int) -> None:
     """A batch's rows: each rotated at its own positions, attending under the batch's mask (padding, holes),
     with the bits of the ops one after another (rope_heads per row, the rows written, decode_attention);
-    a batch's prefill chunk (34 tokens) as its rows and its rest apart."""
+    also a batch's 34-token chunk (a batch's steps stay one op at any length)."""
     from turbospark_core.rope import Rope
 
     B, hidden, heads, kv_heads, D, F, column, eps = 2, 64, 4, 2, 16, 96, 6, 1e-5
