@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 import turbospark_core
+from turbospark_core import native
 from turbospark_core.batch_cache import BatchCaches, BatchKVCache
 from turbospark_core.batch_prefill import PrefillCost
 from turbospark_core.errors import OptionError
 
 STEP_REL_TOL = 1e-5
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.STATUS}")
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
 CASES = {
@@ -430,6 +432,55 @@ def test_reference_blas_makes_rows_prefilled_together_bit_identical(
 @pytest.fixture(scope="module")
 def llama(turbospark_install: Any) -> Any:
     return turbospark_core.open(turbospark_install("llama", "float32"))
+
+
+def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[np.ndarray]]:
+    """Every full layer's keys, values and positions after short rows decode (their buffers grown), a long
+    row joins, the buffers grow again and a short row leaves: laid out by ``native.kv_place`` or by MLX's
+    concatenations (the short rows reach 256 tokens: ``max_context`` is 512)."""
+    if not placed:
+        monkeypatch.setattr(BatchKVCache, "_placed", lambda self: False)
+    batch = _joined(llama, [list(range(3, 9)), list(range(5, 20))])
+    for t in range(3):
+        llama.model(mx.array([[t + 1]] * 2), batch.caches)
+        batch.step_done(1)
+    long = llama.opened.new_cache()
+    llama._prefill(list(range(2, 250)), long)
+    batch.add_row(long, 248)
+    for t in range(12):  # the join's room (to 256 columns), then a grow past it
+        llama.model(mx.array([[t + 7]] * 3), batch.caches)
+        batch.step_done(1)
+    batch.keep_rows([2, 1])
+    llama.model(mx.array([[4]] * 2), batch.caches)
+    batch.step_done(1)
+    monkeypatch.undo()
+    full = [c for c in batch.caches if isinstance(c, BatchKVCache)]
+    held = [(c.state, c.length) for c in full]  # keys, values, positions
+    return [[np.array(k[..., :n, :]), np.array(v[..., :n, :]), np.array(pos[:, :n])] for (k, v, pos), n in held]
+
+
+@needs_native
+def test_rows_laid_out_natively_equal_the_concatenated_layout(
+    turbospark_install: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long row joining short ones, a grow and a row leaving: the native layout (its padding left as
+    unwritten pages where it spans them: ``test_kv_place_leaves_whole_pages_of_zeros_unwritten``) holds
+    the same keys, values, positions and zeros as MLX's concatenations, bit for bit."""
+    runner = turbospark_core.open(turbospark_install("llama", "float32"), max_context=512)
+    calls: list[int] = []
+    place = native.kv_place
+
+    def counted(parts: list[mx.array], rows: list[tuple[int, int, int, int, int]], capacity: int) -> mx.array:
+        calls.append(capacity)
+        return place(parts, rows, capacity)
+
+    monkeypatch.setattr(native, "kv_place", counted)
+    placed = _layouts(runner, True, monkeypatch)
+    assert sorted(set(calls)) == [256, 512]  # the first grow and the join to 256 columns, the grow to 512
+    concatenated = _layouts(runner, False, monkeypatch)
+    for got, want in zip(placed, concatenated, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and np.array_equal(a, b)
 
 
 def test_per_row_sampling_seeds_stops_and_limits(llama: Any) -> None:

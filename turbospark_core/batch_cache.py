@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from turbospark_core import native
 from turbospark_core.cache_spec import CacheSpec, StateSpec
 from turbospark_core.errors import OptionError
 from turbospark_core.kv_cache import (
@@ -111,6 +112,19 @@ def _cat(items: Sequence[_Rows], axis: int) -> _Rows:
     first = items[0]
     parts = tuple(mx.concatenate([r.parts[i] for r in items], axis=axis) for i in range(len(first.parts)))
     return _Rows(parts, first.bits, first.dtype)
+
+
+def _first_held(held: np.ndarray) -> list[int]:
+    """Each row's first column holding a token (its left padding before it; all columns if none)."""
+    used = held >= 0
+    return [int(c) for c in np.where(used.any(axis=1), used.argmax(axis=1), held.shape[1])]
+
+
+def _positions(held: np.ndarray, start: int, capacity: int) -> np.ndarray:
+    """``held`` ``[B, S]`` positions from column ``start`` of ``capacity`` columns, ``-1`` elsewhere."""
+    out = np.full((held.shape[0], capacity), -1, dtype=np.int32)
+    out[:, start : start + held.shape[1]] = held
+    return out
 
 
 class BatchKVCache:
@@ -235,10 +249,32 @@ class BatchKVCache:
         if self._k is None or self._v is None or self.positions is None:
             self._k, self._v, self.positions = zeros(self.spec.head_dim), zeros(v_dim), empty
             return
+        if self._placed():
+            held = np.array(self.positions[:, : self.length])
+            self._place([(0, b, first, self.length, first) for b, first in enumerate(_first_held(held))], [], new_cap)
+            self.positions = mx.array(_positions(held, 0, new_cap))
+            return
         keep = self.length
         self._k = self._k.map(lambda a: a[..., :keep, :]).concat(zeros(self.spec.head_dim))
         self._v = self._v.map(lambda a: a[..., :keep, :]).concat(zeros(v_dim))
         self.positions = mx.concatenate([self.positions[:, :keep], empty], axis=1)
+
+    def _placed(self) -> bool:
+        """Whether this layer's buffers are laid out anew by :func:`native.kv_place` (float32 rows, unrotated)."""
+        if self._k is None or self._v is None or self.kv_bits is not None or self.rotation != (False, False):
+            return False
+        return native.kv_place_supported(self._k.parts[0], self._v.parts[0])
+
+    def _place(self, rows: list[tuple[int, int, int, int, int]], joining: list[mx.array], capacity: int) -> None:
+        """New key and value buffers of ``capacity`` columns: ``rows`` as :func:`native.kv_place` takes them.
+
+        Source 0 is this layer's buffer; source 1, when given, a joining row's
+        keys (``joining[0]``) and values (``joining[1]``).
+        """
+        assert self._k is not None and self._v is not None
+        keys, values = [self._k.parts[0], *joining[:1]], [self._v.parts[0], *joining[1:]]
+        self._k = _Rows((native.kv_place(keys, rows, capacity),), None, self._k.dtype)
+        self._v = _Rows((native.kv_place(values, rows, capacity),), None, self._v.dtype)
 
     def _drop_unseen(self) -> None:
         """Sliding layers: drop leading columns no row's present or future query can see."""
@@ -274,6 +310,16 @@ class BatchKVCache:
             self.length = n
             return None
         width = max(self.length, n)
+        if self._placed() and k.bits is None and v.bits is None:
+            # one buffer of room for the next steps, each row's held columns copied in, the padding unwritten
+            held, pad = np.array(self.positions[:, : self.length]), width - self.length
+            rows = [(0, b, first, self.length, first + pad) for b, first in enumerate(_first_held(held))]
+            capacity = (width + self.step) // self.step * self.step
+            self._place([*rows, (1, 0, 0, n, width - n)], [k.parts[0], v.parts[0]], capacity)
+            joined = [_positions(held, pad, capacity), _positions(np.array(pos)[None], width - n, capacity)]
+            self.positions = mx.array(np.concatenate(joined))
+            self.length = width
+            return None
         old_k, old_v, old_pos = self._left_pad(self.length, width)
         new_k = _cat([_empty_like(k, 1, width - n), k], axis=2)
         new_v = _cat([_empty_like(v, 1, width - n), v], axis=2)
@@ -308,6 +354,15 @@ class BatchKVCache:
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), then drop leading columns left empty."""
         if self._k is None or self._v is None or self.positions is None:
+            return
+        if keep and self._placed():
+            held = np.array(self.positions[:, : self.length])[list(keep)]
+            firsts = _first_held(held)
+            cut = min(firsts)
+            rows = [(0, b, first, self.length, first - cut) for b, first in zip(keep, firsts, strict=True)]
+            self._place(rows, [], self._k.length)
+            self.length -= cut
+            self.positions = mx.array(_positions(held[:, cut:], 0, self._k.length))
             return
         idx = mx.array(list(keep), dtype=mx.int32)
         self._k = self._k.map(lambda a: a[idx])

@@ -493,6 +493,31 @@ def rope_heads(
     return q, k, v
 
 
+def kv_place_supported(*buffers: mx.array) -> bool:
+    """Whether :func:`kv_place` takes these: float32 ``[B, H, S, D]`` buffers on the CPU."""
+    return _cpu_float32(*buffers) and all(b.ndim == 4 for b in buffers)
+
+
+def kv_place(parts: Sequence[mx.array], rows: Sequence[tuple[int, int, int, int, int]], capacity: int) -> mx.array:
+    """A batch cache buffer ``[len(rows), H, capacity, D]`` laid out anew, one op.
+
+    Row ``r`` holds columns ``[begin, end)`` of row ``row`` of ``parts[part]``
+    from column ``dst`` (``rows[r] = (part, row, begin, end, dst)``); every
+    other value is zero. Whole pages of those zeros are never written (the
+    kernel maps them zero on first read and gives memory only on first
+    write), so a batch's left padding and its room to grow cost no memory
+    until used. Check :func:`kv_place_supported` first.
+    """
+    assert _MODULE is not None
+    out: mx.array = _MODULE.kv_place(list(parts), [tuple(r) for r in rows], capacity)
+    return out
+
+
+def kv_place_unwritten() -> int:
+    """Bytes of :func:`kv_place`'s zeros left as unwritten pages in this process (tests read it)."""
+    return 0 if _MODULE is None else int(_MODULE.kv_place_unwritten())
+
+
 def kv_rows_supported(w: mx.array, scales: mx.array) -> bool:
     """Whether :func:`kv_rows` takes these: quantized KV rows on the CPU (groups a multiple of 8)."""
     if _MODULE is None or mx.default_device() != mx.cpu or w.ndim < 1 or scales.ndim != w.ndim:
