@@ -436,8 +436,9 @@ def llama(turbospark_install: Any) -> Any:
 
 def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[np.ndarray]]:
     """Every full layer's keys, values and positions after short rows decode (their buffers grown), a long
-    row joins, the buffers grow again and a short row leaves: laid out by ``native.kv_place`` or by MLX's
-    concatenations (the short rows reach 256 tokens: ``max_context`` is 512)."""
+    row joins, the buffers grow again, a short row leaves and rewinds leave holes that are compacted: laid
+    out by ``native.kv_place`` or by MLX's concatenations and gathers (the short rows reach 256 tokens:
+    ``max_context`` is 512)."""
     if not placed:
         monkeypatch.setattr(BatchKVCache, "_placed", lambda self: False)
     batch = _joined(llama, [list(range(3, 9)), list(range(5, 20))])
@@ -451,8 +452,12 @@ def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[
         llama.model(mx.array([[t + 7]] * 3), batch.caches)
         batch.step_done(1)
     batch.keep_rows([2, 1])
-    llama.model(mx.array([[4]] * 2), batch.caches)
-    batch.step_done(1)
+    llama.model(mx.array([[4, 5, 6, 7]] * 2), batch.caches)
+    batch.step_done(4)
+    batch.rewind([o - k for o, k in zip(batch.rows.offsets, (3, 1), strict=True)])  # holes of 3 and 1 columns
+    llama.model(mx.array([[8, 9]] * 2), batch.caches)
+    batch.step_done(2)
+    batch.compact(0)
     monkeypatch.undo()
     full = [c for c in batch.caches if isinstance(c, BatchKVCache)]
     held = [(c.state, c.length) for c in full]  # keys, values, positions
@@ -463,24 +468,30 @@ def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[
 def test_rows_laid_out_natively_equal_the_concatenated_layout(
     turbospark_install: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A long row joining short ones, a grow and a row leaving: the native layout (its padding left as
-    unwritten pages where it spans them: ``test_kv_place_leaves_whole_pages_of_zeros_unwritten``) holds
-    the same keys, values, positions and zeros as MLX's concatenations, bit for bit."""
+    """A long row joining short ones, grows, a row leaving, holes compacted: the native layout (its padding
+    left as unwritten pages where it spans them: ``test_kv_place_leaves_whole_pages_of_zeros_unwritten``)
+    holds the same positions and, in every held column, the same keys and values as MLX's concatenations
+    and gathers, bit for bit; its padding is zero (the gather's holds copies of other columns)."""
     runner = turbospark_core.open(turbospark_install("llama", "float32"), max_context=512)
     calls: list[int] = []
     place = native.kv_place
 
-    def counted(parts: list[mx.array], rows: list[tuple[int, int, int, int, int]], capacity: int) -> mx.array:
+    def counted(parts: list[mx.array], moves: list[tuple[int, ...]], rows: int, capacity: int) -> mx.array:
         calls.append(capacity)
-        return place(parts, rows, capacity)
+        return place(parts, moves, rows, capacity)
 
     monkeypatch.setattr(native, "kv_place", counted)
     placed = _layouts(runner, True, monkeypatch)
-    assert sorted(set(calls)) == [256, 512]  # the first grow and the join to 256 columns, the grow to 512
+    layers = len(placed)  # keys and values: two calls each time a layer is laid out
+    assert calls.count(256) == 2 * 2 * layers  # the first grow and the join, to 256 columns
+    assert calls.count(512) == 3 * 2 * layers  # the grow to 512 columns, the row leaving, the compaction
     concatenated = _layouts(runner, False, monkeypatch)
-    for got, want in zip(placed, concatenated, strict=True):
-        for a, b in zip(got, want, strict=True):
-            assert a.shape == b.shape and np.array_equal(a, b)
+    for (k, v, pos), (want_k, want_v, want_pos) in zip(placed, concatenated, strict=True):
+        assert np.array_equal(pos, want_pos) and k.shape == want_k.shape and v.shape == want_v.shape
+        held = (pos >= 0)[:, None, :]
+        assert np.array_equal(np.where(held[..., None], k, 0), np.where(held[..., None], want_k, 0))
+        assert np.array_equal(np.where(held[..., None], v, 0), np.where(held[..., None], want_v, 0))
+        assert not k[~np.broadcast_to(held, k.shape[:3])].any() and not v[~np.broadcast_to(held, v.shape[:3])].any()
 
 
 def test_per_row_sampling_seeds_stops_and_limits(llama: Any) -> None:

@@ -704,15 +704,16 @@ def test_argmax_leaves_other_dtypes_to_mlx() -> None:
 
 @needs_native
 def test_kv_place_lays_rows_out_with_zeros_elsewhere() -> None:
-    """Each row's columns from its source (a strided view among them) at its column; zeros everywhere else."""
+    """Runs of columns from their sources (a strided view among them) at their columns, several to a row
+    and given in any order; zeros everywhere else."""
     batch = mx.random.normal((3, 2, 40, 16), key=mx.random.key(7))
     single = mx.random.normal((1, 2, 64, 16), key=mx.random.key(8))[:, :, :30]  # a single cache's slice
-    rows = [(0, 2, 5, 40, 9), (1, 0, 0, 30, 14), (0, 0, 0, 0, 0), (0, 1, 39, 40, 43)]
-    got = np.array(native.kv_place([batch, single], rows, 48))
-    want = np.zeros((4, 2, 48, 16), np.float32)
+    moves = [(0, 0, 2, 5, 40, 9), (3, 0, 1, 39, 40, 43), (1, 1, 0, 0, 30, 14), (3, 0, 0, 3, 7, 44), (3, 0, 0, 0, 2, 2)]
+    got = np.array(native.kv_place([batch, single], moves, 5, 48))
+    want = np.zeros((5, 2, 48, 16), np.float32)
     sources = [np.array(batch), np.array(single)]
-    for r, (part, row, begin, end, dst) in enumerate(rows):
-        want[r, :, dst : dst + end - begin] = sources[part][row, :, begin:end]
+    for to, part, row, begin, end, dst in moves:
+        want[to, :, dst : dst + end - begin] = sources[part][row, :, begin:end]
     assert np.array_equal(got, want)
 
 
@@ -721,7 +722,7 @@ def test_kv_place_leaves_whole_pages_of_zeros_unwritten() -> None:
     """A long row beside a short one: the short row's padding (and the room to grow) is never written."""
     long, short = mx.random.normal((1, 2, 2000, 64)), mx.random.normal((1, 2, 40, 64))
     before = native.kv_place_unwritten()
-    got = native.kv_place([long, short], [(0, 0, 0, 2000, 0), (1, 0, 0, 40, 1960)], 2304)
+    got = native.kv_place([long, short], [(0, 0, 0, 0, 2000, 0), (1, 1, 0, 0, 40, 1960)], 2, 2304)
     mx.eval(got)
     padding = (2 * 2304 * 2 - 2 * 2000 - 2 * 40) * 64 * 4  # bytes of zeros in the layout
     assert native.kv_place_unwritten() - before > padding * 0.9
@@ -732,16 +733,20 @@ def test_kv_place_leaves_whole_pages_of_zeros_unwritten() -> None:
 @needs_native
 def test_kv_place_refusals() -> None:
     buf = mx.zeros((2, 3, 8, 4))
+    with pytest.raises(ValueError, match="past `rows`"):
+        native.kv_place([buf], [(2, 0, 0, 0, 4, 0)], 2, 8)
     with pytest.raises(ValueError, match="not given"):
-        native.kv_place([buf], [(1, 0, 0, 4, 0)], 8)
+        native.kv_place([buf], [(0, 1, 0, 0, 4, 0)], 1, 8)
     with pytest.raises(ValueError, match="outside its buffer"):
-        native.kv_place([buf], [(0, 2, 0, 4, 0)], 8)
+        native.kv_place([buf], [(0, 0, 2, 0, 4, 0)], 1, 8)
     with pytest.raises(ValueError, match="outside its buffer"):
-        native.kv_place([buf], [(0, 0, 5, 9, 0)], 8)
+        native.kv_place([buf], [(0, 0, 0, 5, 9, 0)], 1, 8)
     with pytest.raises(ValueError, match="do not fit the capacity"):
-        native.kv_place([buf], [(0, 0, 0, 8, 1)], 8)
+        native.kv_place([buf], [(0, 0, 0, 0, 8, 1)], 1, 8)
+    with pytest.raises(ValueError, match="write the same columns"):
+        native.kv_place([buf], [(0, 0, 0, 0, 4, 2), (0, 0, 1, 0, 2, 5)], 1, 8)
     with pytest.raises(ValueError, match="same heads and dim"):
-        native.kv_place([buf, mx.zeros((1, 2, 8, 4))], [(0, 0, 0, 8, 0)], 8)
+        native.kv_place([buf, mx.zeros((1, 2, 8, 4))], [(0, 0, 0, 0, 8, 0)], 1, 8)
     with pytest.raises(ValueError, match="float32"):
-        native.kv_place([buf.astype(mx.float16)], [(0, 0, 0, 8, 0)], 8)
+        native.kv_place([buf.astype(mx.float16)], [(0, 0, 0, 0, 8, 0)], 1, 8)
     assert not native.kv_place_supported(buf.astype(mx.float16)) and not native.kv_place_supported(buf[0])

@@ -251,7 +251,8 @@ class BatchKVCache:
             return
         if self._placed():
             held = np.array(self.positions[:, : self.length])
-            self._place([(0, b, first, self.length, first) for b, first in enumerate(_first_held(held))], [], new_cap)
+            moves = [(b, 0, b, first, self.length, first) for b, first in enumerate(_first_held(held))]
+            self._place(moves, [], batch, new_cap)
             self.positions = mx.array(_positions(held, 0, new_cap))
             return
         keep = self.length
@@ -265,16 +266,19 @@ class BatchKVCache:
             return False
         return native.kv_place_supported(self._k.parts[0], self._v.parts[0])
 
-    def _place(self, rows: list[tuple[int, int, int, int, int]], joining: list[mx.array], capacity: int) -> None:
-        """New key and value buffers of ``capacity`` columns: ``rows`` as :func:`native.kv_place` takes them.
+    def _place(
+        self, moves: list[tuple[int, int, int, int, int, int]], joining: list[mx.array], rows: int, capacity: int
+    ) -> None:
+        """New key and value buffers of ``rows`` rows and ``capacity`` columns: ``moves`` as
+        :func:`native.kv_place` takes them.
 
         Source 0 is this layer's buffer; source 1, when given, a joining row's
         keys (``joining[0]``) and values (``joining[1]``).
         """
         assert self._k is not None and self._v is not None
         keys, values = [self._k.parts[0], *joining[:1]], [self._v.parts[0], *joining[1:]]
-        self._k = _Rows((native.kv_place(keys, rows, capacity),), None, self._k.dtype)
-        self._v = _Rows((native.kv_place(values, rows, capacity),), None, self._v.dtype)
+        self._k = _Rows((native.kv_place(keys, moves, rows, capacity),), None, self._k.dtype)
+        self._v = _Rows((native.kv_place(values, moves, rows, capacity),), None, self._v.dtype)
 
     def _drop_unseen(self) -> None:
         """Sliding layers: drop leading columns no row's present or future query can see."""
@@ -313,9 +317,10 @@ class BatchKVCache:
         if self._placed() and k.bits is None and v.bits is None:
             # one buffer of room for the next steps, each row's held columns copied in, the padding unwritten
             held, pad = np.array(self.positions[:, : self.length]), width - self.length
-            rows = [(0, b, first, self.length, first + pad) for b, first in enumerate(_first_held(held))]
+            moves = [(b, 0, b, first, self.length, first + pad) for b, first in enumerate(_first_held(held))]
             capacity = (width + self.step) // self.step * self.step
-            self._place([*rows, (1, 0, 0, n, width - n)], [k.parts[0], v.parts[0]], capacity)
+            joining = (len(moves), 1, 0, 0, n, width - n)
+            self._place([*moves, joining], [k.parts[0], v.parts[0]], len(moves) + 1, capacity)
             joined = [_positions(held, pad, capacity), _positions(np.array(pos)[None], width - n, capacity)]
             self.positions = mx.array(np.concatenate(joined))
             self.length = width
@@ -359,8 +364,8 @@ class BatchKVCache:
             held = np.array(self.positions[:, : self.length])[list(keep)]
             firsts = _first_held(held)
             cut = min(firsts)
-            rows = [(0, b, first, self.length, first - cut) for b, first in zip(keep, firsts, strict=True)]
-            self._place(rows, [], self._k.length)
+            moves = [(i, 0, b, f, self.length, f - cut) for i, (b, f) in enumerate(zip(keep, firsts, strict=True))]
+            self._place(moves, [], len(moves), self._k.length)
             self.length -= cut
             self.positions = mx.array(_positions(held[:, cut:], 0, self._k.length))
             return
@@ -416,6 +421,17 @@ class BatchKVCache:
         rank = np.arange(width)[None, :] - (width - counts)[:, None]  # right-aligned: padding first
         source = np.take_along_axis(order, np.maximum(rank, 0), axis=1)
         moved = np.where(rank >= 0, np.take_along_axis(pos, source, axis=1), -1)
+        if self._placed():  # each row's runs of held columns moved right, the padding unwritten
+            moves = []
+            for b, row in enumerate(valid):
+                cols, at = np.nonzero(row)[0], width - int(counts[b])
+                for run in np.split(cols, np.nonzero(np.diff(cols) != 1)[0] + 1) if cols.size else []:
+                    moves.append((b, 0, b, int(run[0]), int(run[-1]) + 1, at))
+                    at += run.size
+            self._place(moves, [], len(valid), self._k.length)
+            self.positions = mx.array(_positions(moved, 0, self._k.length))
+            self.length = width
+            return
         idx = mx.array(source.astype(np.int32))[:, None, :, None]
         self._k = self._k.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))
         self._v = self._v.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))

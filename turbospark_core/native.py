@@ -498,18 +498,21 @@ def kv_place_supported(*buffers: mx.array) -> bool:
     return _cpu_float32(*buffers) and all(b.ndim == 4 for b in buffers)
 
 
-def kv_place(parts: Sequence[mx.array], rows: Sequence[tuple[int, int, int, int, int]], capacity: int) -> mx.array:
-    """A batch cache buffer ``[len(rows), H, capacity, D]`` laid out anew, one op.
+def kv_place(
+    parts: Sequence[mx.array], moves: Sequence[tuple[int, int, int, int, int, int]], rows: int, capacity: int
+) -> mx.array:
+    """A batch cache buffer ``[rows, H, capacity, D]`` laid out anew, one op.
 
-    Row ``r`` holds columns ``[begin, end)`` of row ``row`` of ``parts[part]``
-    from column ``dst`` (``rows[r] = (part, row, begin, end, dst)``); every
-    other value is zero. Whole pages of those zeros are never written (the
-    kernel maps them zero on first read and gives memory only on first
-    write), so a batch's left padding and its room to grow cost no memory
-    until used. Check :func:`kv_place_supported` first.
+    Each move ``(to, part, row, begin, end, dst)`` copies columns
+    ``[begin, end)`` of row ``row`` of ``parts[part]`` to row ``to`` from
+    column ``dst`` (a row's moves must not overlap); every other value is
+    zero. Whole pages of those zeros are never written (the kernel maps them
+    zero on first read and gives memory only on first write), so a batch's
+    left padding and its room to grow cost no memory until used. Check
+    :func:`kv_place_supported` first.
     """
     assert _MODULE is not None
-    out: mx.array = _MODULE.kv_place(list(parts), [tuple(r) for r in rows], capacity)
+    out: mx.array = _MODULE.kv_place(list(parts), [tuple(m) for m in moves], rows, capacity)
     return out
 
 

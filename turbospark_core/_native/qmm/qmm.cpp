@@ -1405,20 +1405,20 @@ mx::array kv_rows(const mx::array& w, const mx::array& scales, const std::option
 
 // ------------------------------------------------------------ batch cache layouts
 // A batch's float32 key or value buffer [R, H, C, D] laid out anew (a row joining, the buffer
-// growing, rows leaving): each row's held columns [begin, end) of a source buffer's row copied to
-// columns from dst, every other value zero. The zeros are not written where they span whole pages:
-// those pages go back to the kernel (MADV_DONTNEED, Linux), which maps them zero when first read
-// and gives a page only when first written, so a batch's left padding (short rows beside a long
-// one) and its room to grow cost neither time nor memory. Writing them had: on this VM fresh
-// pages fault in at ~0.15 GB/s, and a 2,000-token prompt joining four short rows of SmolLM2 wrote
-// ~0.5 GB of padding, stalling every row for ~4 s.
-struct KvPlacement {
-  int64_t part, row, begin, end, dst;
+// growing, rows leaving, rewound columns compacted): moves copy columns [begin, end) of a source
+// buffer's row to columns from dst of a row, every other value is zero. The zeros are not written
+// where they span whole pages: those pages go back to the kernel (MADV_DONTNEED, Linux), which
+// maps them zero when first read and gives a page only when first written, so a batch's left
+// padding (short rows beside a long one) and its room to grow cost neither time nor memory.
+// Writing them had: on this VM fresh pages fault in at ~0.15 GB/s, and a 2,000-token prompt
+// joining four short rows of SmolLM2 wrote ~0.5 GB of padding, stalling every row for ~4 s.
+struct KvMove {
+  int64_t to, part, row, begin, end, dst;
 };
 
 std::atomic<int64_t> kv_place_unwritten{0};  // bytes of zeros handed back as pages (tests read it)
 
-// Zero [p, p + bytes): whole pages handed back, the ends written.
+// Zero [p, p + bytes): whole pages handed back (a run of at least 16), the ends written.
 void zero_bytes(uint8_t* p, int64_t bytes) {
 #ifdef __linux__
   static const int64_t page = sysconf(_SC_PAGESIZE);
@@ -1436,37 +1436,43 @@ void zero_bytes(uint8_t* p, int64_t bytes) {
 
 class KvPlace : public mx::UnaryPrimitive {
  public:
-  KvPlace(mx::Stream s, std::vector<KvPlacement> rows, int capacity)
-      : mx::UnaryPrimitive(s), rows_(std::move(rows)), capacity_(capacity) {}
+  // moves sorted by (to, dst), none overlapping another of its row
+  KvPlace(mx::Stream s, std::vector<KvMove> moves, int rows, int capacity)
+      : mx::UnaryPrimitive(s), moves_(std::move(moves)), rows_(rows), capacity_(capacity) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = encoder_for(stream(), inputs, out);
-    enc.dispatch([inputs, rows = rows_, yp = out.data<float>(), H = (int64_t)out.shape(1), C = (int64_t)out.shape(2),
-                  D = (int64_t)out.shape(3)]() {
-      int64_t zero_from = 0;  // the zeros are gathered into runs (a row's end and the next's padding)
+    enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, yp = out.data<float>(), H = (int64_t)out.shape(1),
+                  C = (int64_t)out.shape(2), D = (int64_t)out.shape(3)]() {
+      int64_t zero_from = 0;  // the zeros gathered into runs (a row's end and the next one's padding)
       auto live = [&](int64_t at, int64_t n) {
         if (at > zero_from) zero_bytes(reinterpret_cast<uint8_t*>(yp + zero_from), (at - zero_from) * 4);
         zero_from = at + n;
       };
-      for (int64_t r = 0; r < (int64_t)rows.size(); r++) {
-        const KvPlacement& e = rows[r];
-        const mx::array& src = inputs[e.part];
-        const float* sp = src.data<float>();
-        const auto& st = src.strides();
-        const int64_t n = e.end - e.begin;
+      size_t first = 0;  // the row's first move
+      for (int64_t r = 0; r < R; r++) {
+        size_t last = first;
+        while (last < moves.size() && moves[last].to == r) last++;
         for (int64_t h = 0; h < H; h++) {
-          float* dst = yp + ((r * H + h) * C + e.dst) * D;
-          const float* from = sp + e.row * st[0] + h * st[1] + e.begin * st[2];
-          live((r * H + h) * C * D + e.dst * D, n * D);
-          if (st[3] == 1 && st[2] == D) {
-            std::memcpy(dst, from, sizeof(float) * n * D);
-          } else {
-            for (int64_t c = 0; c < n; c++)
-              for (int64_t d = 0; d < D; d++) dst[c * D + d] = from[c * st[2] + d * st[3]];
+          for (size_t i = first; i < last; i++) {
+            const KvMove& e = moves[i];
+            const mx::array& src = inputs[e.part];
+            const auto& st = src.strides();
+            const int64_t n = e.end - e.begin;
+            float* dst = yp + ((r * H + h) * C + e.dst) * D;
+            const float* from = src.data<float>() + e.row * st[0] + h * st[1] + e.begin * st[2];
+            live((r * H + h) * C * D + e.dst * D, n * D);
+            if (st[3] == 1 && st[2] == D) {
+              std::memcpy(dst, from, sizeof(float) * n * D);
+            } else {
+              for (int64_t c = 0; c < n; c++)
+                for (int64_t d = 0; d < D; d++) dst[c * D + d] = from[c * st[2] + d * st[3]];
+            }
           }
         }
+        first = last;
       }
-      live((int64_t)rows.size() * H * C * D, 0);
+      live(R * H * C * D, 0);
     });
   }
 
@@ -1479,33 +1485,41 @@ class KvPlace : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{(int)rows_.size(), inputs[0].shape(1), capacity_, inputs[0].shape(3)}};
+    return {{rows_, inputs[0].shape(1), capacity_, inputs[0].shape(3)}};
   }
 
  private:
-  std::vector<KvPlacement> rows_;
-  int capacity_;
+  std::vector<KvMove> moves_;
+  int rows_, capacity_;
 };
 
-mx::array kv_place(const std::vector<mx::array>& parts, const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>& rows,
-                   int capacity) {
+mx::array kv_place(const std::vector<mx::array>& parts,
+                   const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>& moves,
+                   int rows, int capacity) {
   check(!parts.empty(), "kv_place: give at least one source buffer");
   for (const auto& a : parts)
     check(a.dtype() == mx::float32 && a.ndim() == 4 && a.shape(1) == parts[0].shape(1) && a.shape(3) == parts[0].shape(3),
           "kv_place: sources must be float32 [rows, heads, columns, dim] of the same heads and dim");
-  check(capacity >= 0, "kv_place: capacity must be >= 0");
-  std::vector<KvPlacement> plan;
-  for (const auto& [part, row, begin, end, dst] : rows) {
-    check(part >= 0 && part < (int64_t)parts.size(), "kv_place: a row names a source that is not given");
+  check(rows >= 0 && capacity >= 0, "kv_place: rows and capacity must be >= 0");
+  std::vector<KvMove> plan;
+  for (const auto& [to, part, row, begin, end, dst] : moves) {
+    check(to >= 0 && to < rows, "kv_place: a move goes to a row past `rows`");
+    check(part >= 0 && part < (int64_t)parts.size(), "kv_place: a move names a source that is not given");
     const auto& a = parts[part];
     check(row >= 0 && row < a.shape(0) && 0 <= begin && begin <= end && end <= a.shape(2),
-          "kv_place: a row's source row or columns lie outside its buffer");
-    check(dst >= 0 && dst + (end - begin) <= capacity, "kv_place: a row's columns do not fit the capacity");
-    plan.push_back({part, row, begin, end, dst});
+          "kv_place: a move's source row or columns lie outside its buffer");
+    check(dst >= 0 && dst + (end - begin) <= capacity, "kv_place: a move's columns do not fit the capacity");
+    plan.push_back({to, part, row, begin, end, dst});
   }
-  mx::Shape shape = {(int)plan.size(), parts[0].shape(1), capacity, parts[0].shape(3)};
-  return mx::array(shape, mx::float32, std::make_shared<KvPlace>(mx::default_stream(mx::Device::cpu), std::move(plan), capacity),
-                   parts);
+  std::stable_sort(plan.begin(), plan.end(), [](const KvMove& a, const KvMove& b) {
+    return a.to != b.to ? a.to < b.to : a.dst < b.dst;
+  });
+  for (size_t i = 1; i < plan.size(); i++)
+    check(plan[i].to != plan[i - 1].to || plan[i].dst >= plan[i - 1].dst + (plan[i - 1].end - plan[i - 1].begin),
+          "kv_place: two moves write the same columns of a row");
+  mx::Shape shape = {rows, parts[0].shape(1), capacity, parts[0].shape(3)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<KvPlace>(mx::default_stream(mx::Device::cpu), std::move(plan), rows, capacity), parts);
 }
 
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
@@ -2155,10 +2169,10 @@ NB_MODULE(_qmm, m) {
         nb::arg("rotate"),
         "Quantized rows (MLX's affine layout, any leading strides) back to float32; rotate: then the normalized "
         "Walsh-Hadamard transform of each row (mx.hadamard_transform).");
-  m.def("kv_place", &tsq::kv_place, nb::arg("parts"), nb::arg("rows"), nb::arg("capacity"),
-        "A batch cache buffer [len(rows), H, capacity, D] laid out anew: row r holds columns [begin, end) of "
-        "row `row` of parts[part] from column dst, zeros elsewhere (whole pages of zeros left unwritten). "
-        "rows: (part, row, begin, end, dst) tuples.");
+  m.def("kv_place", &tsq::kv_place, nb::arg("parts"), nb::arg("moves"), nb::arg("rows"), nb::arg("capacity"),
+        "A batch cache buffer [rows, H, capacity, D] laid out anew: each move (to, part, row, begin, end, dst) "
+        "copies columns [begin, end) of row `row` of parts[part] to row `to` from column dst; zeros elsewhere "
+        "(whole pages of them left unwritten).");
   m.def("kv_place_unwritten", [] { return tsq::kv_place_unwritten.load(); },
         "Bytes of kv_place's zeros left as unwritten pages (tests read it).");
   m.def("argmax", &tsq::argmax, nb::arg("x"),
