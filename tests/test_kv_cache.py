@@ -59,6 +59,40 @@ def test_growth_from_a_partly_filled_step() -> None:
     _write_all(cache, [2, 6, 3, 7])
 
 
+def test_reserve_makes_room_once_for_a_prompt_and_keeps_content() -> None:
+    """A prompt's room taken at once (whole steps, within max_context): its chunks write in place,
+    the buffer is never grown (copied) while they do, and every fetch is what was written."""
+    cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
+    cache.update_and_fetch(*_kv(3))  # a session's prefix
+    cache.reserve(14)
+    assert cache.keys is not None and cache.keys.shape[2] == 20  # 3 + 14 held, in whole steps
+    grown: list[int] = []
+    grow = cache._grow
+    cache._grow = lambda batch, needed: grown.append(needed) or grow(batch, needed)  # type: ignore[method-assign]
+    keys, _ = cache.update_and_fetch(*_kv(6, 3))
+    keys, values = cache.update_and_fetch(*_kv(8, 9))
+    assert cache.keys.shape[2] == 20 and all(n <= 20 for n in grown)
+    want_k, want_v = (np.concatenate(parts, axis=2) for parts in zip(*[map(np.array, _kv(17))], strict=True))
+    np.testing.assert_array_equal(np.array(keys), want_k)
+    np.testing.assert_array_equal(np.array(values), want_v)
+    cache.reserve(1000)
+    assert cache.keys.shape[2] == 64  # never past max_context
+
+
+def test_reserve_caches_reaches_full_layers_only() -> None:
+    """Rings and recurrent state keep their fixed size; an exact-recent layer's quantized full cache grows."""
+    from turbospark_core.kv_cache import ExactRecentKVCache, RingKVCache, reserve_caches
+
+    full = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
+    ring = RingKVCache(CacheSpec(n_kv_heads=2, head_dim=4, v_head_dim=3, window=8), 64, mx.float32)
+    wide = CacheSpec(n_kv_heads=2, head_dim=64, v_head_dim=64)  # quantized rows need groups of 32 or 64
+    recent = ExactRecentKVCache(KVCache(wide, max_context=64, dtype=mx.float32, step=4, kv_bits=8), recent=4)
+    reserve_caches([full, ring, recent], 10)
+    assert full.keys is not None and full.keys.shape[2] == 12
+    assert ring.keys is None
+    assert recent.quantized._k is not None and recent.quantized._k.length == 12
+
+
 def test_fetched_arrays_are_not_changed_by_later_updates() -> None:
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
     first, _ = cache.update_and_fetch(*_kv(2))

@@ -57,7 +57,7 @@ from turbospark_core import native
 from turbospark_core.batch_cache import BatchCaches
 from turbospark_core.batch_prefill import ChunkSizer, PrefillCost
 from turbospark_core.errors import OptionError
-from turbospark_core.kv_cache import Cache
+from turbospark_core.kv_cache import Cache, reserve_caches
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
 from turbospark_core.sessions import SequenceState, common_prefix
 from turbospark_core.speculative import batched
@@ -413,6 +413,7 @@ class Batch:
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 seq.drafter = None if setup is None else setup.new()
+                reserve_caches(seq.caches, len(seq.ids))  # its chunks write in place (never evaluated if unused)
                 return
             reused = self.runner._image_reuse(seq.state, seq.vision, common_prefix(seq.state.tokens, seq.ids))
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
@@ -421,6 +422,7 @@ class Batch:
             seq.fed = reused
             seq.caches = seq.state.caches
             seq.drafter = self.runner._drafter(seq.state, reused)
+            reserve_caches(seq.caches, len(seq.ids) - reused)
 
     def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""

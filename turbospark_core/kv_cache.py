@@ -241,6 +241,13 @@ class KVCache(_KVBuffers):
             self._k = self._k.map(lambda a: a[..., :keep, :]).concat(k_new)
             self._v = self._v.map(lambda a: a[..., :keep, :]).concat(v_new)
 
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more tokens of one sequence at once (a prompt about to be prefilled): one
+        buffer, where growing ``step`` tokens at a time copies everything held at each step (a
+        6,000-token prompt's chunks had copied its cache twelve times over)."""
+        batch = 1 if self._k is None else self._k.parts[0].shape[0]
+        self._grow(batch, min(self.offset + tokens, self.max_context))
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``[B, H, L, D]`` and return all cached so far."""
         n = keys.shape[2]
@@ -878,6 +885,16 @@ def trim_caches(caches: list[Cache], n: int) -> None:
     for cache in caches:
         if not isinstance(cache, RecurrentState):
             cache.trim(n)
+
+
+def reserve_caches(caches: list[Cache], tokens: int) -> None:
+    """Room for ``tokens`` more tokens in every full-attention KV cache (:meth:`KVCache.reserve`;
+    rings and recurrent state have a fixed size)."""
+    for cache in caches:
+        if isinstance(cache, ExactRecentKVCache):
+            cache = cache.quantized
+        if isinstance(cache, KVCache):
+            cache.reserve(tokens)
 
 
 def snapshot_caches(caches: list[Cache]) -> list[dict[str, Any]]:

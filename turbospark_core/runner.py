@@ -13,7 +13,7 @@ import numpy as np
 
 from turbospark_core.diagnostics import Diagnostics, FFNHistogram, RouterHistogram
 from turbospark_core.errors import ContextOverflowError, OptionError
-from turbospark_core.kv_cache import Cache
+from turbospark_core.kv_cache import Cache, reserve_caches
 from turbospark_core.loader import OpenedModel
 from turbospark_core.manifest import Manifest
 from turbospark_core.sampling import Sampler, SamplingOptions, SamplingParams
@@ -290,6 +290,7 @@ class Runner:
             return vision.chunk(self.vision.tower, first + a, first + b)
 
         layers = frozenset(drafter.capture_layers) if drafter is not None and drafter.capture_layers else None
+        reserve_caches(cache, len(ids))
         for start in range(0, len(ids) - 1, PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, len(ids) - 1)
             got: dict[int, mx.array] | None = {} if layers else None
