@@ -413,7 +413,6 @@ class Batch:
             if seq.state is None:
                 seq.caches = self.runner.opened.new_cache()
                 seq.drafter = None if setup is None else setup.new()
-                reserve_caches(seq.caches, len(seq.ids))  # its chunks write in place (never evaluated if unused)
                 return
             reused = self.runner._image_reuse(seq.state, seq.vision, common_prefix(seq.state.tokens, seq.ids))
             reused = seq.state.rewind(min(reused, len(seq.ids) - 1))  # the last prompt token is always run
@@ -422,7 +421,6 @@ class Batch:
             seq.fed = reused
             seq.caches = seq.state.caches
             seq.drafter = self.runner._drafter(seq.state, reused)
-            reserve_caches(seq.caches, len(seq.ids) - reused)
 
     def _prefill_chunk(self, seq: _Seq, out: list[tuple[BatchRow, str]]) -> None:
         """The single-sequence prefill, one chunk per call: chunks of all but the last token, then it."""
@@ -523,6 +521,7 @@ class Batch:
         if seq.fed < len(ids) - 1:
             chunk = ids[seq.fed : seq.fed + seq.chunk]  # sized by the step (at most what is left)
             images = self._images(seq, seq.fed, seq.fed + len(chunk))
+            reserve_caches(seq.caches, len(ids) - seq.fed)  # the prompt's room once, at its first chunk
             started = self._settle_before_prefill(out)
             self.runner._forward(mx.array([chunk]), seq.caches, edit, images, got, layers or None)
             if seq.drafter is not None:
