@@ -68,6 +68,24 @@ def mlx_q4_dir(llama_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 # ------------------------------------------------------------------ per-test copies
 @pytest.fixture
+def cache_growths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(id(cache), new capacity)`` for each growth of a full-attention KV cache while the test runs."""
+    from turbospark_core.kv_cache import KVCache
+
+    grown: list[tuple[int, int]] = []
+    grow = KVCache._grow
+
+    def counted(self: KVCache, batch: int, needed: int) -> None:
+        before = 0 if self._k is None else self._k.length
+        grow(self, batch, needed)
+        if self._k is not None and self._k.length != before:
+            grown.append((id(self), self._k.length))
+
+    monkeypatch.setattr(KVCache, "_grow", counted)
+    return grown
+
+
+@pytest.fixture
 def install(f32_install: Path, tmp_path: Path) -> Path:
     """A private copy of the float32 install that the test may corrupt."""
     dst = tmp_path / "install"

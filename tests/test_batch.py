@@ -495,31 +495,20 @@ def test_rows_laid_out_natively_equal_the_concatenated_layout(
 
 
 def test_a_long_prompt_in_a_batch_takes_its_cache_room_once(
-    turbospark_install: Any, monkeypatch: pytest.MonkeyPatch
+    turbospark_install: Any, cache_growths: list[tuple[int, int]]
 ) -> None:
     """A prompt prefilled a chunk per step grows each of its full-attention caches once, at its first chunk."""
-    from turbospark_core.kv_cache import KVCache
-
     runner = turbospark_core.open(turbospark_install("llama", "float32"), max_context=1400)
-    grown: list[tuple[int, int]] = []
-    grow = KVCache._grow
-
-    def counted(self: KVCache, batch: int, needed: int) -> None:
-        before = 0 if self._k is None else self._k.length
-        grow(self, batch, needed)
-        if self._k is not None and self._k.length != before:
-            grown.append((id(self), self._k.length))
-
-    monkeypatch.setattr(KVCache, "_grow", counted)
-    ids = [(7 * i) % 50 + 3 for i in range(1200)]
+    cache_growths.clear()  # the open's one-token shape check
     batch = runner.batch(max_rows=2, prefill_chunk=400)
-    row = batch.add(ids, max_tokens=1)
+    row = batch.add([(7 * i) % 50 + 3 for i in range(1200)], max_tokens=1)
     steps = 0
     while not row.done:
         batch.step()
         steps += 1
     assert steps >= 3  # several chunks
-    assert grown and len(grown) == len({cache for cache, _ in grown}) and {n for _, n in grown} == {1280}
+    assert cache_growths and len(cache_growths) == len({cache for cache, _ in cache_growths})
+    assert {n for _, n in cache_growths} == {1280}  # the prompt's 1,200 tokens in whole steps of 256
 
 
 def test_per_row_sampling_seeds_stops_and_limits(llama: Any) -> None:

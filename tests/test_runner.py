@@ -79,27 +79,15 @@ def test_too_long_input_is_refused(install: Path) -> None:
 
 
 def test_a_long_prompt_takes_its_cache_room_once(
-    install: Path, prompt: list[int], monkeypatch: pytest.MonkeyPatch
+    install: Path, prompt: list[int], cache_growths: list[tuple[int, int]]
 ) -> None:
     """A prompt of three chunks grows each full-attention cache once, before its first chunk (growing a
     step at a time had copied everything held at every chunk)."""
-    from turbospark_core.kv_cache import KVCache
-
     long = turbospark_core.open(install, max_context=1400)
-    grown: list[tuple[int, int]] = []
-    grow = KVCache._grow
-
-    def counted(self: KVCache, batch: int, needed: int) -> None:
-        before = 0 if self._k is None else self._k.length
-        grow(self, batch, needed)
-        if self._k is not None and self._k.length != before:
-            grown.append((id(self), self._k.length))
-
-    monkeypatch.setattr(KVCache, "_grow", counted)
-    ids = (prompt * (1200 // len(prompt) + 1))[:1200]
-    long.generate(ids, max_tokens=1)
-    assert grown and len(grown) == len({cache for cache, _ in grown})  # one growth a cache
-    assert {size for _, size in grown} == {1280}  # the prompt's 1,200 tokens in whole steps of 256
+    cache_growths.clear()  # the open's one-token shape check
+    long.generate((prompt * (1200 // len(prompt) + 1))[:1200], max_tokens=1)
+    assert cache_growths and len(cache_growths) == len({cache for cache, _ in cache_growths})  # one growth a cache
+    assert {size for _, size in cache_growths} == {1280}  # the prompt's 1,200 tokens in whole steps of 256
 
 
 # ------------------------------------------------------------------ generate
