@@ -59,19 +59,17 @@ def test_growth_from_a_partly_filled_step() -> None:
     _write_all(cache, [2, 6, 3, 7])
 
 
-def test_reserve_makes_room_once_for_a_prompt_and_keeps_content() -> None:
+def test_reserve_makes_room_once_for_a_prompt_and_keeps_content(cache_growths: list[tuple[int, int]]) -> None:
     """A prompt's room taken at once (whole steps, within max_context): its chunks write in place,
     the buffer is never grown (copied) while they do, and every fetch is what was written."""
     cache = KVCache(SPEC, max_context=64, dtype=mx.float32, step=4)
     cache.update_and_fetch(*_kv(3))  # a session's prefix
     cache.reserve(14)
     assert cache.keys is not None and cache.keys.shape[2] == 20  # 3 + 14 held, in whole steps
-    grown: list[int] = []
-    grow = cache._grow
-    cache._grow = lambda batch, needed: grown.append(needed) or grow(batch, needed)  # type: ignore[method-assign]
+    cache_growths.clear()
     keys, _ = cache.update_and_fetch(*_kv(6, 3))
     keys, values = cache.update_and_fetch(*_kv(8, 9))
-    assert cache.keys.shape[2] == 20 and all(n <= 20 for n in grown)
+    assert cache.keys.shape[2] == 20 and not cache_growths
     want_k, want_v = (np.concatenate(parts, axis=2) for parts in zip(*[map(np.array, _kv(17))], strict=True))
     np.testing.assert_array_equal(np.array(keys), want_k)
     np.testing.assert_array_equal(np.array(values), want_v)
