@@ -437,10 +437,10 @@ def llama(turbospark_install: Any) -> Any:
 def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[np.ndarray]]:
     """Every full layer's keys, values and positions after short rows decode (their buffers grown), a long
     row joins, the buffers grow again, a short row leaves and rewinds leave holes that are compacted: laid
-    out by ``native.kv_place`` or by MLX's concatenations and gathers (the short rows reach 256 tokens:
-    ``max_context`` is 512)."""
+    out by ``native.kv_place`` or by MLX's slice updates (the short rows reach 256 tokens: ``max_context``
+    is 512)."""
     if not placed:
-        monkeypatch.setattr(BatchKVCache, "_placed", lambda self: False)
+        monkeypatch.setattr(native, "kv_place_supported", lambda *buffers: False)
     batch = _joined(llama, [list(range(3, 9)), list(range(5, 20))])
     for t in range(3):
         llama.model(mx.array([[t + 1]] * 2), batch.caches)
@@ -460,19 +460,21 @@ def _layouts(llama: Any, placed: bool, monkeypatch: pytest.MonkeyPatch) -> list[
     batch.compact(0)
     monkeypatch.undo()
     full = [c for c in batch.caches if isinstance(c, BatchKVCache)]
-    held = [(c.state, c.length) for c in full]  # keys, values, positions
-    return [[np.array(k[..., :n, :]), np.array(v[..., :n, :]), np.array(pos[:, :n])] for (k, v, pos), n in held]
+    held = [(c.state, c.length) for c in full]  # keys' and values' parts, positions
+    return [[*(np.array(a[..., :n, :]) for a in state[:-1]), np.array(state[-1][:, :n])] for state, n in held]
 
 
 @needs_native
-def test_rows_laid_out_natively_equal_the_concatenated_layout(
-    turbospark_install: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kv_quant", [None, "q8"])
+def test_rows_laid_out_natively_equal_the_slice_updated_layout(
+    turbospark_install: Any, monkeypatch: pytest.MonkeyPatch, kv_quant: str | None
 ) -> None:
     """A long row joining short ones, grows, a row leaving, holes compacted: the native layout (its padding
     left as unwritten pages where it spans them: ``test_kv_place_leaves_whole_pages_of_zeros_unwritten``)
-    holds the same positions and, in every held column, the same keys and values as MLX's concatenations
-    and gathers, bit for bit; its padding is zero (the gather's holds copies of other columns)."""
-    runner = turbospark_core.open(turbospark_install("llama", "float32"), max_context=512)
+    holds the same positions, keys and values (a quantized row's codes, scales and biases) as the layout
+    MLX's slice updates build, bit for bit; every column holding no token is zero."""
+    family = "llama" if kv_quant is None else "qwen3"  # head dims that quantize
+    runner = turbospark_core.open(turbospark_install(family, "float32"), max_context=512, kv_quant=kv_quant)
     calls: list[int] = []
     place = native.kv_place
 
@@ -482,16 +484,17 @@ def test_rows_laid_out_natively_equal_the_concatenated_layout(
 
     monkeypatch.setattr(native, "kv_place", counted)
     placed = _layouts(runner, True, monkeypatch)
-    layers = len(placed)  # keys and values: two calls each time a layer is laid out
-    assert calls.count(256) == 2 * 2 * layers  # the first grow and the join, to 256 columns
-    assert calls.count(512) == 3 * 2 * layers  # the grow to 512 columns, the row leaving, the compaction
-    concatenated = _layouts(runner, False, monkeypatch)
-    for (k, v, pos), (want_k, want_v, want_pos) in zip(placed, concatenated, strict=True):
-        assert np.array_equal(pos, want_pos) and k.shape == want_k.shape and v.shape == want_v.shape
-        held = (pos >= 0)[:, None, :]
-        assert np.array_equal(np.where(held[..., None], k, 0), np.where(held[..., None], want_k, 0))
-        assert np.array_equal(np.where(held[..., None], v, 0), np.where(held[..., None], want_v, 0))
-        assert not k[~np.broadcast_to(held, k.shape[:3])].any() and not v[~np.broadcast_to(held, v.shape[:3])].any()
+    per_layout = 2 * len(placed) * (1 if kv_quant is None else 3)  # a call for each part of keys and values
+    assert calls.count(256) == 3 * per_layout  # the three rows' joins, each leaving room to 256 columns
+    assert calls.count(512) == 3 * per_layout  # the grow to 512 columns, the row leaving, the compaction
+    calls.clear()
+    updated = _layouts(runner, False, monkeypatch)
+    assert not calls
+    for got, want in zip(placed, updated, strict=True):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    for *parts, pos in placed:
+        empty = ~np.broadcast_to((pos >= 0)[:, None, :], parts[0].shape[:3])
+        assert not any(part[empty].any() for part in parts)
 
 
 def test_a_long_prompt_in_a_batch_takes_its_cache_room_once(

@@ -718,6 +718,20 @@ def test_kv_place_lays_rows_out_with_zeros_elsewhere() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [mx.uint32, mx.bfloat16, mx.float16])
+def test_kv_place_copies_other_dtypes_as_bits(dtype: mx.Dtype) -> None:
+    """A quantized row's uint32 codes and 2-byte floats: the same layout, their bits copied, zeros elsewhere."""
+    batch = (mx.random.uniform(shape=(2, 70, 3, 8), key=mx.random.key(3)) * 60000).astype(dtype).swapaxes(1, 2)
+    moves = [(1, 0, 0, 4, 70, 0), (0, 0, 1, 0, 66, 30)]  # from a strided view
+    got = native.kv_place([batch], moves, 2, 96)
+    assert got.dtype == dtype
+    want = mx.zeros((2, 3, 96, 8), dtype)
+    want[1:2, :, 0:66] = batch[0:1, :, 4:70]
+    want[0:1, :, 30:96] = batch[1:2, :, 0:66]
+    assert mx.array_equal(got, want).item()
+
+
+@needs_native
 def test_kv_place_leaves_whole_pages_of_zeros_unwritten() -> None:
     """A long row beside a short one: the short row's padding (and the room to grow) is never written."""
     long, short = mx.random.normal((1, 2, 2000, 64)), mx.random.normal((1, 2, 40, 64))
@@ -747,6 +761,10 @@ def test_kv_place_refusals() -> None:
         native.kv_place([buf], [(0, 0, 0, 0, 4, 2), (0, 0, 1, 0, 2, 5)], 1, 8)
     with pytest.raises(ValueError, match="same heads and dim"):
         native.kv_place([buf, mx.zeros((1, 2, 8, 4))], [(0, 0, 0, 0, 8, 0)], 1, 8)
-    with pytest.raises(ValueError, match="float32"):
-        native.kv_place([buf.astype(mx.float16)], [(0, 0, 0, 0, 8, 0)], 1, 8)
-    assert not native.kv_place_supported(buf.astype(mx.float16)) and not native.kv_place_supported(buf[0])
+    with pytest.raises(ValueError, match="one dtype"):
+        native.kv_place([buf, buf.astype(mx.uint32)], [(0, 0, 0, 0, 8, 0)], 1, 8)
+    with pytest.raises(ValueError, match="2- or 4-byte values"):
+        native.kv_place([buf.astype(mx.uint8)], [(0, 0, 0, 0, 8, 0)], 1, 8)
+    assert native.kv_place_supported(buf.astype(mx.float16), buf.astype(mx.float16))
+    assert not native.kv_place_supported(buf, buf.astype(mx.uint32))
+    assert not native.kv_place_supported(buf.astype(mx.uint8)) and not native.kv_place_supported(buf[0])

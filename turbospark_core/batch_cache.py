@@ -108,16 +108,43 @@ def _empty_like(rows: _Rows, batch: int, columns: int) -> _Rows:
     return _Rows(parts, rows.bits, rows.dtype)
 
 
-def _cat(items: Sequence[_Rows], axis: int) -> _Rows:
-    first = items[0]
-    parts = tuple(mx.concatenate([r.parts[i] for r in items], axis=axis) for i in range(len(first.parts)))
-    return _Rows(parts, first.bits, first.dtype)
+_Move = tuple[int, int, int, int, int, int]
+
+
+def _lay_out(sources: Sequence[_Rows], moves: Sequence[_Move], rows: int, capacity: int) -> _Rows:
+    """Rows laid out anew: ``rows`` rows of ``capacity`` columns, zero but where ``moves`` copy columns in.
+
+    Each move ``(to, source, row, begin, end, dst)`` copies columns ``[begin, end)`` of row
+    ``row`` of ``sources[source]`` to row ``to`` from column ``dst`` (every part alike: a
+    quantized row's codes, scales and biases share the column axis). On the CPU each part
+    is one native op (:func:`native.kv_place`: its zeros' whole pages left unwritten);
+    elsewhere (or without the native module) slice updates of zeros.
+    """
+    first = sources[0]
+    parts = []
+    for i, part in enumerate(first.parts):
+        given = [s.parts[i] for s in sources]
+        if native.kv_place_supported(*given):
+            parts.append(native.kv_place(given, moves, rows, capacity))
+            continue
+        out = mx.zeros((rows, part.shape[1], capacity, part.shape[3]), part.dtype)
+        for to, source, row, begin, end, dst in moves:
+            out[to : to + 1, :, dst : dst + end - begin, :] = given[source][row : row + 1, :, begin:end, :]
+        parts.append(out)
+    return _Rows(tuple(parts), first.bits, first.dtype)
 
 
 def _first_held(held: np.ndarray) -> list[int]:
     """Each row's first column holding a token (its left padding before it; all columns if none)."""
     used = held >= 0
+    if used.size == 0:
+        return [held.shape[1]] * held.shape[0]
     return [int(c) for c in np.where(used.any(axis=1), used.argmax(axis=1), held.shape[1])]
+
+
+def _held_moves(held: np.ndarray, shift: int) -> list[_Move]:
+    """Each row's held columns (``held``: its positions) moved ``shift`` columns right, from source 0."""
+    return [(b, 0, b, first, held.shape[1], first + shift) for b, first in enumerate(_first_held(held))]
 
 
 def _positions(held: np.ndarray, start: int, capacity: int) -> np.ndarray:
@@ -239,46 +266,32 @@ class BatchKVCache:
         if needed <= capacity:
             return
         new_cap = ((needed + self.step - 1) // self.step) * self.step
-        v_dim = self.spec.value_dim
-
-        def zeros(d: int) -> _Rows:
-            blank = mx.zeros((batch, heads, new_cap - self.length, d), self.dtype)
-            return _Rows.encode(blank, self.kv_bits, self.dtype)
-
-        empty = mx.full((batch, new_cap - self.length), -1, dtype=mx.int32)
         if self._k is None or self._v is None or self.positions is None:
-            self._k, self._v, self.positions = zeros(self.spec.head_dim), zeros(v_dim), empty
+
+            def zeros(d: int) -> _Rows:
+                return _Rows.encode(mx.zeros((batch, heads, new_cap, d), self.dtype), self.kv_bits, self.dtype)
+
+            self._k, self._v = zeros(self.spec.head_dim), zeros(self.spec.value_dim)
+            self.positions = mx.full((batch, new_cap), -1, dtype=mx.int32)
             return
-        if self._placed():
-            held = np.array(self.positions[:, : self.length])
-            moves = [(b, 0, b, first, self.length, first) for b, first in enumerate(_first_held(held))]
-            self._place(moves, [], batch, new_cap)
-            self.positions = mx.array(_positions(held, 0, new_cap))
-            return
-        keep = self.length
-        self._k = self._k.map(lambda a: a[..., :keep, :]).concat(zeros(self.spec.head_dim))
-        self._v = self._v.map(lambda a: a[..., :keep, :]).concat(zeros(v_dim))
-        self.positions = mx.concatenate([self.positions[:, :keep], empty], axis=1)
+        held = self._held()
+        self._place(_held_moves(held, 0), None, batch, new_cap)
+        self.positions = mx.array(_positions(held, 0, new_cap))
 
-    def _placed(self) -> bool:
-        """Whether this layer's buffers are laid out anew by :func:`native.kv_place` (float32 rows, unrotated)."""
-        if self._k is None or self._v is None or self.kv_bits is not None or self.rotation != (False, False):
-            return False
-        return native.kv_place_supported(self._k.parts[0], self._v.parts[0])
+    def _held(self) -> np.ndarray:
+        """Each row's positions in the columns in use, on the host."""
+        assert self.positions is not None
+        return np.array(self.positions[:, : self.length])
 
-    def _place(
-        self, moves: list[tuple[int, int, int, int, int, int]], joining: list[mx.array], rows: int, capacity: int
-    ) -> None:
-        """New key and value buffers of ``rows`` rows and ``capacity`` columns: ``moves`` as
-        :func:`native.kv_place` takes them.
-
-        Source 0 is this layer's buffer; source 1, when given, a joining row's
-        keys (``joining[0]``) and values (``joining[1]``).
-        """
+    def _place(self, moves: list[_Move], joining: tuple[_Rows, _Rows] | None, rows: int, capacity: int) -> None:
+        """New key and value buffers (:func:`_lay_out`): source 0 this layer's, source 1 a joining row's."""
         assert self._k is not None and self._v is not None
-        keys, values = [self._k.parts[0], *joining[:1]], [self._v.parts[0], *joining[1:]]
-        self._k = _Rows((native.kv_place(keys, moves, rows, capacity),), None, self._k.dtype)
-        self._v = _Rows((native.kv_place(values, moves, rows, capacity),), None, self._v.dtype)
+        moves = [m for m in moves if m[4] > m[3]]  # rows holding nothing move nothing
+        keys, values = [self._k], [self._v]
+        if joining is not None:
+            keys.append(joining[0])
+            values.append(joining[1])
+        self._k, self._v = _lay_out(keys, moves, rows, capacity), _lay_out(values, moves, rows, capacity)
 
     def _drop_unseen(self) -> None:
         """Sliding layers: drop leading columns no row's present or future query can see."""
@@ -300,87 +313,51 @@ class BatchKVCache:
 
     # ------------------------------------------------------------ rows joining and leaving
     def add_row(self, cache: Cache) -> None:
-        """Append one sequence's cache (a single-sequence :class:`KVCache`/:class:`RingKVCache`)."""
+        """Append one sequence's cache (a single-sequence :class:`KVCache`/:class:`RingKVCache`).
+
+        The new layout leaves room to the next growth step, so the first step after a join does not grow.
+        """
         if not isinstance(cache, (KVCache, RingKVCache)):
             raise TypeError(f"a batched attention layer cannot take a {type(cache).__name__}")
         k, v, pos = cache.export_rows()
         if k is None or v is None:
             return self._add_empty_row()
-        n = pos.size
         if self._k is None or self._v is None or self.positions is None:
             empty = len(self.rows) - 1  # rows already here hold nothing (e.g. fresh prompts prefilled together)
-            self._k, self._v = _cat([_empty_like(k, empty, n), k], axis=0), _cat([_empty_like(v, empty, n), v], axis=0)
-            self.positions = mx.concatenate([mx.full((empty, n), -1, dtype=mx.int32), pos[None, :]])
-            self.length = n
-            return None
+            self._k, self._v = _empty_like(k, empty, 0), _empty_like(v, empty, 0)
+            self.positions = mx.full((empty, 0), -1, dtype=mx.int32)
+        n, held = pos.size, self._held()
         width = max(self.length, n)
-        if self._placed() and k.bits is None and v.bits is None:
-            # one buffer of room for the next steps, each row's held columns copied in, the padding unwritten
-            held, pad = np.array(self.positions[:, : self.length]), width - self.length
-            moves = [(b, 0, b, first, self.length, first + pad) for b, first in enumerate(_first_held(held))]
-            capacity = (width + self.step) // self.step * self.step
-            joining = (len(moves), 1, 0, 0, n, width - n)
-            self._place([*moves, joining], [k.parts[0], v.parts[0]], len(moves) + 1, capacity)
-            joined = [_positions(held, pad, capacity), _positions(np.array(pos)[None], width - n, capacity)]
-            self.positions = mx.array(np.concatenate(joined))
-            self.length = width
-            return None
-        old_k, old_v, old_pos = self._left_pad(self.length, width)
-        new_k = _cat([_empty_like(k, 1, width - n), k], axis=2)
-        new_v = _cat([_empty_like(v, 1, width - n), v], axis=2)
-        new_pos = mx.concatenate([mx.full((width - n,), -1, dtype=mx.int32), pos])[None, :]
-        self._k, self._v = _cat([old_k, new_k], axis=0), _cat([old_v, new_v], axis=0)
-        self.positions = mx.concatenate([old_pos, new_pos], axis=0)
+        pad, capacity = width - self.length, (width + self.step) // self.step * self.step
+        joining = (len(held), 1, 0, 0, n, width - n)
+        self._place([*_held_moves(held, pad), joining], (k, v), len(held) + 1, capacity)
+        joined = [_positions(held, pad, capacity), _positions(np.array(pos)[None], width - n, capacity)]
+        self.positions = mx.array(np.concatenate(joined))
         self.length = width
         return None
 
     def _add_empty_row(self) -> None:
         if self._k is None or self._v is None or self.positions is None:
             return
-        self._k = _cat([self._k, _empty_like(self._k, 1, self._k.length)], axis=0)
-        self._v = _cat([self._v, _empty_like(self._v, 1, self._v.length)], axis=0)
+        held = self._held()
+        self._place(_held_moves(held, 0), None, len(held) + 1, self._k.length)
         self.positions = mx.concatenate([self.positions, mx.full((1, self.positions.shape[1]), -1, mx.int32)])
-
-    def _left_pad(self, used: int, width: int) -> tuple[_Rows, _Rows, mx.array]:
-        assert self._k is not None and self._v is not None and self.positions is not None
-        k = self._k.map(lambda a: a[..., :used, :])
-        v = self._v.map(lambda a: a[..., :used, :])
-        pos = self.positions[:, :used]
-        pad = width - used
-        if pad == 0:
-            return k, v, pos
-        batch = pos.shape[0]
-        return (
-            _cat([_empty_like(k, batch, pad), k], axis=2),
-            _cat([_empty_like(v, batch, pad), v], axis=2),
-            mx.concatenate([mx.full((batch, pad), -1, dtype=mx.int32), pos], axis=1),
-        )
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), then drop leading columns left empty."""
         if self._k is None or self._v is None or self.positions is None:
             return
-        if keep and self._placed():
-            held = np.array(self.positions[:, : self.length])[list(keep)]
-            firsts = _first_held(held)
-            cut = min(firsts)
-            moves = [(i, 0, b, f, self.length, f - cut) for i, (b, f) in enumerate(zip(keep, firsts, strict=True))]
-            self._place(moves, [], len(moves), self._k.length)
-            self.length -= cut
-            self.positions = mx.array(_positions(held[:, cut:], 0, self._k.length))
-            return
-        idx = mx.array(list(keep), dtype=mx.int32)
-        self._k = self._k.map(lambda a: a[idx])
-        self._v = self._v.map(lambda a: a[idx])
-        self.positions = self.positions[idx]
         if not keep:
             self._k = self._v = self.positions = None
             self.length = 0
             return
-        used = np.array(self.positions[:, : self.length]) >= 0
-        cut = int(used.any(axis=0).argmax()) if used.any() else self.length
-        if cut > 0:
-            self._cut_columns(cut)
+        held = self._held()[list(keep)]
+        firsts = _first_held(held)
+        cut = min(firsts)
+        moves = [(i, 0, b, f, self.length, f - cut) for i, (b, f) in enumerate(zip(keep, firsts, strict=True))]
+        self._place(moves, None, len(moves), self._k.length)
+        self.length -= cut
+        self.positions = mx.array(_positions(held[:, cut:], 0, self._k.length))
 
     def export_row(self, row: int, into: Cache) -> None:
         """Load row ``row``'s tokens (in position order) into a fresh single-sequence cache."""
@@ -411,7 +388,7 @@ class BatchKVCache:
         """Drop the holes rewinds left: each row's tokens move right, in order, over its holes (exact)."""
         if self.positions is None or self._k is None or self._v is None:
             return
-        pos = np.array(self.positions[:, : self.length])
+        pos = self._held()
         valid = pos >= 0
         counts = valid.sum(axis=1)
         width = int(counts.max(initial=0))
@@ -421,21 +398,14 @@ class BatchKVCache:
         rank = np.arange(width)[None, :] - (width - counts)[:, None]  # right-aligned: padding first
         source = np.take_along_axis(order, np.maximum(rank, 0), axis=1)
         moved = np.where(rank >= 0, np.take_along_axis(pos, source, axis=1), -1)
-        if self._placed():  # each row's runs of held columns moved right, the padding unwritten
-            moves = []
-            for b, row in enumerate(valid):
-                cols, at = np.nonzero(row)[0], width - int(counts[b])
-                for run in np.split(cols, np.nonzero(np.diff(cols) != 1)[0] + 1) if cols.size else []:
-                    moves.append((b, 0, b, int(run[0]), int(run[-1]) + 1, at))
-                    at += run.size
-            self._place(moves, [], len(valid), self._k.length)
-            self.positions = mx.array(_positions(moved, 0, self._k.length))
-            self.length = width
-            return
-        idx = mx.array(source.astype(np.int32))[:, None, :, None]
-        self._k = self._k.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))
-        self._v = self._v.map(lambda a: mx.take_along_axis(a[..., : self.length, :], idx, axis=2))
-        self.positions = mx.array(moved.astype(np.int32))
+        moves = []  # each row's runs of held columns moved right, in order, over its holes
+        for b, row in enumerate(valid):
+            cols, at = np.nonzero(row)[0], width - int(counts[b])
+            for run in np.split(cols, np.nonzero(np.diff(cols) != 1)[0] + 1) if cols.size else []:
+                moves.append((b, 0, b, int(run[0]), int(run[-1]) + 1, at))
+                at += run.size
+        self._place(moves, None, len(valid), self._k.length)
+        self.positions = mx.array(_positions(moved, 0, self._k.length))
         self.length = width
 
     def truncate(self, row: int, position: int) -> None:

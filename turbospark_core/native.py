@@ -494,14 +494,18 @@ def rope_heads(
 
 
 def kv_place_supported(*buffers: mx.array) -> bool:
-    """Whether :func:`kv_place` takes these: float32 ``[B, H, S, D]`` buffers on the CPU."""
-    return _cpu_float32(*buffers) and all(b.ndim == 4 for b in buffers)
+    """Whether :func:`kv_place` takes these: ``[B, H, S, D]`` buffers on the CPU, of one dtype of 2 or 4 bytes
+    (float32, float16, bfloat16, a quantized row's uint32 codes)."""
+    if _MODULE is None or mx.default_device() != mx.cpu or not buffers:
+        return False
+    dtype = buffers[0].dtype
+    return dtype.size in (2, 4) and all(b.ndim == 4 and b.dtype == dtype for b in buffers)
 
 
 def kv_place(
     parts: Sequence[mx.array], moves: Sequence[tuple[int, int, int, int, int, int]], rows: int, capacity: int
 ) -> mx.array:
-    """A batch cache buffer ``[rows, H, capacity, D]`` laid out anew, one op.
+    """A batch cache buffer ``[rows, H, capacity, D]`` (the parts' dtype) laid out anew, one op.
 
     Each move ``(to, part, row, begin, end, dst)`` copies columns
     ``[begin, end)`` of row ``row`` of ``parts[part]`` to row ``to`` from

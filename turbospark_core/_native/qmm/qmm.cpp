@@ -1442,38 +1442,48 @@ class KvPlace : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = encoder_for(stream(), inputs, out);
-    enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, yp = out.data<float>(), H = (int64_t)out.shape(1),
-                  C = (int64_t)out.shape(2), D = (int64_t)out.shape(3)]() {
-      int64_t zero_from = 0;  // the zeros gathered into runs (a row's end and the next one's padding)
-      auto live = [&](int64_t at, int64_t n) {
-        if (at > zero_from) zero_bytes(reinterpret_cast<uint8_t*>(yp + zero_from), (at - zero_from) * 4);
-        zero_from = at + n;
-      };
-      size_t first = 0;  // the row's first move
-      for (int64_t r = 0; r < R; r++) {
-        size_t last = first;
-        while (last < moves.size() && moves[last].to == r) last++;
-        for (int64_t h = 0; h < H; h++) {
-          for (size_t i = first; i < last; i++) {
-            const KvMove& e = moves[i];
-            const mx::array& src = inputs[e.part];
-            const auto& st = src.strides();
-            const int64_t n = e.end - e.begin;
-            float* dst = yp + ((r * H + h) * C + e.dst) * D;
-            const float* from = src.data<float>() + e.row * st[0] + h * st[1] + e.begin * st[2];
-            live((r * H + h) * C * D + e.dst * D, n * D);
-            if (st[3] == 1 && st[2] == D) {
-              std::memcpy(dst, from, sizeof(float) * n * D);
-            } else {
-              for (int64_t c = 0; c < n; c++)
-                for (int64_t d = 0; d < D; d++) dst[c * D + d] = from[c * st[2] + d * st[3]];
-            }
+    if (out.itemsize() == 2) {
+      enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, out]() { place<uint16_t>(inputs, moves, R, out); });
+    } else {
+      enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, out]() { place<uint32_t>(inputs, moves, R, out); });
+    }
+  }
+
+  // the values are copied as bits (T: an unsigned integer of the element's size); zero bits are zero
+  template <class T>
+  static void place(const std::vector<mx::array>& inputs, const std::vector<KvMove>& moves, int64_t R,
+                    const mx::array& out) {
+    T* yp = const_cast<T*>(out.data<T>());
+    const int64_t H = out.shape(1), C = out.shape(2), D = out.shape(3);
+    int64_t zero_from = 0;  // the zeros gathered into runs (a row's end and the next one's padding)
+    auto live = [&](int64_t at, int64_t n) {
+      if (at > zero_from) zero_bytes(reinterpret_cast<uint8_t*>(yp + zero_from), (at - zero_from) * sizeof(T));
+      zero_from = at + n;
+    };
+    size_t first = 0;  // the row's first move
+    for (int64_t r = 0; r < R; r++) {
+      size_t last = first;
+      while (last < moves.size() && moves[last].to == r) last++;
+      for (int64_t h = 0; h < H; h++) {
+        for (size_t i = first; i < last; i++) {
+          const KvMove& e = moves[i];
+          const mx::array& src = inputs[e.part];
+          const auto& st = src.strides();
+          const int64_t n = e.end - e.begin;
+          T* dst = yp + ((r * H + h) * C + e.dst) * D;
+          const T* from = src.data<T>() + e.row * st[0] + h * st[1] + e.begin * st[2];
+          live((r * H + h) * C * D + e.dst * D, n * D);
+          if (st[3] == 1 && st[2] == D) {
+            std::memcpy(dst, from, sizeof(T) * n * D);
+          } else {
+            for (int64_t c = 0; c < n; c++)
+              for (int64_t d = 0; d < D; d++) dst[c * D + d] = from[c * st[2] + d * st[3]];
           }
         }
-        first = last;
       }
-      live(R * H * C * D, 0);
-    });
+      first = last;
+    }
+    live(R * H * C * D, 0);
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -1497,9 +1507,12 @@ mx::array kv_place(const std::vector<mx::array>& parts,
                    const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>& moves,
                    int rows, int capacity) {
   check(!parts.empty(), "kv_place: give at least one source buffer");
+  const mx::Dtype dtype = parts[0].dtype();
+  check(dtype.size() == 2 || dtype.size() == 4, "kv_place: sources must hold 2- or 4-byte values (e.g. float32, "
+        "a quantized row's uint32 codes, float16)");
   for (const auto& a : parts)
-    check(a.dtype() == mx::float32 && a.ndim() == 4 && a.shape(1) == parts[0].shape(1) && a.shape(3) == parts[0].shape(3),
-          "kv_place: sources must be float32 [rows, heads, columns, dim] of the same heads and dim");
+    check(a.dtype() == dtype && a.ndim() == 4 && a.shape(1) == parts[0].shape(1) && a.shape(3) == parts[0].shape(3),
+          "kv_place: sources must be [rows, heads, columns, dim] of one dtype and the same heads and dim");
   check(rows >= 0 && capacity >= 0, "kv_place: rows and capacity must be >= 0");
   std::vector<KvMove> plan;
   for (const auto& [to, part, row, begin, end, dst] : moves) {
@@ -1518,7 +1531,7 @@ mx::array kv_place(const std::vector<mx::array>& parts,
     check(plan[i].to != plan[i - 1].to || plan[i].dst >= plan[i - 1].dst + (plan[i - 1].end - plan[i - 1].begin),
           "kv_place: two moves write the same columns of a row");
   mx::Shape shape = {rows, parts[0].shape(1), capacity, parts[0].shape(3)};
-  return mx::array(shape, mx::float32,
+  return mx::array(shape, dtype,
                    std::make_shared<KvPlace>(mx::default_stream(mx::Device::cpu), std::move(plan), rows, capacity), parts);
 }
 
