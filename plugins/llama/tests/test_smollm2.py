@@ -118,7 +118,8 @@ def test_q4_kv_reading_recent_tokens_exact_tracks_float(runner: turbospark_core.
 
 def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_core.Runner) -> None:
     """Each quantized layer's step is one native op: the bits of the flow's parts, prompt and decoding; a
-    generation writes the caches in place (no buffer copied while the next step is built ahead)."""
+    generation writes the caches in place (no buffer copied while the next step is built ahead), as does a
+    batch whose rows join and leave (the buffers laid out anew are taken over by the next step)."""
     from turbospark_core import native
     from turbospark_core.layers import fused_steps, parts_only
     from turbospark_core.testing import decode_steps
@@ -141,3 +142,12 @@ def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_c
     steps = fused_steps()
     assert runner.generate_many([ids], max_tokens=24)[0].tokens == alone.tokens
     assert fused_steps() > steps and native.cache_attention_copies() == copies
+    # a row joining a decoding one and leaving lays the caches out anew: the next steps take those buffers over
+    batch = runner.batch(max_rows=2)
+    first = batch.add(ids, max_tokens=12)
+    for _ in range(3):
+        batch.step()
+    second = batch.add(ids[:5], max_tokens=3)
+    while not first.done:
+        batch.step()
+    assert second.done and native.cache_attention_copies() == copies

@@ -1442,19 +1442,21 @@ class KvPlace : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = encoder_for(stream(), inputs, out);
+    // the task holds the output's memory by pointer only: a copy of `out` held there would keep the
+    // next step's op from taking the buffer over (MLX hands over only a buffer nothing else holds)
+    const std::array<int64_t, 4> shape = {rows_, out.shape(1), out.shape(2), out.shape(3)};
     if (out.itemsize() == 2) {
-      enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, out]() { place<uint16_t>(inputs, moves, R, out); });
+      enc.dispatch([inputs, moves = moves_, shape, yp = out.data<uint16_t>()]() { place(inputs, moves, shape, yp); });
     } else {
-      enc.dispatch([inputs, moves = moves_, R = (int64_t)rows_, out]() { place<uint32_t>(inputs, moves, R, out); });
+      enc.dispatch([inputs, moves = moves_, shape, yp = out.data<uint32_t>()]() { place(inputs, moves, shape, yp); });
     }
   }
 
   // the values are copied as bits (T: an unsigned integer of the element's size); zero bits are zero
   template <class T>
-  static void place(const std::vector<mx::array>& inputs, const std::vector<KvMove>& moves, int64_t R,
-                    const mx::array& out) {
-    T* yp = const_cast<T*>(out.data<T>());
-    const int64_t H = out.shape(1), C = out.shape(2), D = out.shape(3);
+  static void place(const std::vector<mx::array>& inputs, const std::vector<KvMove>& moves,
+                    const std::array<int64_t, 4>& shape, T* yp) {
+    const auto [R, H, C, D] = shape;
     int64_t zero_from = 0;  // the zeros gathered into runs (a row's end and the next one's padding)
     auto live = [&](int64_t at, int64_t n) {
       if (at > zero_from) zero_bytes(reinterpret_cast<uint8_t*>(yp + zero_from), (at - zero_from) * sizeof(T));
