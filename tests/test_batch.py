@@ -19,7 +19,7 @@ import pytest
 
 import turbospark_core
 from turbospark_core import native
-from turbospark_core.batch_cache import BatchCaches, BatchKVCache
+from turbospark_core.batch_cache import BatchCaches, BatchKVCache, BatchRecurrentState
 from turbospark_core.batch_prefill import PrefillCost
 from turbospark_core.errors import OptionError
 
@@ -67,6 +67,36 @@ def test_eight_greedy_rows_equal_their_single_answers(runner: Any) -> None:
         alone = runner.generate(prompt, max_tokens=10)
         assert got.tokens == alone.tokens and got.text == alone.text
         assert got.finish_reason == alone.finish_reason
+
+
+def _layer_caches(batch: Any) -> list[BatchKVCache]:
+    out = []
+    for c in [] if batch._caches is None else batch._caches.caches:
+        out += [c] if isinstance(c, BatchKVCache) else [getattr(c, n) for n in ("quantized", "exact") if hasattr(c, n)]
+    return out
+
+
+def test_host_positions_follow_the_device_ones(runner: Any) -> None:
+    """Each layer keeps its positions on the host too (layout changes read them without waiting for the step in
+    flight): the same as the MLX array after every step, through joins, leaves, sliding drops and rewinds."""
+    prompts = _prompts(runner, 4)
+    batch = runner.batch(max_rows=3, prefill_chunk=7)
+    rows = [batch.add(prompts[0], 30), batch.add(prompts[1], 3)]
+    checked = 0
+    for step in range(40):
+        if step == 5:
+            rows.append(batch.add(prompts[2], 6))
+        caches = batch._caches
+        if step == 12 and caches is not None and not any(isinstance(c, BatchRecurrentState) for c in caches.caches):
+            caches.rewind([max(o - 2, 0) for o in caches.rows.offsets])  # holes (a recurrent layer cannot)
+        batch.step()
+        for cache in _layer_caches(batch):
+            if cache.positions is not None:
+                assert np.array_equal(np.array(cache.positions), cache._host), f"step {step}"
+                checked += 1
+        if all(row.done for row in rows):
+            break
+    assert checked > 0
 
 
 def test_rows_join_a_running_batch_and_leave_early(runner: Any) -> None:
@@ -333,7 +363,7 @@ BIT_EXACT_SCRIPT = """
 import sys
 import turbospark_core, mlx.core as mx, numpy as np
 from turbospark_core import blas
-from turbospark_core.batch_cache import BatchCaches, BatchKVCache
+from turbospark_core.batch_cache import BatchCaches, BatchKVCache, BatchRecurrentState
 from turbospark_core.batch_prefill import PrefillCost
 assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
 r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)

@@ -65,6 +65,7 @@ class BatchRows:
         self.offset = mx.array(self.offsets, dtype=mx.int32)
         self.steps = 0  # forwards completed (a step's start is where rewinds may return)
         self._queries: dict[int, mx.array] = {}
+        self._host_queries: dict[int, np.ndarray] = {}
         self._masks: dict[tuple[int | None, int, int], mx.array] = {}
 
     def set(self, offsets: Sequence[int]) -> None:
@@ -72,6 +73,7 @@ class BatchRows:
         self.offsets = [int(o) for o in offsets]
         self.offset = mx.array(self.offsets, dtype=mx.int32)
         self._queries = {}
+        self._host_queries = {}
         self._masks = {}
 
     def queries(self, n: int) -> mx.array:
@@ -79,6 +81,12 @@ class BatchRows:
         if n not in self._queries:
             self._queries[n] = self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
         return self._queries[n]
+
+    def host_queries(self, n: int) -> np.ndarray:
+        """:meth:`queries` on the host (what each layer's host copy of its positions takes)."""
+        if n not in self._host_queries:
+            self._host_queries[n] = np.array(self.offsets, dtype=np.int32)[:, None] + np.arange(n, dtype=np.int32)
+        return self._host_queries[n]
 
     def mask(self, window: int | None, length: int, n: int, positions: Callable[[], mx.array]) -> mx.array:
         """This step's ``[B, 1, n, length]`` mask of the layers of ``window`` holding ``length`` columns.
@@ -181,6 +189,7 @@ class BatchKVCache:
         self._k: _Rows | None = None
         self._v: _Rows | None = None
         self.positions: mx.array | None = None  # [B, capacity] int32, -1 = empty
+        self._host: np.ndarray | None = None  # the same on the host, kept alike: layouts read it without a sync
         self.length = 0
 
     # ------------------------------------------------------------ the family's interface
@@ -224,8 +233,9 @@ class BatchKVCache:
         self._drop_unseen()
         start, end = self.length, self.length + n
         self._grow(batch, end, heads)
-        assert self.positions is not None
+        assert self.positions is not None and self._host is not None
         self.positions[:, start:end] = self.rows.queries(n)
+        self._host[:, start:end] = self.rows.host_queries(n)
         self.length = end
         return start, end
 
@@ -272,16 +282,21 @@ class BatchKVCache:
                 return _Rows.encode(mx.zeros((batch, heads, new_cap, d), self.dtype), self.kv_bits, self.dtype)
 
             self._k, self._v = zeros(self.spec.head_dim), zeros(self.spec.value_dim)
-            self.positions = mx.full((batch, new_cap), -1, dtype=mx.int32)
+            self._set_positions(np.full((batch, new_cap), -1, dtype=np.int32))
             return
         held = self._held()
         self._place(_held_moves(held, 0), None, batch, new_cap)
-        self.positions = mx.array(_positions(held, 0, new_cap))
+        self._set_positions(_positions(held, 0, new_cap))
 
     def _held(self) -> np.ndarray:
-        """Each row's positions in the columns in use, on the host."""
-        assert self.positions is not None
-        return np.array(self.positions[:, : self.length])
+        """Each row's positions in the columns in use (the host copy: no wait for the step in flight)."""
+        assert self._host is not None
+        return self._host[:, : self.length]
+
+    def _set_positions(self, host: np.ndarray | None) -> None:
+        """Hold ``host`` ``[B, capacity]`` as the positions (and an MLX copy of them)."""
+        self._host = host
+        self.positions = None if host is None else mx.array(host)
 
     def _place(self, moves: list[_Move], joining: tuple[_Rows, _Rows] | None, rows: int, capacity: int) -> None:
         """New key and value buffers (:func:`_lay_out`): source 0 this layer's, source 1 a joining row's."""
@@ -297,7 +312,7 @@ class BatchKVCache:
         """Sliding layers: drop leading columns no row's present or future query can see."""
         if self.window is None or self.positions is None or self.length < self.window + self.step:
             return
-        pos = np.array(self.positions[:, : self.length])
+        pos = self._held()
         first_query = np.array(self.rows.offsets)[:, None]
         seen = (pos >= 0) & (pos > first_query - self.window)
         cut = int(seen.any(axis=0).argmax()) if seen.any() else self.length
@@ -308,7 +323,8 @@ class BatchKVCache:
         assert self._k is not None and self._v is not None and self.positions is not None
         self._k = self._k.map(lambda a: a[..., cut : self.length, :])
         self._v = self._v.map(lambda a: a[..., cut : self.length, :])
-        self.positions = self.positions[:, cut : self.length]
+        assert self._host is not None
+        self.positions, self._host = self.positions[:, cut : self.length], self._host[:, cut : self.length]
         self.length -= cut
 
     # ------------------------------------------------------------ rows joining and leaving
@@ -325,14 +341,14 @@ class BatchKVCache:
         if self._k is None or self._v is None or self.positions is None:
             empty = len(self.rows) - 1  # rows already here hold nothing (e.g. fresh prompts prefilled together)
             self._k, self._v = _empty_like(k, empty, 0), _empty_like(v, empty, 0)
-            self.positions = mx.full((empty, 0), -1, dtype=mx.int32)
+            self._set_positions(np.full((empty, 0), -1, dtype=np.int32))
         n, held = pos.size, self._held()
         width = max(self.length, n)
         pad, capacity = width - self.length, (width + self.step) // self.step * self.step
         joining = (len(held), 1, 0, 0, n, width - n)
         self._place([*_held_moves(held, pad), joining], (k, v), len(held) + 1, capacity)
         joined = [_positions(held, pad, capacity), _positions(np.array(pos)[None], width - n, capacity)]
-        self.positions = mx.array(np.concatenate(joined))
+        self._set_positions(np.concatenate(joined))
         self.length = width
         return None
 
@@ -341,14 +357,16 @@ class BatchKVCache:
             return
         held = self._held()
         self._place(_held_moves(held, 0), None, len(held) + 1, self._k.length)
-        self.positions = mx.concatenate([self.positions, mx.full((1, self.positions.shape[1]), -1, mx.int32)])
+        empty = np.full((1, self.length), -1, np.int32)
+        self._set_positions(_positions(np.concatenate([held, empty]), 0, self._k.length))
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), then drop leading columns left empty."""
         if self._k is None or self._v is None or self.positions is None:
             return
         if not keep:
-            self._k = self._v = self.positions = None
+            self._k = self._v = None
+            self._set_positions(None)
             self.length = 0
             return
         held = self._held()[list(keep)]
@@ -357,7 +375,7 @@ class BatchKVCache:
         moves = [(i, 0, b, f, self.length, f - cut) for i, (b, f) in enumerate(zip(keep, firsts, strict=True))]
         self._place(moves, None, len(moves), self._k.length)
         self.length -= cut
-        self.positions = mx.array(_positions(held[:, cut:], 0, self._k.length))
+        self._set_positions(_positions(held[:, cut:], 0, self._k.length))
 
     def export_row(self, row: int, into: Cache) -> None:
         """Load row ``row``'s tokens (in position order) into a fresh single-sequence cache."""
@@ -365,7 +383,7 @@ class BatchKVCache:
             raise TypeError(f"a batched attention layer cannot fill a {type(into).__name__}")
         if self._k is None or self._v is None or self.positions is None:
             return
-        pos = np.array(self.positions[row, : self.length])
+        pos = self._held()[row]
         cols = np.nonzero(pos >= 0)[0]
         cols = cols[np.argsort(pos[cols], kind="stable")]
         idx = mx.array(cols.astype(np.int32))
@@ -377,8 +395,8 @@ class BatchKVCache:
         """Forget each row ``b``'s tokens at position ``keep[b]`` and after (their columns become holes)."""
         if self.positions is None:
             return
-        hole = self.positions >= mx.array(list(keep), dtype=mx.int32)[:, None]
-        self.positions = mx.where(hole, -1, self.positions)
+        assert self._host is not None
+        self._set_positions(np.where(self._host >= np.array(keep, dtype=np.int32)[:, None], -1, self._host))
 
     def holes(self) -> int:
         """Columns a full layer could drop by :meth:`compact` (rewound tokens): a bound from the row positions."""
@@ -405,7 +423,7 @@ class BatchKVCache:
                 moves.append((b, 0, b, int(run[0]), int(run[-1]) + 1, at))
                 at += run.size
         self._place(moves, None, len(valid), self._k.length)
-        self.positions = mx.array(_positions(moved, 0, self._k.length))
+        self._set_positions(_positions(moved, 0, self._k.length))
         self.length = width
 
     def truncate(self, row: int, position: int) -> None:
