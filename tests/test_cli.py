@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,6 +105,39 @@ def test_generate_past_max_context_is_one_error_line(f32_install: Path, capsys: 
     assert main(["generate", str(f32_install), "hello", "--max-tokens", "50", "--max-context", "8"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "max_context=8" in line
+
+
+def test_generate_with_kv_quant_opens_with_it(
+    turbospark_install: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--kv-quant`` / ``--kv-recent`` reach ``open()`` (as on chat, inspect, serve and bench): the same text
+    as the API opened with them."""
+    path = turbospark_install("qwen3", "float32")  # head dims that quantize
+    opened: list[dict[str, Any]] = []
+    real_open = turbospark_core.open
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        opened.append(kwargs)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(turbospark_core, "open", recording)
+    argv = ["generate", str(path), "The quick brown fox", "--max-tokens", "6", "--kv-quant", "q4", "--kv-recent", "2"]
+    assert main(argv) == 0
+    assert opened[0]["kv_quant"] == "q4" and opened[0]["kv_recent"] == 2
+    want = real_open(path, kv_quant="q4", kv_recent=2).generate("The quick brown fox", max_tokens=6)
+    assert capsys.readouterr().out == want.text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--kv-recent", "4"], "kv_recent=4"), (["--kv-quant", "q8"], "kv_quant='q8'")],
+)
+def test_generate_with_a_bad_kv_option_is_one_error_line(
+    f32_install: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    """--kv-recent without --kv-quant, and a quantized KV cache for heads of 16 (groups need 32): refused by name."""
+    assert main(["generate", str(f32_install), "hello", "--max-tokens", "1", *flags]) == 2
+    assert named in _one_error_line(capsys.readouterr().err)
 
 
 def test_convert_then_generate(llama_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -61,7 +61,7 @@ def _open_options(args: argparse.Namespace) -> dict[str, Any]:
         options["max_context"] = args.max_context
     if getattr(args, "memory_budget", None) is not None:
         options["memory_budget"] = args.memory_budget
-    for name in ("residency", "expert_slots"):
+    for name in ("residency", "expert_slots", "kv_quant", "kv_recent"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
@@ -467,6 +467,16 @@ def _prompt_lines(path: str) -> list[str]:
     return lines
 
 
+def _add_memory_options(p: argparse.ArgumentParser, kv: bool = True) -> None:
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    if kv:
+        kv_help = "store the KV cache affine-quantized (q4 keeps each query's last 32 tokens exact by default)"
+        p.add_argument("--kv-quant", choices=("q8", "q4"), default=None, help=kv_help)
+        recent_help = "with --kv-quant: keep each query's last N tokens unquantized (0: quantize every token)"
+        p.add_argument("--kv-recent", type=int, default=None, metavar="N", help=recent_help)
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -476,8 +486,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_memory_options(p)
     _add_expert_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print throughput, memory and MoE expert stats")
 
@@ -554,8 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="manifest summary, tensor table, startup stats")
     p.add_argument("install")
     p.add_argument("--verify", action="store_true", help="check every file's sha256")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_memory_options(p)
     _add_expert_options(p)
     p.add_argument("--stats", action="store_true", help="decode a short probe; print throughput and MoE expert stats")
     p.add_argument("--stats-tokens", type=int, default=16, help="tokens the --stats probe decodes")
@@ -572,8 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch", type=int, default=None, help="most requests decoding in one forward (default: --session-slots)"
     )
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_memory_options(p)
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot (429 + Retry-After beyond)")
     p.add_argument("--max-connections", type=int, default=256, help="open connections (503 + Retry-After beyond)")
@@ -603,8 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("add", "ablate"), default="ablate")
     p.add_argument("--position", choices=("last", "mean"), default="last", help="which prompt position to average")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_memory_options(p, kv=False)
     p.set_defaults(func=cmd_steer_compute)
     return parser
 
@@ -701,8 +707,7 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     plot_help = "draw tok/s against prompt length (needs turbospark[plot])"
     p.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--memory-budget", default=None, help="bytes or e.g. 8GB")
+    _add_memory_options(p)
     _add_expert_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
