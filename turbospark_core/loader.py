@@ -60,6 +60,7 @@ from turbospark_core.speculative.factory import DrafterSetup, draft_length, make
 from turbospark_core.stats import PhaseTimer, StartupStats
 from turbospark_core.steering import DirectionSet
 from turbospark_core.tensor_index import TensorIndex, build_index
+from turbospark_core.thread_exit import note_thread
 from turbospark_core.tokenizer import Tokenizer
 from turbospark_core.weights import WeightStore
 
@@ -451,6 +452,7 @@ def _forward_one(
     Raises:
         InstallError: The flow's shapes do not fit the install's tensors, naming the family and the op.
     """
+    note_thread()  # see thread_exit
     try:
         logits = model(mx.array([[0]]), new_cache())
         if evaluate:

@@ -23,6 +23,7 @@ from turbospark_core.speculative.drafter import Drafter
 from turbospark_core.stats import ExpertStats, GenerationStats, StartupStats
 from turbospark_core.steering import DirectionSet, Edit, applying, fingerprint
 from turbospark_core.stop import StopMatcher
+from turbospark_core.thread_exit import note_thread
 from turbospark_core.tokenizer import Tokenizer
 from turbospark_core.vision.prompt import HeldImages, VisionPrompt
 
@@ -649,6 +650,7 @@ class Runner:
         ``vision``: the image part of this forward (only then is the ``vision`` keyword passed);
         ``capture``: filled with the output residuals of ``capture_layers``.
         """
+        note_thread()  # compiled traces live in this thread's storage: see thread_exit
         family = self._opened.capabilities.family
         with applying(edit, family=family, capture=capture, capture_layers=capture_layers):
             if vision is None:

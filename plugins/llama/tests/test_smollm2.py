@@ -151,3 +151,29 @@ def test_fused_layers_step_as_the_parts_and_decode_in_place(runner: turbospark_c
     while not first.done:
         batch.step()
     assert second.done and native.cache_attention_copies() == copies
+
+
+THREAD_SCRIPT = """
+import sys, threading
+import turbospark_core
+r = turbospark_core.open(sys.argv[1], kv_quant="q8")
+t = threading.Thread(target=lambda: r.generate("The capital of France is", max_tokens=3))
+t.start()
+t.join()
+print("returned")
+"""
+
+
+def test_a_thread_that_decoded_with_a_quantized_kv_cache_lets_the_process_exit(smollm2_install: Path) -> None:
+    """MLX's compiled traces live in each thread's storage, torn down as the thread's OS thread exits; a
+    program whose worker thread decoded with q8 KV (its flow compiles steps) and then returned had aborted
+    at exit in about half of the runs (status 134) until the interpreter waited for such threads to be gone
+    (``thread_exit``). Four runs, every one exits 0."""
+    import subprocess
+    import sys
+
+    for _ in range(4):
+        done = subprocess.run(
+            [sys.executable, "-c", THREAD_SCRIPT, str(smollm2_install)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "returned", (done.returncode, done.stderr[-500:])
