@@ -57,11 +57,7 @@ def _open(args: argparse.Namespace) -> Any:
 def _open_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``open()`` options the command's flags ask for (flags a command lacks are left out)."""
     options: dict[str, Any] = {}
-    if getattr(args, "max_context", None) is not None:
-        options["max_context"] = args.max_context
-    if getattr(args, "memory_budget", None) is not None:
-        options["memory_budget"] = args.memory_budget
-    for name in ("residency", "expert_slots", "kv_quant", "kv_recent"):
+    for name in ("max_context", "memory_budget", "kv_quant", "kv_recent", "residency", "expert_slots"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     options.update(_diagnostic_options(args))
