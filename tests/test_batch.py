@@ -78,7 +78,7 @@ def _layer_caches(batch: Any) -> list[BatchKVCache]:
 
 def test_host_positions_follow_the_device_ones(runner: Any) -> None:
     """Each layer keeps its positions on the host too (layout changes read them without waiting for the step in
-    flight): the same as the MLX array after every step, through joins, leaves, sliding drops and rewinds."""
+    flight): the same as the MLX array after every step, through joins, a leave and rewinds, on every cache kind."""
     prompts = _prompts(runner, 4)
     batch = runner.batch(max_rows=3, prefill_chunk=7)
     rows = [batch.add(prompts[0], 30), batch.add(prompts[1], 3)]
@@ -363,7 +363,7 @@ BIT_EXACT_SCRIPT = """
 import sys
 import turbospark_core, mlx.core as mx, numpy as np
 from turbospark_core import blas
-from turbospark_core.batch_cache import BatchCaches, BatchKVCache, BatchRecurrentState
+from turbospark_core.batch_cache import BatchCaches, BatchKVCache
 from turbospark_core.batch_prefill import PrefillCost
 assert "reference" in blas.STATUS.lower() or "off" in blas.STATUS.lower(), blas.STATUS
 r = turbospark_core.open(sys.argv[1], kv_quant=sys.argv[2] if sys.argv[2] != "none" else None)
