@@ -50,6 +50,29 @@ def test_inspect_prints_the_tensor_table_and_startup_stats(
         assert phase in stats
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        ([], "kv cache     unquantized (float32)"),
+        (
+            ["--kv-quant", "q4"],
+            "kv cache     q4 (affine 4-bit), Hadamard-rotated where head dims are powers of two, "
+            "each query's last 32 tokens read unquantized",
+        ),
+        (
+            ["--kv-quant", "q8"],
+            "kv cache     q8 (affine 8-bit), Hadamard-rotated where head dims are powers of two, "
+            "every token read quantized",
+        ),
+    ],
+)
+def test_inspect_says_how_the_kv_cache_is_held(
+    turbospark_install: Any, capsys: pytest.CaptureFixture[str], flags: list[str], line: str
+) -> None:
+    assert main(["inspect", str(turbospark_install("qwen3", "float32")), *flags]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+
+
 def test_inspect_shows_quantized_storage(q4_install: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(q4_install)]) == 0
     out = capsys.readouterr().out

@@ -327,6 +327,20 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _kv_storage(opened: Any) -> str:
+    """How the opened model's attention caches hold keys and values (``--kv-quant``/``--kv-recent``)."""
+    from turbospark_core.kv_cache import KV_BITS, kv_recent_default
+
+    options = opened.options
+    if options.kv_quant is None:
+        return f"unquantized ({str(opened.policy.compute_dtype).rsplit('.', 1)[-1]})"
+    bits = KV_BITS[options.kv_quant]
+    recent = options.kv_recent if options.kv_recent is not None else kv_recent_default(bits)
+    rotated = "Hadamard-rotated where head dims are powers of two" if options.kv_rotate else "not rotated"
+    exact = f"each query's last {recent} tokens read unquantized" if recent else "every token read quantized"
+    return f"{options.kv_quant} (affine {bits}-bit), {rotated}, {exact}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
     from turbospark_core.manifest import verify_checksums
 
@@ -349,6 +363,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         print(f"kernels      {speed.describe()}")
     drafter = f" (drafter {opened.estimate.drafter / 1e9:.3f} GB)" if opened.drafter is not None else ""
     print(f"max context  {opened.max_context}; memory estimate {opened.estimate.total / 1e9:.3f} GB{drafter}")
+    print(f"kv cache     {_kv_storage(opened)}")
     if opened.distributed is not None:
         print(f"distributed  {opened.distributed.describe()}")
     if opened.experts is not None:
