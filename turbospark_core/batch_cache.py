@@ -320,10 +320,9 @@ class BatchKVCache:
             self._cut_columns(cut)
 
     def _cut_columns(self, cut: int) -> None:
-        assert self._k is not None and self._v is not None and self.positions is not None
+        assert self._k is not None and self._v is not None and self.positions is not None and self._host is not None
         self._k = self._k.map(lambda a: a[..., cut : self.length, :])
         self._v = self._v.map(lambda a: a[..., cut : self.length, :])
-        assert self._host is not None
         self.positions, self._host = self.positions[:, cut : self.length], self._host[:, cut : self.length]
         self.length -= cut
 
